@@ -1,0 +1,2 @@
+//! gpuhub node agent (skeleton being filled in).
+pub mod telemetry;

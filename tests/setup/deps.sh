@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs everything gpuhub's build and tests need on a fresh Debian 12 machine, idempotently.
+# Run as root. Used by tests/run-all.sh (and so by .ci/run) and by tests/lab/up.sh.
+#   GPUHUB_DEPS_PYTHON=0   skip the Python venv (mlflow, openai) used by some system tests
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+log() { echo "[deps] $*"; }
+
+apt_pkgs=(
+    # Slurm lab: the distribution's daemons, munge, headers for bindgen
+    slurm-wlm slurmctld slurmd slurm-client libslurm-dev munge
+    # bindgen needs libclang; cc builds the fake NVML library
+    libclang-dev clang gcc binutils
+    # PostgreSQL (production store) and SQLite CLI for inspection
+    postgresql sqlite3
+    # promtool + a real Prometheus that scrapes the agent
+    prometheus
+    # RPM packaging on Debian
+    rpm rpmlint
+    # load generation and timing for benchmarks; misc test tools
+    wrk hyperfine jq curl procps python3-venv
+)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    log "installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    own_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        # keep package scripts from starting services (no systemd in CI)
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; own_policy=1
+    fi
+    rc=0
+    apt-get update -qq || rc=$?
+    [ "$rc" -eq 0 ] && { apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?; }
+    [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
+    [ "$rc" -eq 0 ] || { echo "[deps] ERROR: apt-get failed (rc=$rc) installing ${missing[*]}" >&2; exit 1; }
+fi
+
+if [ "${GPUHUB_DEPS_PYTHON:-1}" = 1 ]; then
+    venv="$REPO/.venv"
+    if [ ! -x "$venv/bin/mlflow" ] || ! "$venv/bin/python" -c 'import openai, mlflow' 2>/dev/null; then
+        log "creating $venv with mlflow and openai (about 2 minutes)"
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q --disable-pip-version-check mlflow openai
+    fi
+fi
+log "ok"
