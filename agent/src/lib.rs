@@ -1,2 +1,189 @@
-//! gpuhub node agent (skeleton being filled in).
+//! gpuhub node agent.
+//!
+//! The privileged daemon on a Slurm GPU node. It turns what the SPANK plugin records and what
+//! the GPUs and Slurm report into GPU-hours per user and Prometheus metrics, and serves one
+//! OpenAI-compatible API for every model on the node, with every call accounted for.
+//!
+//! # Layout
+//! - [`config`]: `agent.toml` → typed, validated [`config::Config`].
+//! - [`store`]: SQLite (default) or PostgreSQL, one `AnyPool`, per-backend migrations.
+//! - [`telemetry`]: NVML + Slurm sampling threads, dcgm-exporter-compatible metrics.
+//! - [`gateway`]: the OpenAI-compatible HTTP API (`router.rs` has the route table).
+//! - [`models`]: the catalog and the worker lifecycle behind each model name.
+//! - [`names`]: name states (active, deprecated, retired), resolution, "did you mean".
+//! - [`snapshot`]: the file the plugin reads to inject `<ROLE>_MODEL` and URLs into jobs.
+//! - [`control`]: the Unix-socket API the `gpuhub` CLI talks to (callers identified by
+//!   SO_PEERCRED).
+//! - [`cli`]: the `gpuhub` command's subcommands.
+//!
+//! The binaries in `src/bin/` only parse arguments and call [`run`].
+
+pub mod cli;
+pub mod config;
+pub mod control;
+pub mod gateway;
+pub mod metrics_http;
+pub mod models;
+pub mod names;
+pub mod snapshot;
+pub mod store;
 pub mod telemetry;
+pub mod util;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use anyhow::Context;
+use prometheus_client::registry::Registry;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use config::Config;
+use models::{Catalog, ModelManager};
+use names::NameRegistry;
+use store::Store;
+
+/// Shared state of the running agent: cheap to clone (everything behind `Arc`).
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub store: Store,
+    pub catalog: Arc<Catalog>,
+    pub names: Arc<NameRegistry>,
+    pub models: Arc<ModelManager>,
+    pub telemetry: Arc<telemetry::Telemetry>,
+    /// Key that verifies per-job tokens (`None` if it could not be read: job tokens are then
+    /// refused with a message that says so).
+    pub job_key: Option<Arc<Vec<u8>>>,
+    /// Cancelled once when shutdown starts.
+    pub shutdown: CancellationToken,
+    /// Deferred work (usage rows, stream drains) that shutdown waits for.
+    pub tasks: TaskTracker,
+}
+
+impl AppState {
+    /// GPU index -> UUID, as NVML reports it (empty without NVML).
+    pub fn gpu_uuids(&self) -> std::collections::BTreeMap<u32, String> {
+        self.telemetry.gpus().into_iter().map(|g| (g.index, g.uuid)).collect()
+    }
+}
+
+/// The sockets the agent serves on; `main` binds them, tests pass port-0 listeners.
+pub struct Listeners {
+    pub gateway: TcpListener,
+    pub metrics: TcpListener,
+    pub control: UnixListener,
+}
+
+impl Listeners {
+    /// Binds the configured addresses, with errors that name the key to change.
+    pub async fn bind(config: &Config) -> anyhow::Result<Listeners> {
+        let f = &config.file;
+        let gateway = TcpListener::bind(&f.gateway.listen)
+            .await
+            .with_context(|| format!("cannot listen on gateway.listen = {} (in use? change gateway.listen)", f.gateway.listen))?;
+        let metrics = TcpListener::bind(&f.metrics.listen)
+            .await
+            .with_context(|| format!("cannot listen on metrics.listen = {} (in use? change metrics.listen)", f.metrics.listen))?;
+        let control = control::server::bind(&config.control_socket)
+            .with_context(|| format!("cannot create the control socket {} (set admin.socket or paths.runtime_dir)", config.control_socket.display()))?;
+        Ok(Listeners { gateway, metrics, control })
+    }
+}
+
+/// Runs the agent until `shutdown` resolves, then shuts down in phases: stop accepting,
+/// drain in-flight requests, wait for deferred writes, close the store.
+pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let config = Arc::new(config);
+    let store = Store::open(&config.store_url, config.file.store.max_connections).await?;
+    tracing::info!(store = %config::redact_url(&config.store_url), "store ready");
+
+    let mut registry = Registry::default();
+    let telemetry = Arc::new(telemetry::Telemetry::start(&config.file.telemetry, &mut registry));
+
+    let catalog = Arc::new(Catalog::from_config(&config.file));
+    let names = Arc::new(NameRegistry::new(catalog.clone(), &config.file.names));
+    let models = Arc::new(ModelManager::new(catalog.clone()));
+
+    if let Err(e) = snapshot::ensure_job_key(&config.job_key_path) {
+        tracing::error!(path = %config.job_key_path.display(), error = %e, "cannot create the job-credential key; jobs get no gateway token");
+    }
+    let job_key = match snapshot::read_job_key(&config.job_key_path) {
+        Ok(k) => Some(Arc::new(k)),
+        Err(e) => {
+            tracing::error!(path = %config.job_key_path.display(), error = %e, "cannot read the job-credential key; job tokens will be refused");
+            None
+        }
+    };
+
+    let state = AppState {
+        config: config.clone(),
+        store: store.clone(),
+        catalog,
+        names,
+        models,
+        telemetry,
+        job_key,
+        shutdown: CancellationToken::new(),
+        tasks: TaskTracker::new(),
+    };
+    if let Err(e) = snapshot::write(&state) {
+        tracing::error!(path = %config.snapshot_path.display(), error = %e, "cannot write the snapshot; jobs fall back to the plugstack arguments");
+    }
+
+    let registry = Arc::new(registry);
+    let token = state.shutdown.clone();
+    let gw_addr = listeners.gateway.local_addr()?;
+    let m_addr = listeners.metrics.local_addr()?;
+    tracing::info!(gateway = %gw_addr, metrics = %m_addr, control = %config.control_socket.display(), "gpuhub-agent listening");
+
+    let gateway = {
+        let app = gateway::router(state.clone());
+        let token = token.clone();
+        tokio::spawn(async move {
+            axum::serve(listeners.gateway, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
+                .with_graceful_shutdown(async move { token.cancelled().await })
+                .await
+        })
+    };
+    let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, registry, token.clone()));
+    let control = tokio::spawn(control::serve(listeners.control, state.clone()));
+
+    shutdown.await;
+    tracing::info!("shutdown: no new connections; draining in-flight requests");
+    token.cancel();
+    for (name, task) in [("gateway", gateway), ("metrics", metrics), ("control", control)] {
+        match task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(server = name, error = %e, "server ended with an error"),
+            Err(e) => tracing::error!(server = name, error = %e, "server task failed"),
+        }
+    }
+    state.tasks.close();
+    tracing::info!(pending = state.tasks.len(), "shutdown: waiting for deferred writes");
+    state.tasks.wait().await;
+    store.close().await;
+    tracing::info!("shutdown complete");
+    Ok(())
+}
+
+/// Resolves on SIGTERM (systemd) or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot install the SIGTERM handler");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}

@@ -1,1 +1,94 @@
-fn main() {}
+//! `gpuhub-agent`: the node daemon. Argument parsing and startup only; the service is
+//! `gpuhub_agent::run`.
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gpuhub_agent::config::Config;
+
+#[derive(Debug, Parser)]
+#[command(name = "gpuhub-agent", version, about = "gpuhub node agent: usage accounting, GPU telemetry, model gateway")]
+struct Args {
+    /// Configuration file. Without it, /etc/gpuhub/agent.toml if it exists, else the embedded defaults.
+    #[arg(long, global = true, env = "GPUHUB_CONFIG", value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Log format: `text` (default on a terminal) or `json` (one object per line).
+    #[arg(long, global = true, env = "GPUHUB_LOG_FORMAT", value_name = "FORMAT", default_value = "text")]
+    log_format: String,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the agent (the default).
+    Run,
+    /// Load and validate the configuration, print the effective config (secrets redacted),
+    /// exit non-zero on error. Use it as the unit's ExecStartPre.
+    CheckConfig,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(&args.log_format);
+    let (path, is_default) = match &args.config {
+        Some(p) => (p.clone(), false),
+        None => (PathBuf::from(gpuhub_wire::paths::CONFIG_FILE), true),
+    };
+    let config = match Config::load(&path, is_default) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gpuhub-agent: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match args.command.unwrap_or(Command::Run) {
+        Command::CheckConfig => {
+            print!("{}", config.render_redacted());
+            ExitCode::SUCCESS
+        }
+        Command::Run => run(config),
+    }
+}
+
+fn run(config: Config) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpuhub-agent: error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    rt.block_on(async move {
+        if config.source.is_none() {
+            tracing::info!("no config file at {}; running on the embedded defaults", gpuhub_wire::paths::CONFIG_FILE);
+        }
+        let listeners = match gpuhub_agent::Listeners::bind(&config).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("{e:#}");
+                eprintln!("gpuhub-agent: error: {e:#}");
+                return ExitCode::from(2);
+            }
+        };
+        match gpuhub_agent::run(config, listeners, gpuhub_agent::shutdown_signal()).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!("{e:#}");
+                eprintln!("gpuhub-agent: error: {e:#}");
+                ExitCode::from(2)
+            }
+        }
+    })
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUHUB_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,299 @@
+//! Agent configuration: `agent.toml` parsed into typed sections, then validated.
+//!
+//! Two stages (STYLE.md §5): [`ConfigFile`] deserialises with `deny_unknown_fields`, so a typo
+//! is an error with line, column and the expected keys; [`ConfigFile::validate`] then runs the
+//! cross-field checks and builds the runtime [`Config`], with messages that name the full key
+//! path. Every section has defaults, so an absent file means "embedded defaults" (the lab and
+//! a fresh install run on them).
+//!
+//! Precedence: the file, then the few environment overrides in [`Config::load`] (each named in
+//! `gpuhub-agent check-config` output). Setting a value both in the file and in the environment
+//! is an error that names both sources.
+
+mod catalog;
+mod gateway;
+mod names;
+mod paths;
+mod store;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub use catalog::{LauncherKind, ModelConfig, ResourceRequest};
+pub use gateway::{GatewayConfig, SsoConfig};
+pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
+pub use paths::PathsConfig;
+pub use store::StoreConfig;
+
+pub use crate::telemetry::TelemetryConfig;
+
+/// Errors from loading or validating the configuration. Each says which file or key, what is
+/// wrong and how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source} (pass --config PATH or set GPUHUB_CONFIG)")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: {key}: {message}")]
+    Invalid { path: PathBuf, key: String, message: String },
+}
+
+/// `agent.toml` as written. Every section is optional.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConfigFile {
+    pub paths: PathsConfig,
+    pub store: StoreConfig,
+    pub gateway: GatewayConfig,
+    pub metrics: MetricsConfig,
+    pub telemetry: TelemetryConfig,
+    pub accounting: AccountingConfig,
+    pub mlflow: MlflowConfig,
+    pub slurm: SlurmConfig,
+    pub admin: AdminConfig,
+    pub names: NamesConfig,
+    /// App role -> current model name. An empty string means "this role has no model
+    /// assigned" (calls get a 503 that says so; jobs get no `<ROLE>_MODEL`).
+    pub roles: std::collections::BTreeMap<String, String>,
+    /// The model catalog: `[[models]]` entries.
+    pub models: Vec<ModelConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Listener for `/metrics`. Loopback by default: a Prometheus in a container reaches the
+    /// host only through a bridge address, so such sites set `0.0.0.0:9410` (and firewall it).
+    pub listen: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { listen: gpuhub_wire::paths::METRICS_LISTEN.to_string() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AccountingConfig {
+    /// Shards per GPU in the node's gres.conf (`Name=shard Count=14` per GPU on the reference
+    /// node). GPU-equivalent seconds = shard-seconds / this.
+    pub shards_per_gpu: u32,
+    /// How often the spool is scanned, in milliseconds.
+    pub ingest_interval_ms: u64,
+}
+
+impl Default for AccountingConfig {
+    fn default() -> Self {
+        Self { shards_per_gpu: 14, ingest_interval_ms: 1000 }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MlflowConfig {
+    /// Tracking server jobs log to (`MLFLOW_TRACKING_URI`) and the registry the gateway reads.
+    pub tracking_uri: Option<String>,
+    /// Site default `MLFLOW_EXPERIMENT_NAME` for jobs that did not choose one.
+    pub default_experiment: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SlurmConfig {
+    /// Directory holding sbatch, scancel, squeue, sinfo, scontrol (empty: search `PATH`).
+    pub bin_dir: Option<PathBuf>,
+    /// Partition for model worker jobs.
+    pub worker_partition: Option<String>,
+    /// Account for model worker jobs.
+    pub worker_account: Option<String>,
+    /// QOS for model worker jobs.
+    pub worker_qos: Option<String>,
+    /// Directory for worker job scripts and logs.
+    pub worker_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Members of this Unix group (and root) are admins: they see every user's usage and may
+    /// manage keys, names and models.
+    pub group: String,
+    /// The control socket the `gpuhub` CLI talks to (mode 0666; callers are identified by
+    /// SO_PEERCRED, not by the socket's permissions). Default: `<runtime_dir>/agent.sock`.
+    pub socket: Option<PathBuf>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self { group: "gpuhub-admin".to_string(), socket: None }
+    }
+}
+
+/// The validated configuration the agent runs on.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where it came from (`None`: embedded defaults).
+    pub source: Option<PathBuf>,
+    pub file: ConfigFile,
+    pub store_url: String,
+    pub control_socket: PathBuf,
+    pub snapshot_path: PathBuf,
+    pub job_key_path: PathBuf,
+}
+
+impl Config {
+    /// Loads `path`; when `path` is the default location and does not exist, runs on the
+    /// embedded defaults. `GPUHUB_STORE_URL` overrides `store.url` (tests use it for
+    /// PostgreSQL); setting both is an error.
+    pub fn load(path: &Path, is_default_path: bool) -> Result<Config, ConfigError> {
+        let (file, source) = match std::fs::read_to_string(path) {
+            Ok(text) => (parse(&text, path)?, Some(path.to_path_buf())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && is_default_path => (ConfigFile::default(), None),
+            Err(source) => return Err(ConfigError::Read { path: path.to_path_buf(), source }),
+        };
+        let env_url = std::env::var("GPUHUB_STORE_URL").ok().filter(|s| !s.is_empty());
+        file.validate(source, env_url)
+    }
+
+    /// Parses and validates a config text (tests, `check-config`).
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let path = PathBuf::from("<inline>");
+        parse(text, &path)?.validate(Some(path), None)
+    }
+
+    /// Path of a file in the state directory.
+    pub fn state_path(&self, name: &str) -> PathBuf {
+        self.file.paths.state_dir.join(name)
+    }
+
+    /// The effective configuration as TOML, secrets redacted (`check-config`).
+    pub fn render_redacted(&self) -> String {
+        let mut file = self.file.clone();
+        file.store.url = Some(redact_url(&self.store_url));
+        for m in &mut file.models {
+            if m.api_key.is_some() {
+                m.api_key = Some("<redacted>".to_string());
+            }
+        }
+        let mut out = String::new();
+        out.push_str(&format!(
+            "# effective gpuhub-agent configuration (source: {})\n",
+            self.source.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded defaults".into())
+        ));
+        out.push_str(&format!("# control socket: {}\n# snapshot: {}\n# job key: {}\n", self.control_socket.display(), self.snapshot_path.display(), self.job_key_path.display()));
+        out.push_str(&toml::to_string_pretty(&file).unwrap_or_else(|e| format!("# cannot render: {e}\n")));
+        out
+    }
+}
+
+fn parse(text: &str, path: &Path) -> Result<ConfigFile, ConfigError> {
+    toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Replaces the password in a database URL.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s + 3 => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{}:<redacted>{}", &url[..s + 3], user, &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+impl ConfigFile {
+    /// Cross-field validation; builds the runtime [`Config`].
+    pub fn validate(self, source: Option<PathBuf>, env_store_url: Option<String>) -> Result<Config, ConfigError> {
+        let path = source.clone().unwrap_or_else(|| PathBuf::from("<defaults>"));
+        let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.clone(), key: key.to_string(), message };
+
+        self.paths.validate().map_err(|(k, m)| invalid(&k, m))?;
+        self.gateway.validate().map_err(|(k, m)| invalid(&k, m))?;
+        self.names.validate().map_err(|(k, m)| invalid(&k, m))?;
+        self.telemetry.validate().map_err(|errs| {
+            let key = errs.first().map(|e| format!("telemetry.{}", e.key)).unwrap_or_else(|| "telemetry".into());
+            let message = errs.iter().map(|e| e.problem.clone()).collect::<Vec<_>>().join("; ");
+            invalid(&key, message)
+        })?;
+        check_listen(&self.metrics.listen).map_err(|m| invalid("metrics.listen", m))?;
+        if self.accounting.shards_per_gpu == 0 {
+            return Err(invalid("accounting.shards_per_gpu", "must be at least 1 (the `Count=` of one GPU's shard line in gres.conf)".into()));
+        }
+        catalog::validate(&self.models, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
+
+        let store_url = match (self.store.url.clone(), env_store_url) {
+            (Some(_), Some(_)) => {
+                return Err(invalid("store.url", "is set both in the file and in GPUHUB_STORE_URL; remove one".into()));
+            }
+            (Some(u), None) | (None, Some(u)) => u,
+            (None, None) => format!("sqlite://{}", self.paths.state_dir.join("gpuhub.db").display()),
+        };
+        store::validate_url(&store_url).map_err(|m| invalid("store.url", m))?;
+
+        let runtime = &self.paths.runtime_dir;
+        Ok(Config {
+            source,
+            control_socket: self.admin.socket.clone().unwrap_or_else(|| runtime.join("agent.sock")),
+            snapshot_path: runtime.join(gpuhub_wire::paths::SNAPSHOT_FILE_NAME),
+            job_key_path: self.paths.state_dir.join(gpuhub_wire::paths::JOB_KEY_FILE_NAME),
+            store_url,
+            file: self,
+        })
+    }
+}
+
+/// Checks a `host:port` listener address.
+pub fn check_listen(s: &str) -> Result<(), String> {
+    s.parse::<std::net::SocketAddr>()
+        .map(|_| ())
+        .map_err(|_| format!("`{s}` is not an address:port such as 127.0.0.1:8400 (use 0.0.0.0:PORT to listen on every interface)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_use_installed_paths() {
+        let c = ConfigFile::default().validate(None, None).unwrap();
+        assert_eq!(c.store_url, "sqlite:///var/lib/gpuhub/gpuhub.db");
+        assert_eq!(c.file.gateway.listen, "127.0.0.1:8400");
+        assert_eq!(c.file.metrics.listen, "127.0.0.1:9410");
+        assert_eq!(c.snapshot_path, PathBuf::from("/run/gpuhub/snapshot.json"));
+        assert_eq!(c.control_socket, PathBuf::from("/run/gpuhub/agent.sock"));
+        assert_eq!(c.job_key_path, PathBuf::from("/var/lib/gpuhub/job-token.key"));
+    }
+
+    #[test]
+    fn typo_gives_line_and_expected_keys() {
+        let err = Config::from_toml("[gateway]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n").unwrap_err().to_string();
+        assert!(err.contains("line 3"), "{err}");
+        assert!(err.contains("unknown field `lisen`"), "{err}");
+        assert!(err.contains("listen"), "{err}");
+    }
+
+    #[test]
+    fn bad_listen_names_the_key() {
+        let err = Config::from_toml("[metrics]\nlisten = \"localhost\"\n").unwrap_err().to_string();
+        assert!(err.contains("metrics.listen"), "{err}");
+    }
+
+    #[test]
+    fn store_url_in_two_places_is_an_error() {
+        let file: ConfigFile = toml::from_str("[store]\nurl = \"sqlite:///tmp/x.db\"\n").unwrap();
+        let err = file.validate(None, Some("postgres://u:p@h/db".into())).unwrap_err().to_string();
+        assert!(err.contains("GPUHUB_STORE_URL"), "{err}");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact_url("postgres://gpuhub:s3cret@db:5432/gpuhub"), "postgres://gpuhub:<redacted>@db:5432/gpuhub");
+        assert_eq!(redact_url("sqlite:///var/lib/gpuhub/gpuhub.db"), "sqlite:///var/lib/gpuhub/gpuhub.db");
+    }
+}

@@ -1,0 +1,59 @@
+//! The runtime catalog: model names, aliases and roles, as loaded from `[[models]]`/`[roles]`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::config::{ConfigFile, ModelConfig};
+
+/// Immutable view of the configured catalog. Runtime changes to names and roles live in the
+/// name registry (`names/`), which starts from this.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    models: BTreeMap<String, Arc<ModelConfig>>,
+    /// alias -> canonical model name (active aliases, not deprecated names).
+    aliases: BTreeMap<String, String>,
+    /// role -> model name (`None`: role exists, no model assigned).
+    roles: BTreeMap<String, Option<String>>,
+}
+
+impl Catalog {
+    pub fn from_config(file: &ConfigFile) -> Catalog {
+        let mut c = Catalog::default();
+        for m in &file.models {
+            for a in &m.aliases {
+                c.aliases.insert(a.clone(), m.name.clone());
+            }
+            if let Some(role) = &m.role {
+                c.roles.insert(role.clone(), Some(m.name.clone()));
+            }
+            c.models.insert(m.name.clone(), Arc::new(m.clone()));
+        }
+        // `[roles]` wins over `role =` in a model entry; "" means "no model assigned".
+        for (role, model) in &file.roles {
+            c.roles.insert(role.clone(), if model.is_empty() { None } else { Some(model.clone()) });
+        }
+        c
+    }
+
+    /// The catalog entry for a canonical name or an active alias.
+    pub fn get(&self, name: &str) -> Option<&Arc<ModelConfig>> {
+        self.models.get(name).or_else(|| self.aliases.get(name).and_then(|m| self.models.get(m)))
+    }
+
+    pub fn models(&self) -> impl Iterator<Item = &Arc<ModelConfig>> {
+        self.models.values()
+    }
+
+    pub fn aliases_of(&self, model: &str) -> Vec<String> {
+        self.aliases.iter().filter(|(_, m)| m.as_str() == model).map(|(a, _)| a.clone()).collect()
+    }
+
+    pub fn roles(&self) -> &BTreeMap<String, Option<String>> {
+        &self.roles
+    }
+
+    /// Every name the catalog serves (canonical names and aliases).
+    pub fn all_names(&self) -> impl Iterator<Item = &String> {
+        self.models.keys().chain(self.aliases.keys())
+    }
+}

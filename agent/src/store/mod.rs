@@ -1,0 +1,204 @@
+//! The store: usage records, the gateway's usage log and rollups, API keys, the name registry.
+//!
+//! One pool for both backends: `sqlx::AnyPool`, chosen by the URL scheme at start. SQLite
+//! (`sqlite://PATH`, WAL) is the embedded default; PostgreSQL (`postgres://`) is production.
+//! Each backend has its own append-only migrations (`agent/migrations/{sqlite,postgres}`,
+//! embedded with `sqlx::migrate!`), because their DDL differs; queries are shared.
+//!
+//! Rules for SQL in this crate, so every query runs on both backends:
+//! - placeholders are `$1, $2, ...` (SQLite accepts them too);
+//! - integers are `BIGINT` in PostgreSQL (decode as `i64`), floats `DOUBLE PRECISION`/`REAL`
+//!   (`f64`), text `TEXT`; times are Unix microseconds in `BIGINT` columns;
+//! - `SUM()` of integers is `NUMERIC` in PostgreSQL, which `Any` cannot decode: write
+//!   `CAST(SUM(x) AS BIGINT)`; `COUNT(*)` is fine;
+//! - upserts use `INSERT ... ON CONFLICT (...) DO UPDATE/NOTHING` (both support it);
+//! - each area keeps its queries in its own file (`store/<area>.rs`, `impl Store { .. }`).
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
+use sqlx::{AnyPool, Executor};
+
+/// Which database the URL selected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store URL `{0}` has an unsupported scheme; use sqlite:///PATH or postgres://USER:PASSWORD@HOST/DB")]
+    Scheme(String),
+    #[error("cannot create the store directory {path}: {source}")]
+    Dir { path: String, source: std::io::Error },
+    #[error("cannot open the store at {url}: {source} (check store.url and that the database is running)")]
+    Connect { url: String, source: sqlx::Error },
+    #[error("store migration failed: {0} (a newer gpuhub may have migrated this database; upgrade the agent)")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("store query failed: {0}")]
+    Query(#[from] sqlx::Error),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+}
+
+/// A cheap-to-clone handle to the store.
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+impl Store {
+    /// Connects, creating the SQLite file (and its directory) if needed, and applies migrations.
+    pub async fn open(url: &str, max_connections: Option<u32>) -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        let redacted = crate::config::redact_url(url);
+        let backend = if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres
+        } else {
+            return Err(StoreError::Scheme(redacted));
+        };
+        let mut url = url.to_string();
+        if backend == Backend::Sqlite {
+            let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+            let path = path.split('?').next().unwrap_or("");
+            if !path.is_empty() && path != ":memory:" {
+                if let Some(dir) = Path::new(path).parent() {
+                    std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.display().to_string(), source })?;
+                }
+            }
+            if !url.contains('?') {
+                url.push_str("?mode=rwc");
+            }
+        }
+        let opts = AnyConnectOptions::from_str(&url).map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(max_connections.unwrap_or(match backend {
+                Backend::Sqlite => 4,
+                Backend::Postgres => 8,
+            }))
+            .acquire_timeout(Duration::from_secs(10))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        // WAL: readers (CLI queries) never block the ingest and usage-log writers.
+                        conn.execute("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000; PRAGMA foreign_keys=ON;").await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(opts)
+            .await
+            .map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
+        let store = Store { pool, backend };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        match self.backend {
+            Backend::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&self.pool).await?,
+            Backend::Postgres => sqlx::migrate!("./migrations/postgres").run(&self.pool).await?,
+        }
+        Ok(())
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Readiness probe (`/readyz`).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Reads a value from the small key/value table.
+    pub async fn get_setting(&self, key: &str) -> Result<Option<String>, StoreError> {
+        let row: Option<(String,)> = sqlx::query_as("SELECT value FROM settings WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
+        Ok(row.map(|r| r.0))
+    }
+
+    /// Writes a value to the small key/value table.
+    pub async fn set_setting(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO settings (key, value, updated_us) VALUES ($1, $2, $3) ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_us = excluded.updated_us")
+            .bind(key)
+            .bind(value)
+            .bind(crate::util::now_us())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! The storage story runs on both backends: SQLite always, PostgreSQL when
+    //! `GPUHUB_TEST_PG_URL` points at a server (tests/run-all.sh starts one). Each call gets a
+    //! fresh database; `GPUHUB_TEST_KEEP_DB=1` keeps it for inspection.
+    use super::*;
+
+    /// Returns one store per available backend, each on a fresh database.
+    pub async fn stores() -> Vec<(Store, Option<tempfile::TempDir>)> {
+        let mut out = Vec::new();
+        #[allow(clippy::unwrap_used)]
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        #[allow(clippy::unwrap_used)]
+        out.push((Store::open(&url, None).await.unwrap(), Some(dir)));
+        if let Ok(pg) = std::env::var("GPUHUB_TEST_PG_URL") {
+            out.push((fresh_pg(&pg).await, None));
+        }
+        out
+    }
+
+    #[allow(clippy::unwrap_used, clippy::expect_used)]
+    async fn fresh_pg(base: &str) -> Store {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        sqlx::any::install_default_drivers();
+        let name = format!("gpuhub_t_{}_{}_{}", std::process::id(), crate::util::now_us() % 1_000_000, N.fetch_add(1, Ordering::Relaxed));
+        let admin = sqlx::AnyPool::connect(base).await.expect("GPUHUB_TEST_PG_URL must reach a PostgreSQL server");
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+        admin.close().await;
+        let (prefix, _) = base.rsplit_once('/').unwrap();
+        Store::open(&format!("{prefix}/{name}"), Some(4)).await.unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn opens_migrates_and_round_trips_settings_on_every_backend() {
+        for (store, _dir) in testing::stores().await {
+            store.ping().await.unwrap();
+            assert_eq!(store.get_setting("x").await.unwrap(), None);
+            store.set_setting("x", "1").await.unwrap();
+            store.set_setting("x", "2").await.unwrap();
+            assert_eq!(store.get_setting("x").await.unwrap().as_deref(), Some("2"), "{:?}", store.backend());
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_scheme_names_the_accepted_ones() {
+        let err = Store::open("mysql://x/y", None).await.unwrap_err().to_string();
+        assert!(err.contains("sqlite:///PATH or postgres://"), "{err}");
+    }
+}

@@ -1,0 +1,433 @@
+//! Telemetry against the fake NVML library (`tests/fake-nvml/`): two fake H200s, real child
+//! processes standing in for GPU processes, the real encoder, and `promtool check metrics`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::registry::Registry;
+
+use super::*;
+
+const GIB: u64 = 1024 * 1024 * 1024;
+const H200_BYTES: u64 = 150_754_820_096;
+pub(crate) const UUID0: &str = "GPU-11111111-2222-3333-4444-555555555500";
+pub(crate) const UUID1: &str = "GPU-11111111-2222-3333-4444-555555555501";
+
+/// Compiles the fake library once per test process.
+fn fake_lib_master() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c");
+        let dir = std::env::temp_dir().join(format!("gpuhub-fake-nvml-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("libnvidia-ml.so.1");
+        let st = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .args(["-ldl", "-lpthread"])
+            .status()
+            .expect("run cc");
+        assert!(st.success(), "building {} failed", src.display());
+        out
+    })
+}
+
+/// A private copy of the fake library (own dlopen handle, own globals) and its script.
+pub(crate) struct FakeNvml {
+    pub dir: tempfile::TempDir,
+    pub lib: PathBuf,
+}
+
+impl FakeNvml {
+    pub(crate) fn new(script: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("libnvidia-ml.so.1");
+        std::fs::copy(fake_lib_master(), &lib).unwrap();
+        let f = Self { dir, lib };
+        f.write(script);
+        f
+    }
+
+    /// Replaces the script atomically (the library reloads it on the next device query).
+    pub(crate) fn write(&self, script: &str) {
+        let tmp = self.dir.path().join(".fake-nvml.conf.tmp");
+        std::fs::write(&tmp, script).unwrap();
+        std::fs::rename(&tmp, self.dir.path().join("fake-nvml.conf")).unwrap();
+    }
+}
+
+pub(crate) fn gpu_line(index: u32, uuid: &str, used: u64, util: u32, extra: &str) -> String {
+    format!(
+        "gpu index={index} uuid={uuid} name=\"NVIDIA H200\" pci=00000000:{:02X}:00.0 mem_total={H200_BYTES} mem_used={used} util={util} mem_util=11 temp={} power_mw=300000 energy_mj=5000000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0 {extra}\n",
+        0x19 + index,
+        40 + index
+    )
+}
+
+fn cfg_for(lib: &Path) -> TelemetryConfig {
+    TelemetryConfig {
+        nvml_library: Some(lib.to_path_buf()),
+        interval_ms: 100,
+        hostname: Some("gpu01".into()),
+        enable_slurm: false,
+        job_map_dir: None,
+        ..TelemetryConfig::default()
+    }
+}
+
+/// A stand-in GPU process: a real child with the Slurm environment of a job task.
+struct JobProc(Child);
+
+impl JobProc {
+    fn spawn(job: u32, user: &str, shards: Option<u32>) -> Self {
+        let mut c = Command::new("sleep");
+        c.arg("60").env("SLURM_JOB_ID", job.to_string()).env("SLURM_JOB_USER", user);
+        match shards {
+            Some(n) => c.env("SLURM_SHARDS_ON_NODE", n.to_string()),
+            None => c.env_remove("SLURM_SHARDS_ON_NODE"),
+        };
+        JobProc(c.spawn().unwrap())
+    }
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for JobProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_samples(t: &Telemetry, n: u64) {
+    let target = t.samples_taken() + n;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.samples_taken() < target {
+        assert!(Instant::now() < deadline, "sampler stalled at {} samples", t.samples_taken());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn render(r: &Registry) -> String {
+    let mut s = String::new();
+    encode(&mut s, r).unwrap();
+    s
+}
+
+/// The value of the one sample line starting with `prefix` (metric name + labels).
+fn value(text: &str, prefix: &str) -> Option<f64> {
+    let mut found = text.lines().filter(|l| l.starts_with(prefix));
+    let line = found.next()?;
+    assert!(found.next().is_none(), "more than one line matches {prefix}");
+    line.rsplit(' ').next()?.parse().ok()
+}
+
+fn dcgm_prefix(name: &str, gpu: u32, uuid: &str, job: &str) -> String {
+    format!(
+        "{name}{{gpu=\"{gpu}\",UUID=\"{uuid}\",pci_bus_id=\"00000000:{:02X}:00.0\",device=\"nvidia{gpu}\",modelName=\"NVIDIA H200\",Hostname=\"gpu01\",hpc_job=\"{job}\"}}",
+        0x19 + gpu
+    )
+}
+
+/// Runs `promtool check metrics` on the text; promtool is Debian's prometheus package.
+pub(crate) fn promtool_check(text: &str) {
+    use std::io::Write;
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`) must be installed: tests/setup/deps.sh");
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}\n--- text ---\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
+    let alice = JobProc::spawn(101, "alice", Some(7));
+    let bob = JobProc::spawn(102, "bob", Some(7));
+    let carol = JobProc::spawn(103, "carol", None);
+    // PID that does not exist: a process that vanished between NVML's list and /proc.
+    let ghost = 4_000_000 + std::process::id() % 100_000;
+    let script = format!(
+        "driver version=550.54.15\n{}{}proc gpu=0 pid={} mem={} sm=30\nproc gpu=0 pid={} mem={} sm=50\nproc gpu=1 pid={} mem={} sm=90\nproc gpu=1 pid={ghost} mem={} sm=0\n",
+        gpu_line(0, UUID0, 31 * GIB, 80, ""),
+        gpu_line(1, UUID1, 45 * GIB, 90, ""),
+        alice.pid(),
+        10 * GIB,
+        bob.pid(),
+        20 * GIB,
+        carol.pid(),
+        40 * GIB,
+        GIB,
+    );
+    let fake = FakeNvml::new(&script);
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    assert!(t.nvml_up(), "the fake NVML must be up after start");
+    wait_samples(&t, 3);
+
+    let gpus = t.gpus();
+    assert_eq!(gpus.len(), 2, "{gpus:?}");
+    assert_eq!(gpus[0].uuid, UUID0);
+    assert_eq!(gpus[0].name, "NVIDIA H200");
+    assert_eq!(gpus[0].memory_total_bytes, H200_BYTES);
+    assert_eq!(gpus[0].memory_free_bytes, H200_BYTES - 31 * GIB);
+
+    let text = render(&registry);
+    let job = |j: &str, u: &str, gpu: u32, uuid: &str| format!("{{gpu=\"{gpu}\",uuid=\"{uuid}\",job=\"{j}\",user=\"{u}\"}}");
+    let got = |name: &str, labels: &str| value(&text, &format!("{name}{labels}")).unwrap_or_else(|| panic!("no {name}{labels} in\n{text}"));
+    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("101", "alice", 0, UUID0)), (10 * GIB) as f64);
+    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("102", "bob", 0, UUID0)), (20 * GIB) as f64);
+    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("101", "alice", 0, UUID0)), 0.3);
+    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("102", "bob", 0, UUID0)), 0.5);
+    assert_eq!(got("gpuhub_job_gpu_shards", &job("101", "alice", 0, UUID0)), 7.0);
+    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("103", "carol", 1, UUID1)), (40 * GIB) as f64);
+    // The ghost PID shares GPU 1, so carol's utilisation is her processes', not the GPU's.
+    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("103", "carol", 1, UUID1)), 0.9);
+    assert_eq!(got("gpuhub_gpu_memory_unattributed_bytes", &format!("{{gpu=\"1\",uuid=\"{UUID1}\"}}")), GIB as f64);
+    assert_eq!(got("gpuhub_gpu_memory_total_bytes", &format!("{{gpu=\"0\",uuid=\"{UUID0}\"}}")), H200_BYTES as f64);
+    assert_eq!(got("gpuhub_gpu_power_watts", &format!("{{gpu=\"0\",uuid=\"{UUID0}\"}}")), 300.0);
+    assert_eq!(got("gpuhub_nvml_up", ""), 1.0);
+    // dcgm-exporter names, one copy per job on the GPU.
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 0, UUID0, "101")), Some(80.0), "{text}");
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 0, UUID0, "102")), Some(80.0));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_FB_USED", 1, UUID1, "103")), Some((45 * 1024) as f64));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_POWER_USAGE", 1, UUID1, "103")), Some(300.0));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 1, UUID1, "103")), Some(41.0));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_SM_CLOCK", 0, UUID0, "101")), Some(1980.0));
+    promtool_check(&text);
+
+    // Per-job statistics: mean utilisation, peak VRAM, energy split by utilisation.
+    let a = t.job_gpu_stats(101);
+    let b = t.job_gpu_stats(102);
+    let c = t.job_gpu_stats(103);
+    assert_eq!(a.len(), 1, "{a:?}");
+    assert_eq!(a[0].gpu_uuid, UUID0);
+    assert!((a[0].mean_util - 30.0).abs() < 1e-9, "{a:?}");
+    assert_eq!(a[0].peak_vram_bytes, 10 * GIB);
+    assert!(a[0].samples >= 3, "{a:?}");
+    assert!(a[0].energy_joules > 0.0 && b[0].energy_joules > 0.0, "{a:?} {b:?}");
+    let ratio = b[0].energy_joules / a[0].energy_joules;
+    assert!((ratio - 50.0 / 30.0).abs() < 0.01, "bob used 50/30 of alice's share: {ratio}");
+    // GPU 1 at 300 W shared with an idle ghost: carol gets all of it (the ghost's weight is 0).
+    assert!(c[0].energy_joules > 0.0, "{c:?}");
+    assert!(t.job_gpu_stats(999).is_empty());
+
+    // Alice's job ends: her series go, her statistics stay for accounting.
+    let alice_pid = alice.pid();
+    drop(alice);
+    fake.write(&script.replace(&format!("pid={alice_pid} "), "pid=1 ").replace("proc gpu=0 pid=1 ", "#"));
+    wait_samples(&t, 3);
+    let text = render(&registry);
+    assert!(!text.contains("job=\"101\""), "series of an ended job must be removed:\n{text}");
+    assert!(!text.contains("hpc_job=\"101\""), "DCGM copy of an ended job must be removed");
+    assert!(text.contains("job=\"102\""));
+    assert_eq!(t.job_gpu_stats(101).len(), 1, "stats of an ended job stay for accounting");
+    t.shutdown();
+}
+
+#[test]
+fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
+    let script = format!(
+        "{}{}",
+        gpu_line(0, UUID0, GIB, 10, "fail=temp,power unsupported=ecc"),
+        gpu_line(1, UUID1, GIB, 20, "fail=procs")
+    );
+    let fake = FakeNvml::new(&script);
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    wait_samples(&t, 2);
+    assert!(t.nvml_up());
+    let text = render(&registry);
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 0, UUID0, "")), None, "{text}");
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_POWER_USAGE", 0, UUID0, "")), None);
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 0, UUID0, "")), None);
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 0, UUID0, "")), Some(10.0));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 1, UUID1, "")), Some(41.0));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 1, UUID1, "")), Some(0.0));
+    assert!(value(&text, "gpuhub_telemetry_nvml_errors_total{field=\"temp\"}").unwrap() >= 2.0, "{text}");
+    assert!(value(&text, "gpuhub_telemetry_nvml_errors_total{field=\"procs\"}").unwrap() >= 2.0);
+    assert_eq!(value(&text, "gpuhub_telemetry_nvml_errors_total{field=\"ecc\"}"), None, "NotSupported is no error");
+    promtool_check(&text);
+
+    // The fields come back: the series reappear.
+    fake.write(&format!("{}{}", gpu_line(0, UUID0, GIB, 10, ""), gpu_line(1, UUID1, GIB, 20, "")));
+    wait_samples(&t, 2);
+    let text = render(&registry);
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 0, UUID0, "")), Some(40.0), "{text}");
+}
+
+#[test]
+fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
+    for lib in [PathBuf::from("/nonexistent/libnvidia-ml.so.1"), PathBuf::from("/bin/true")] {
+        let mut registry = Registry::default();
+        let t = Telemetry::start(&cfg_for(&lib), &mut registry);
+        assert!(!t.nvml_up());
+        assert!(t.gpus().is_empty());
+        let text = render(&registry);
+        assert_eq!(value(&text, "gpuhub_nvml_up "), Some(0.0), "{text}");
+        assert!(!text.lines().any(|l| l.starts_with("DCGM_FI_DEV_GPU_UTIL{")));
+        promtool_check(&text);
+    }
+    // A "driver" without a script: nvmlInit_v2 says DRIVER_NOT_LOADED.
+    let fake = FakeNvml::new("");
+    std::fs::remove_file(fake.dir.path().join("fake-nvml.conf")).unwrap();
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    assert!(!t.nvml_up());
+    assert_eq!(value(&render(&registry), "gpuhub_nvml_up "), Some(0.0));
+    // A driver with no GPU.
+    let fake = FakeNvml::new("driver version=550.54.15\n");
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    assert!(!t.nvml_up());
+    assert!(t.gpus().is_empty());
+    // Disabled by config.
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&TelemetryConfig { enable_nvml: false, enable_slurm: false, ..TelemetryConfig::default() }, &mut registry);
+    assert!(!t.nvml_up());
+    assert_eq!(value(&render(&registry), "gpuhub_nvml_up "), Some(0.0));
+}
+
+#[test]
+fn a_gpu_that_disappears_takes_its_series_with_it() {
+    let fake = FakeNvml::new(&format!("{}{}", gpu_line(0, UUID0, GIB, 10, ""), gpu_line(1, UUID1, GIB, 20, "")));
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    assert_eq!(t.gpus().len(), 2);
+    fake.write(&gpu_line(0, UUID0, GIB, 10, ""));
+    wait_samples(&t, 2);
+    assert_eq!(t.gpus().len(), 1);
+    let text = render(&registry);
+    assert!(!text.contains(UUID1), "{text}");
+    assert!(text.contains(UUID0));
+}
+
+#[test]
+fn the_job_map_names_the_job_of_a_gpu_without_processes() {
+    let fake = FakeNvml::new(&format!("{}{}", gpu_line(0, UUID0, GIB, 10, ""), gpu_line(1, UUID1, GIB, 20, "")));
+    let map = tempfile::tempdir().unwrap();
+    std::fs::write(map.path().join("1"), "555\n556\n").unwrap();
+    std::fs::write(map.path().join("0"), "not a job id\n").unwrap();
+    let mut registry = Registry::default();
+    let cfg = TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) };
+    let t = Telemetry::start(&cfg, &mut registry);
+    wait_samples(&t, 1);
+    let text = render(&registry);
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "555")), Some(20.0), "{text}");
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "556")), Some(20.0));
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 0, UUID0, "")), Some(10.0));
+    assert_eq!(t.job_gpu_stats(555).len(), 1);
+}
+
+#[test]
+fn slurm_snapshot_from_commands_with_explicit_formats() {
+    let bin = tempfile::tempdir().unwrap();
+    let script = |name: &str, body: &str| {
+        let p = bin.path().join(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    // The fake commands check that they are called with the explicit formats.
+    script(
+        "squeue",
+        "case \"$*\" in *'%i|%T|%P|%u|%a|%r|%b|%N'*) ;; *) echo \"bad args: $*\" >&2; exit 2;; esac\n\
+         echo '12|RUNNING|gpu|alice|physics|None|gres:gpu:2|gpu01'\n\
+         echo '13|RUNNING|gpu|bob|bio|None|gres:shard:7|gpu01'\n\
+         echo '14|PENDING|gpu|bob|bio|Resources|gres:gpu:2|'\n\
+         echo '15|PENDING|gpu|carol|chem|Priority|gres:gpu:1|'\n\
+         echo 'this line is corrupt'",
+    );
+    script("sinfo", "echo 'gpu01|gpu:h200:2,shard:h200:28'\necho 'gpu01|gpu:h200:2,shard:h200:28'");
+    let cfg = TelemetryConfig {
+        enable_nvml: false,
+        enable_slurm: true,
+        slurm_bin_dir: Some(bin.path().to_path_buf()),
+        slurm_interval_ms: 1_000,
+        slurm_node_name: Some("gpu01".into()),
+        ..TelemetryConfig::default()
+    };
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg, &mut registry);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.slurm_snapshots_taken() < 2 {
+        assert!(Instant::now() < deadline, "no Slurm snapshot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = render(&registry);
+    let v = |p: &str| value(&text, p).unwrap_or_else(|| panic!("no {p} in\n{text}"));
+    assert_eq!(v("gpuhub_slurm_up "), 1.0);
+    assert_eq!(v("gpuhub_slurm_jobs{state=\"running\",partition=\"gpu\",user=\"alice\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_jobs{state=\"pending\",partition=\"gpu\",user=\"bob\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_gpus{state=\"allocated\"}"), 2.0);
+    assert_eq!(v("gpuhub_slurm_gpus{state=\"idle\"}"), 0.0);
+    assert_eq!(v("gpuhub_slurm_shards{state=\"allocated\"}"), 7.0);
+    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 21.0);
+    assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"Resources\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"Priority\"}"), 1.0);
+    assert!(v("gpuhub_slurm_command_errors_total{command=\"squeue\"}") >= 2.0, "the corrupt line is counted");
+    let gs = v("gpuhub_slurm_gpu_seconds_total{user=\"alice\",account=\"physics\"}");
+    assert!((1.5..=4.5).contains(&gs), "2 GPUs over ~1 s between snapshots: {gs}");
+    assert!(v("gpuhub_slurm_shard_seconds_total{user=\"bob\",account=\"bio\"}") > 5.0);
+    promtool_check(&text);
+
+    // slurmctld stops answering: the command times out, slurm_up goes 0, nothing hangs.
+    script("squeue", "sleep 30");
+    let n = t.slurm_snapshots_taken();
+    let t0 = Instant::now();
+    let cfg_timeout = TelemetryConfig { slurm_timeout_ms: 300, ..cfg.clone() };
+    drop(t);
+    assert!(t0.elapsed() < Duration::from_secs(12), "shutdown waited too long: {:?}", t0.elapsed());
+    let _ = n;
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_timeout, &mut registry);
+    while t.slurm_snapshots_taken() < 1 {
+        assert!(Instant::now() < deadline + Duration::from_secs(10), "no Slurm snapshot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = render(&registry);
+    assert_eq!(value(&text, "gpuhub_slurm_up "), Some(0.0), "{text}");
+    assert_eq!(value(&text, "gpuhub_slurm_command_errors_total{command=\"squeue\"}"), Some(1.0));
+}
+
+#[test]
+fn config_defaults_validate_and_errors_name_the_key() {
+    let cfg = TelemetryConfig::default();
+    assert_eq!(cfg.validate(), Ok(()));
+    let parsed: TelemetryConfig = toml::from_str("interval_ms = 1000\nnvml_library = \"/usr/lib/x.so\"").unwrap();
+    assert_eq!(parsed.interval_ms, 1000);
+    assert_eq!(parsed.slurm_interval_ms, 15_000, "unset keys keep their defaults");
+    let err = toml::from_str::<TelemetryConfig>("interval_msec = 1000").unwrap_err().to_string();
+    assert!(err.contains("unknown field `interval_msec`") && err.contains("interval_ms"), "{err}");
+    let bad = TelemetryConfig {
+        interval_ms: 5,
+        nvml_library: Some("libnvidia-ml.so.1".into()),
+        slurm_bin_dir: Some("bin".into()),
+        hostname: Some("two words".into()),
+        ..TelemetryConfig::default()
+    };
+    let errs = bad.validate().unwrap_err();
+    let msgs: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert_eq!(errs.len(), 4, "{msgs:?}");
+    assert!(msgs[0].starts_with("telemetry.interval_ms: 5 is out of range"), "{msgs:?}");
+    assert!(msgs.iter().any(|m| m.starts_with("telemetry.nvml_library:")), "{msgs:?}");
+    assert!(msgs.iter().any(|m| m.starts_with("telemetry.slurm_bin_dir:")), "{msgs:?}");
+    assert!(msgs.iter().any(|m| m.starts_with("telemetry.hostname:")), "{msgs:?}");
+    let named = TelemetryConfig { hostname: Some("gpu01.cluster.example".into()), ..TelemetryConfig::default() };
+    assert_eq!(named.effective_node_name(), "gpu01");
+}

@@ -1,0 +1,79 @@
+//! Small helpers shared across modules.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Wall-clock time in Unix microseconds.
+pub fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
+}
+
+/// Wall-clock time in Unix seconds.
+pub fn now_s() -> i64 {
+    now_us() / 1_000_000
+}
+
+/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
+/// Readers see the old file or the new one, never half of either.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    {
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+/// Parses durations such as `30d`, `12h`, `15m`, `90s` into seconds.
+pub fn parse_duration_s(s: &str) -> Result<i64, String> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: i64 = num.parse().map_err(|_| format!("`{s}` is not a duration; use e.g. 30d, 12h, 15m or 90s"))?;
+    let mult = match unit {
+        "d" => 86_400,
+        "h" => 3_600,
+        "m" => 60,
+        "s" | "" => 1,
+        _ => return Err(format!("`{s}` has an unknown unit `{unit}`; use d, h, m or s")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// Makes user-supplied text safe to print on a terminal (no control characters).
+pub fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() { '?' } else { c }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration_s("30d"), Ok(30 * 86_400));
+        assert_eq!(parse_duration_s("15m"), Ok(900));
+        assert_eq!(parse_duration_s("7"), Ok(7));
+        assert!(parse_duration_s("3w").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration_s("d").is_err());
+    }
+
+    #[test]
+    fn atomic_write_replaces() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.json");
+        write_atomic(&p, b"1", 0o644).unwrap();
+        write_atomic(&p, b"22", 0o644).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"22");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn control_chars_are_escaped() {
+        assert_eq!(sanitize("a\x1b[31mb"), "a?[31mb");
+    }
+}
