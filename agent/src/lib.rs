@@ -53,6 +53,8 @@ pub struct AppState {
     pub names: Arc<NameRegistry>,
     pub models: Arc<ModelManager>,
     pub telemetry: Arc<telemetry::Telemetry>,
+    /// The gateway's metrics, usage log, API keys and upstream client.
+    pub gateway: Arc<gateway::Gateway>,
     /// Key that verifies per-job tokens (`None` if it could not be read: job tokens are then
     /// refused with a message that says so).
     pub job_key: Option<Arc<Vec<u8>>>,
@@ -102,9 +104,28 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let mut registry = Registry::default();
     let telemetry = Arc::new(telemetry::Telemetry::start(&config.file.telemetry, &mut registry));
 
+    let gateway = Arc::new(gateway::Gateway::start(&config, &store, registry.sub_registry_with_prefix("gpuhub")).await?);
+
     let catalog = Arc::new(Catalog::from_config(&config.file));
-    let names = Arc::new(NameRegistry::new(catalog.clone(), &config.file.names));
-    let models = Arc::new(ModelManager::new(catalog.clone()));
+    let names = Arc::new(NameRegistry::open(catalog.clone(), &config.file.names, &config.file.roles, &store, &mut registry).await?);
+    let (shutdown_token, tasks) = (CancellationToken::new(), TaskTracker::new());
+    let models = Arc::new(
+        ModelManager::start(
+            catalog.clone(),
+            models::ManagerDeps {
+                config: &config,
+                store: Some(store.clone()),
+                registry: &mut registry,
+                gpus: {
+                    let t = telemetry.clone();
+                    Box::new(move || t.gpus())
+                },
+                tasks: tasks.clone(),
+                shutdown: shutdown_token.clone(),
+            },
+        )
+        .await,
+    );
 
     if let Err(e) = snapshot::ensure_job_key(&config.job_key_path) {
         tracing::error!(path = %config.job_key_path.display(), error = %e, "cannot create the job-credential key; jobs get no gateway token");
@@ -124,9 +145,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         names,
         models,
         telemetry,
+        gateway,
         job_key,
-        shutdown: CancellationToken::new(),
-        tasks: TaskTracker::new(),
+        shutdown: shutdown_token,
+        tasks,
     };
     if let Err(e) = snapshot::write(&state) {
         tracing::error!(path = %config.snapshot_path.display(), error = %e, "cannot write the snapshot; jobs fall back to the plugstack arguments");
@@ -163,6 +185,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     state.tasks.close();
     tracing::info!(pending = state.tasks.len(), "shutdown: waiting for deferred writes");
     state.tasks.wait().await;
+    tracing::info!("shutdown: writing the usage log");
+    state.gateway.usage.close().await;
     store.close().await;
     tracing::info!("shutdown complete");
     Ok(())

@@ -12,6 +12,22 @@ pub fn now_s() -> i64 {
     now_us() / 1_000_000
 }
 
+/// UTC time as `YYYYMMDDTHHMMSSZ` (file names that sort by time and read as dates).
+pub fn utc_stamp(unix_s: i64) -> String {
+    let (days, secs) = (unix_s.div_euclid(86_400), unix_s.rem_euclid(86_400));
+    // Civil-from-days (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
+}
+
 /// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
 /// Readers see the old file or the new one, never half of either.
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
@@ -70,6 +86,12 @@ mod tests {
         write_atomic(&p, b"22", 0o644).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"22");
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn utc_stamps() {
+        assert_eq!(utc_stamp(0), "19700101T000000Z");
+        assert_eq!(utc_stamp(1_798_675_199), "20261231T235959Z");
     }
 
     #[test]

@@ -16,7 +16,8 @@ apt_pkgs=(
     # promtool + a real Prometheus that scrapes the agent
     prometheus
     # RPM packaging on Debian
-    rpm rpmlint
+    # rpm rpmlint; elfutils: eu-strip for find-debuginfo (RHEL-style -debuginfo packages)
+    rpm rpmlint elfutils
     # load generation and timing for benchmarks; misc test tools
     wrk hyperfine jq curl procps python3-venv
 )

@@ -4,6 +4,11 @@
 //! asking from the kernel, so users see their own jobs and admins see all). Exit codes:
 //! 0 ok, 1 a clean "no" (e.g. a refused rename), 2 an error, 130 interrupted.
 
+pub mod doctor;
+pub mod calls;
+pub mod keys;
+pub mod models;
+pub mod names;
 pub mod output;
 
 use std::path::PathBuf;
@@ -34,6 +39,60 @@ pub enum Command {
     },
     /// Show who the agent thinks you are and whether you are an admin.
     Whoami,
+    /// Models and their workers: state (unloaded, pending, starting, ready, draining, failed),
+    /// Slurm job, version; `load`, `unload`, `promote` for admins.
+    Models {
+        #[command(subcommand)]
+        cmd: Option<models::ModelsCmd>,
+    },
+    /// Model names: list, callers, history, rename, deprecate, retire, restore.
+    Names {
+        #[command(subcommand)]
+        cmd: names::NamesCmd,
+    },
+    /// App roles (ocr, chat, tts, ...) and the model each one points at (<ROLE>_MODEL).
+    Roles {
+        #[command(subcommand)]
+        cmd: Option<names::RolesCmd>,
+        /// Print JSON instead (with no subcommand: the list).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Gateway API keys: create, list, revoke (admins only).
+    Keys {
+        #[command(subcommand)]
+        cmd: keys::KeysCommand,
+    },
+    /// Usage on this node. `--calls`: gateway calls per user, app, name and model.
+    Usage {
+        /// Show gateway calls (from the hourly rollups).
+        #[arg(long)]
+        calls: bool,
+        /// How far back, e.g. 30d, 12h.
+        #[arg(long, default_value = "30d", value_name = "DURATION")]
+        since: String,
+        /// Only this user (admins; users always see their own).
+        #[arg(long, value_name = "USER")]
+        user: Option<String>,
+        /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check the node end to end (plugin, Slurm, agent, store, spool, NVML, MLflow) and say
+    /// what to fix. Exit 1 if anything fails.
+    Doctor {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a backup of the store (SQLite online copy or pg_dump); admin only.
+    Backup {
+        /// Directory for the backup (default: <state_dir>/backups on the agent's side).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// Keep this many newest backups.
+        #[arg(long, default_value_t = 7)]
+        keep: usize,
+    },
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -41,6 +100,14 @@ pub async fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Env { json } => env(&cli.socket, json).await,
         Command::Whoami => whoami(&cli.socket).await,
+        Command::Models { cmd } => models::run(&cli.socket, cmd).await,
+        Command::Names { cmd } => names::names(&cli.socket, cmd).await,
+        Command::Roles { cmd, json } => names::roles(&cli.socket, cmd.unwrap_or(names::RolesCmd::List { json })).await,
+        Command::Keys { cmd } => keys::run(&cli.socket, cmd).await,
+        Command::Usage { calls: true, since, user, json } => calls::run(&cli.socket, &since, user.as_deref(), json).await,
+        Command::Usage { calls: false, .. } => Err(anyhow::anyhow!("`gpuhub usage` needs --calls in this build (GPU-hours come with the accounting module)")),
+        Command::Doctor { json } => doctor::run(&cli.socket, json).await,
+        Command::Backup { dir, keep } => backup(&cli.socket, dir, keep).await,
     };
     match result {
         Ok(code) => code,
@@ -60,6 +127,12 @@ async fn env(socket: &std::path::Path, json: bool) -> anyhow::Result<ExitCode> {
             output::line(&format!("{k}={}", val.as_str().unwrap_or_default()));
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn backup(socket: &std::path::Path, dir: Option<PathBuf>, keep: usize) -> anyhow::Result<ExitCode> {
+    let v = client::request(socket, "POST", "/v1/admin/backup", Some(serde_json::json!({"dir": dir, "keep": keep}))).await?;
+    output::line(&format!("backup written: {}", v["path"].as_str().unwrap_or("?")));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -84,5 +157,9 @@ mod tests {
         Cli::command().debug_assert();
         assert!(Cli::try_parse_from(["gpuhub", "env", "--json"]).is_ok());
         assert!(Cli::try_parse_from(["gpuhub", "bogus"]).is_err());
+        assert!(Cli::try_parse_from(["gpuhub", "keys", "create", "--user", "alice", "--app", "ocr", "--models", "a,b"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "keys", "create", "--user", "alice"]).is_err());
+        assert!(Cli::try_parse_from(["gpuhub", "keys", "revoke"]).is_err());
+        assert!(Cli::try_parse_from(["gpuhub", "usage", "--calls", "--since", "12h"]).is_ok());
     }
 }

@@ -19,6 +19,32 @@ pub enum LauncherKind {
     Slurm,
 }
 
+/// `[workers]`: settings shared by every on-demand model worker (`local` and `slurm`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkersConfig {
+    /// Address workers bind (`{host}`). Loopback by default, so only the gateway reaches them.
+    pub host: String,
+    /// Directory for job scripts, address files and worker logs (default:
+    /// `slurm.worker_dir`, else `<state_dir>/workers`). Slurm jobs must be able to write it.
+    pub dir: Option<PathBuf>,
+    /// GPU memory workers may use in total, GiB. Without it, placement uses NVML's free memory
+    /// (and without NVML, every model fits).
+    pub vram_gib: Option<f64>,
+    /// Longest wait for in-flight calls when a worker is unloaded, seconds.
+    pub drain_timeout_s: u64,
+    /// Failed starts or crashes in a row before a model is marked `failed` with back-off.
+    pub max_restarts: u32,
+    /// First back-off after a failure, seconds (doubles each time, at most 10 minutes).
+    pub backoff_s: u64,
+}
+
+impl Default for WorkersConfig {
+    fn default() -> Self {
+        Self { host: "127.0.0.1".into(), dir: None, vram_gib: None, drain_timeout_s: 30, max_restarts: 3, backoff_s: 5 }
+    }
+}
+
 /// GPUs or shards a worker needs (Slurm `--gres`).
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]

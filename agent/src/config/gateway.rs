@@ -15,6 +15,8 @@ pub struct GatewayConfig {
     pub keepalive_s: u64,
     /// Upper bound for a whole upstream call, seconds.
     pub upstream_timeout_s: u64,
+    /// A request body must arrive within this many seconds (slow clients get a 408).
+    pub body_timeout_s: u64,
     /// Bound of the in-memory usage-log queue before rows spill to disk.
     pub usage_queue: usize,
     pub sso: SsoConfig,
@@ -28,6 +30,7 @@ impl Default for GatewayConfig {
             max_body_bytes: 32 * 1024 * 1024,
             keepalive_s: 10,
             upstream_timeout_s: 600,
+            body_timeout_s: 30,
             usage_queue: 10_000,
             sso: SsoConfig::default(),
         }
@@ -61,6 +64,11 @@ impl GatewayConfig {
         }
         if self.max_body_bytes < 1024 {
             return Err(("gateway.max_body_bytes".into(), "must be at least 1024".into()));
+        }
+        for (key, v) in [("gateway.keepalive_s", self.keepalive_s), ("gateway.upstream_timeout_s", self.upstream_timeout_s), ("gateway.body_timeout_s", self.body_timeout_s)] {
+            if v == 0 {
+                return Err((key.into(), "must be at least 1 second".into()));
+            }
         }
         if self.usage_queue == 0 {
             return Err(("gateway.usage_queue".into(), "must be at least 1".into()));

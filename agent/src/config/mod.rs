@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use catalog::{LauncherKind, ModelConfig, ResourceRequest};
+pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig};
 pub use gateway::{GatewayConfig, SsoConfig};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
@@ -59,6 +59,8 @@ pub struct ConfigFile {
     pub roles: std::collections::BTreeMap<String, String>,
     /// The model catalog: `[[models]]` entries.
     pub models: Vec<ModelConfig>,
+    /// Settings shared by on-demand model workers.
+    pub workers: WorkersConfig,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

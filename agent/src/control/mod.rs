@@ -7,6 +7,7 @@
 pub mod client;
 pub mod peer;
 pub mod server;
+pub mod status;
 
 pub use peer::{Caller, PeerCred};
 pub use server::serve;

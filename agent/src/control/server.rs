@@ -16,6 +16,11 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/whoami", get(whoami))
         .route("/v1/env", get(env))
+        .merge(crate::names::api::routes())
+        .merge(crate::gateway::api::routes())
+        .merge(crate::models::api::routes())
+        .route("/v1/status", get(super::status::status))
+        .route("/v1/admin/backup", axum::routing::post(super::status::backup))
         .with_state(state)
 }
 

@@ -1,5 +1,108 @@
-//! The OpenAI-compatible gateway: one API for every model on the node.
+//! The OpenAI-compatible gateway: one API for every model on the node, every call accounted for.
+//!
+//! # Parts
+//! - [`router`]: the route table and middleware order (auth on by default).
+//! - [`auth`]: API keys (hashes only), per-job tokens, the SSO header from trusted proxies.
+//! - [`parse`]: the `model`/`stream` of a JSON body or multipart form, nothing more.
+//! - [`proxy`]: forwards any `/v1/*` call that names a model, without understanding the route.
+//! - [`stream`]: SSE pass-through chunk by chunk, keep-alives, usage capture.
+//! - [`models_list`]: `GET /v1/models`.
+//! - [`error`]: the one OpenAI-shaped error type.
+//! - [`usage_log`]: one row per call, journaled to disk, written in batches.
+//! - [`metrics`]: requests, errors, tokens, latency, overhead, in-flight, queued.
+//! - [`api`]: the control-socket routes for `gpuhub keys` and `gpuhub usage --calls`.
 
+pub mod api;
+pub mod auth;
+pub mod error;
+pub mod metrics;
+pub mod models_list;
+pub mod parse;
+pub mod proxy;
 pub mod router;
+pub mod stream;
+pub mod usage_log;
 
+use std::time::{Duration, Instant};
+
+use prometheus_client::registry::Registry;
+
+pub use error::GatewayError;
 pub use router::router;
+
+use crate::config::Config;
+use crate::store::Store;
+use usage_log::{UsageLog, UsageRow};
+
+/// The gateway's long-lived parts (in `AppState::gateway`).
+pub struct Gateway {
+    pub metrics: metrics::GatewayMetrics,
+    pub usage: UsageLog,
+    pub keys: auth::KeyCache,
+    /// One pooled HTTP/1.1 client for every upstream (TCP_NODELAY: small SSE chunks must not
+    /// wait for Nagle).
+    pub http: reqwest::Client,
+}
+
+impl Gateway {
+    /// Registers metrics in `registry` (the `gpuhub` sub-registry), loads the API keys and
+    /// starts the usage-log writer.
+    pub async fn start(config: &Config, store: &Store, registry: &mut Registry) -> anyhow::Result<Gateway> {
+        use anyhow::Context;
+        let metrics = metrics::GatewayMetrics::register(registry);
+        let usage = UsageLog::start(&config.file.paths.state_dir, store.clone(), config.file.gateway.usage_queue, registry)?;
+        let keys = auth::KeyCache::default();
+        keys.replace(store.api_keys().await.context("cannot load the gateway's API keys from the store")?);
+        let http = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .pool_max_idle_per_host(256)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .context("cannot build the upstream HTTP client")?;
+        Ok(Gateway { metrics, usage, keys, http })
+    }
+
+    /// Ends a call: metrics, then the usage log (journaled before this returns).
+    pub fn finish(&self, row: UsageRow) {
+        self.metrics.observe(&row);
+        self.usage.record(row);
+    }
+}
+
+/// Per-request facts gathered by the auth middleware (request extension).
+#[derive(Debug, Clone)]
+pub struct RequestMeta {
+    pub request_id: String,
+    pub started: Instant,
+    pub time_us: i64,
+    pub client_addr: String,
+    pub user_agent: String,
+}
+
+impl RequestMeta {
+    /// A usage row pre-filled with what is known before the body is read.
+    pub fn row(&self, route: &str, id: &auth::Identity) -> UsageRow {
+        UsageRow {
+            request_id: self.request_id.clone(),
+            time_us: self.time_us,
+            user: id.user.clone(),
+            app: id.app.clone(),
+            job_id: id.job_id,
+            client_addr: self.client_addr.clone(),
+            user_agent: self.user_agent.clone(),
+            route: route.to_string(),
+            ..UsageRow::default()
+        }
+    }
+}
+
+/// A fresh request id (128 random bits, hex).
+pub fn new_request_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Microseconds since `t`.
+pub(crate) fn us_since(t: Instant) -> i64 {
+    i64::try_from(t.elapsed().as_micros()).unwrap_or(i64::MAX)
+}

@@ -1,16 +1,68 @@
 //! Route table and middleware order. Keep this file short: handlers live in their modules.
+//!
+//! Authentication is on by default: every route added to `authed` (and the `/v1/*` fallback
+//! that forwards calls) passes [`authenticate`] first. Only the explicit allow-list below
+//! (`/healthz`, `/readyz`; `/metrics` is on its own listener) skips it, so a new route cannot
+//! forget auth.
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::IntoResponse;
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
+use super::{RequestMeta, auth, models_list, proxy};
 use crate::AppState;
 
-/// The gateway's routes. `/healthz`, `/readyz` are the only routes without auth.
+/// The gateway's routes.
 pub fn router(state: AppState) -> Router {
-    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).with_state(state)
+    let authed = Router::new()
+        .route("/v1/models", get(models_list::list))
+        .route("/v1/models/{*name}", get(models_list::get))
+        .fallback(proxy::forward)
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .merge(authed)
+        .with_state(state)
+}
+
+/// Stamps the request (id, arrival time, peer) and authenticates it. A refusal is answered
+/// OpenAI-shaped and logged as a usage row like any other call.
+async fn authenticate(State(state): State<AppState>, ConnectInfo(peer): ConnectInfo<SocketAddr>, mut req: Request, next: Next) -> Response {
+    let meta = RequestMeta {
+        request_id: super::new_request_id(),
+        started: Instant::now(),
+        time_us: crate::util::now_us(),
+        client_addr: peer.ip().to_string(),
+        user_agent: req.headers().get(axum::http::header::USER_AGENT).and_then(|v| v.to_str().ok()).unwrap_or("").chars().take(256).collect(),
+    };
+    let request_id = HeaderValue::from_str(&meta.request_id).ok();
+    let mut resp = match auth::authenticate(&state, req.headers(), peer) {
+        Ok(id) => {
+            req.extensions_mut().insert(meta);
+            req.extensions_mut().insert(id);
+            next.run(req).await
+        }
+        Err(e) => {
+            let mut row = meta.row(req.uri().path(), &auth::Identity::default());
+            row.status = e.status().as_u16();
+            row.error_code = e.code().to_string();
+            row.latency_us = super::us_since(meta.started);
+            row.overhead_us = row.latency_us;
+            state.gateway.finish(row);
+            e.into_response()
+        }
+    };
+    if let Some(id) = request_id {
+        resp.headers_mut().insert("x-request-id", id);
+    }
+    resp
 }
 
 /// Process up.

@@ -1,15 +1,42 @@
-//! Turns a model name into a ready upstream.
+//! Turns a model name into a ready upstream, starting its worker on the first call and
+//! stopping it when idle.
 //!
-//! This first version serves `launcher = "static"` upstreams (an always-on server at a URL).
-//! Workers started on demand (`local`, `slurm`) plug in here behind the same `acquire` call.
+//! One [`Worker`] per catalog entry holds the state machine
+//! `unloaded → pending (Slurm's reason) → starting → ready → draining → unloaded`, plus
+//! `failed` (with the last lines of the worker's log and a back-off). Every transition goes
+//! through [`Shared::transition`], which logs it once and updates the metrics.
+//!
+//! - Single flight: the first `acquire` that finds a model unloaded flips it to pending/starting
+//!   under the worker's lock and spawns the one load task; every other caller waits on the
+//!   worker's watch channel (bounded by `max_concurrency + queue_len`; over it: 429).
+//! - A load never holds a lock another model needs: each worker has its own mutex, and the
+//!   placement mutex is held only while deciding what to evict.
+//! - Readiness is polled from 2 ms, backing off to 50 ms, so a ready worker is noticed within
+//!   a few ms instead of a fixed 5 s.
+//! - A supervisor task per running worker detects crashes and idle time.
+//! - Workers' jobs are recorded in the store and adopted after an agent restart.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use serde::Serialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::Catalog;
-use crate::config::LauncherKind;
+use super::launcher::{self, Instance, LaunchSpec, Launchers, RunState};
+use super::metrics::ModelMetrics;
+use super::mlflow::Mlflow;
+use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
+use crate::store::{Store, WorkerRow};
+use crate::telemetry::GpuInfo;
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+const LOG_TAIL_LINES: usize = 10;
 
 /// Why a model cannot serve a call right now. Each message names the model and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +49,38 @@ pub enum ModelError {
     Unavailable { model: String, reason: String },
     #[error("model `{model}` did not become ready within {seconds}s; see `gpuhub models` for its log")]
     LoadTimeout { model: String, seconds: u64 },
+}
+
+/// The states a model is in; the names are what `/v1/models`, the CLI and metrics show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    Unloaded,
+    Pending,
+    Starting,
+    Ready,
+    Draining,
+    Failed,
+}
+
+impl State {
+    pub const ALL: [State; 6] = [State::Unloaded, State::Pending, State::Starting, State::Ready, State::Draining, State::Failed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Unloaded => "unloaded",
+            State::Pending => "pending",
+            State::Starting => "starting",
+            State::Ready => "ready",
+            State::Draining => "draining",
+            State::Failed => "failed",
+        }
+    }
+
+    /// Holds (or is about to hold) GPU memory.
+    fn holds_gpu(self) -> bool {
+        matches!(self, State::Pending | State::Starting | State::Ready | State::Draining)
+    }
 }
 
 /// A permission to forward one call to a ready upstream. Dropping it ends the call (in-flight
@@ -38,22 +97,35 @@ pub struct Lease {
 
 impl Lease {
     pub fn in_flight(&self) -> u32 {
-        self.guard.0.in_flight.load(Ordering::Relaxed)
+        self.guard.worker.in_flight.load(Ordering::Relaxed)
     }
 }
 
 #[derive(Debug)]
-struct InFlightGuard(Arc<Slot>);
+struct InFlightGuard {
+    worker: Arc<Worker>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let w = &self.worker;
+        {
+            let mut s = w.lock();
+            s.last_used = Instant::now();
+        }
+        w.in_flight.fetch_sub(1, Ordering::AcqRel);
+        w.bump();
     }
 }
 
-#[derive(Debug, Default)]
-struct Slot {
-    in_flight: AtomicU32,
+/// Counts a caller that waits for a load or a concurrency slot.
+struct WaitGuard(Arc<Worker>);
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What `/v1/models`, `gpuhub models` and metrics show per model.
@@ -64,59 +136,822 @@ pub struct ModelStatus {
     pub role: Option<String>,
     pub aliases: Vec<String>,
     pub in_flight: u32,
+    /// Slurm's pending reason, why it failed or was unloaded, what it evicted.
     pub detail: Option<String>,
+    pub launcher: LauncherKind,
+    /// The version being served (MLflow `@production` at the worker's start).
+    pub version: Option<String>,
+    /// Slurm job id or local pid of the current worker.
+    pub worker_id: Option<String>,
+    pub vram_gib: f64,
+    /// Seconds since the last call ended (ready workers).
+    pub idle_s: Option<u64>,
+    pub idle_timeout_s: u64,
+    /// The last lines of the worker's log (failed workers).
+    pub log_tail: Vec<String>,
+    pub waiting: u32,
 }
 
-pub struct ModelManager {
+#[derive(Debug)]
+struct WState {
+    state: State,
+    instance: Option<Arc<Instance>>,
+    last_used: Instant,
+    /// Load attempts started so far; waiters remember the one they wait for.
+    attempt: u64,
+    /// The last attempt that failed, and the message its waiters get.
+    outcome: Option<(u64, String)>,
+    /// Failed starts and crashes in a row.
+    failures: u32,
+    retry_at: Option<Instant>,
+    detail: Option<String>,
+    log_tail: Vec<String>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Worker {
+    cfg: Arc<ModelConfig>,
+    st: Mutex<WState>,
+    changed: watch::Sender<u64>,
+    /// Calls holding a lease or waiting for a concurrency slot of a ready worker.
+    in_flight: AtomicU32,
+    /// Calls waiting for a load.
+    waiting: AtomicU32,
+    permits: Arc<Semaphore>,
+}
+
+impl Worker {
+    fn new(cfg: Arc<ModelConfig>) -> Worker {
+        Worker {
+            permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
+            cfg,
+            st: Mutex::new(WState {
+                state: State::Unloaded,
+                instance: None,
+                last_used: Instant::now(),
+                attempt: 0,
+                outcome: None,
+                failures: 0,
+                retry_at: None,
+                detail: None,
+                log_tail: Vec::new(),
+            }),
+            changed: watch::channel(0).0,
+            in_flight: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, WState> {
+        // A poisoned lock only means a panic elsewhere; the state itself stays consistent.
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|g| *g = g.wrapping_add(1));
+    }
+
+    fn busy(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) > 0 || self.waiting.load(Ordering::Acquire) > 0
+    }
+}
+
+/// What the on-demand machinery needs (absent in [`ModelManager::new`], static-only).
+struct Runtime {
+    launchers: Launchers,
+    store: Option<Store>,
+    metrics: ModelMetrics,
+    cfg: WorkersConfig,
+    dir: std::path::PathBuf,
+    gpus: Box<dyn Fn() -> Vec<GpuInfo> + Send + Sync>,
+    mlflow: Option<Mlflow>,
+    /// Last `@production` version seen per MLflow model (fallback when MLflow is down).
+    versions: Mutex<BTreeMap<String, String>>,
+    tasks: TaskTracker,
+    shutdown: CancellationToken,
+    /// One placement decision at a time (held while evicting, never while loading).
+    placement: tokio::sync::Mutex<()>,
+}
+
+struct Shared {
     catalog: Arc<Catalog>,
-    slots: std::collections::BTreeMap<String, Arc<Slot>>,
+    workers: BTreeMap<String, Arc<Worker>>,
+    rt: Option<Runtime>,
+}
+
+/// The models of this agent and their workers.
+pub struct ModelManager {
+    shared: Arc<Shared>,
+}
+
+/// What [`ModelManager::start`] needs from the agent.
+pub struct ManagerDeps<'a> {
+    pub config: &'a Config,
+    pub store: Option<Store>,
+    pub registry: &'a mut prometheus_client::registry::Registry,
+    pub gpus: Box<dyn Fn() -> Vec<GpuInfo> + Send + Sync>,
+    pub tasks: TaskTracker,
+    pub shutdown: CancellationToken,
 }
 
 impl ModelManager {
+    /// A manager for `launcher = "static"` models only (on-demand models answer 503).
     pub fn new(catalog: Arc<Catalog>) -> ModelManager {
-        let slots = catalog.models().map(|m| (m.name.clone(), Arc::new(Slot::default()))).collect();
-        ModelManager { catalog, slots }
+        let workers = catalog.models().map(|m| (m.name.clone(), Arc::new(Worker::new(m.clone())))).collect();
+        ModelManager { shared: Arc::new(Shared { catalog, workers, rt: None }) }
+    }
+
+    /// The full manager: launchers, metrics, MLflow, and adoption of the workers a previous
+    /// agent left running (done before this returns, so no call can start a duplicate).
+    pub async fn start(catalog: Arc<Catalog>, deps: ManagerDeps<'_>) -> ModelManager {
+        let workers: BTreeMap<String, Arc<Worker>> = catalog.models().map(|m| (m.name.clone(), Arc::new(Worker::new(m.clone())))).collect();
+        let f = &deps.config.file;
+        let dir = f.workers.dir.clone().or_else(|| f.slurm.worker_dir.clone()).unwrap_or_else(|| f.paths.state_dir.join("workers"));
+        let metrics = ModelMetrics::register(deps.registry);
+        for name in workers.keys() {
+            metrics.set_state(name, None, State::Unloaded);
+        }
+        let rt = Runtime {
+            launchers: Launchers { local: launcher::local::Local, slurm: launcher::slurm::Slurm { cfg: f.slurm.clone(), dir: dir.clone() } },
+            store: deps.store,
+            metrics,
+            cfg: f.workers.clone(),
+            dir,
+            gpus: deps.gpus,
+            mlflow: f.mlflow.tracking_uri.as_deref().filter(|u| !u.is_empty()).map(Mlflow::new),
+            versions: Mutex::new(BTreeMap::new()),
+            tasks: deps.tasks,
+            shutdown: deps.shutdown,
+            placement: tokio::sync::Mutex::new(()),
+        };
+        let shared = Arc::new(Shared { catalog, workers, rt: Some(rt) });
+        shared.heartbeat();
+        shared.adopt_all().await;
+        ModelManager { shared }
     }
 
     /// Waits until `model` can take a call and returns the lease for it.
     pub async fn acquire(&self, model: &str) -> Result<Lease, ModelError> {
-        let entry = self.catalog.get(model).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
-        let slot = self.slots.get(&entry.name).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
-        let limit = entry.max_concurrency + entry.queue_len;
-        let now = slot.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
-        let guard = InFlightGuard(slot.clone());
-        if now > limit {
-            return Err(ModelError::Overloaded { model: entry.name.clone(), in_flight: now - 1, queue: entry.queue_len, retry_after_s: 1 });
-        }
-        match entry.launcher {
-            LauncherKind::Static => Ok(Lease {
-                model: entry.name.clone(),
-                base_url: entry.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
-                api_key: entry.api_key.clone(),
-                version: None,
-                guard,
-            }),
-            LauncherKind::Local | LauncherKind::Slurm => Err(ModelError::Unavailable {
-                model: entry.name.clone(),
-                reason: "on-demand workers are not available in this build".into(),
-            }),
-        }
+        let entry = self.shared.catalog.get(model).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
+        let w = self.shared.workers.get(&entry.name).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?.clone();
+        self.shared.acquire(w).await
     }
 
     pub fn statuses(&self) -> Vec<ModelStatus> {
-        self.catalog
-            .models()
-            .map(|m| ModelStatus {
-                name: m.name.clone(),
-                state: match m.launcher {
-                    LauncherKind::Static => "ready",
-                    _ => "unloaded",
-                },
-                role: self.catalog.roles().iter().find(|(_, v)| v.as_deref() == Some(m.name.as_str())).map(|(r, _)| r.clone()),
-                aliases: self.catalog.aliases_of(&m.name),
-                in_flight: self.slots.get(&m.name).map(|s| s.in_flight.load(Ordering::Relaxed)).unwrap_or(0),
-                detail: None,
+        self.shared.workers.values().map(|w| self.shared.status(w)).collect()
+    }
+
+    pub fn status(&self, model: &str) -> Option<ModelStatus> {
+        let name = &self.shared.catalog.get(model)?.name;
+        self.shared.workers.get(name).map(|w| self.shared.status(w))
+    }
+
+    /// Loads `model` now (as a first call would) and waits until it is ready.
+    pub async fn load(&self, model: &str) -> Result<ModelStatus, ModelError> {
+        let lease = self.acquire(model).await?;
+        drop(lease);
+        self.status(model).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))
+    }
+
+    /// Drains and stops `model`'s worker. Returns false if it was not ready.
+    pub async fn unload(&self, model: &str, reason: &str) -> Result<bool, ModelError> {
+        let entry = self.shared.catalog.get(model).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
+        let Some(w) = self.shared.workers.get(&entry.name) else { return Err(ModelError::NotInCatalog(model.to_string())) };
+        Ok(self.shared.unload(w, reason).await)
+    }
+
+    pub fn mlflow(&self) -> Option<&Mlflow> {
+        self.shared.rt.as_ref().and_then(|rt| rt.mlflow.as_ref())
+    }
+
+    /// Remembers a version just promoted, so the next start uses it even if MLflow is down.
+    pub fn note_version(&self, mlflow_model: &str, version: &str) {
+        if let Some(rt) = &self.shared.rt {
+            rt.versions.lock().unwrap_or_else(|p| p.into_inner()).insert(mlflow_model.to_string(), version.to_string());
+        }
+    }
+
+    /// A receiver that changes whenever `model`'s state or in-flight count changes (for SSE
+    /// keep-alive comments while a load is under way).
+    pub fn watch(&self, model: &str) -> Option<watch::Receiver<u64>> {
+        let name = &self.shared.catalog.get(model)?.name;
+        self.shared.workers.get(name).map(|w| w.changed.subscribe())
+    }
+}
+
+impl Shared {
+    fn status(&self, w: &Worker) -> ModelStatus {
+        let m = &w.cfg;
+        let s = w.lock();
+        ModelStatus {
+            name: m.name.clone(),
+            state: if m.launcher == LauncherKind::Static { "ready" } else { s.state.as_str() },
+            role: self.catalog.roles().iter().find(|(_, v)| v.as_deref() == Some(m.name.as_str())).map(|(r, _)| r.clone()),
+            aliases: self.catalog.aliases_of(&m.name),
+            in_flight: w.in_flight.load(Ordering::Relaxed),
+            detail: s.detail.clone(),
+            launcher: m.launcher,
+            version: s.instance.as_ref().and_then(|i| i.version.clone()),
+            worker_id: s.instance.as_ref().map(|i| i.id.clone()),
+            vram_gib: m.resources.vram_gib,
+            idle_s: (s.state == State::Ready).then(|| s.last_used.elapsed().as_secs()),
+            idle_timeout_s: m.idle_timeout_s,
+            log_tail: s.log_tail.clone(),
+            waiting: w.waiting.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The one place a state changes: logged once, counted, published.
+    fn transition(&self, w: &Worker, s: &mut WState, to: State, detail: Option<String>) {
+        let from = s.state;
+        s.state = to;
+        s.detail = detail;
+        if from != to {
+            match to {
+                State::Failed => tracing::error!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state"),
+                _ => tracing::info!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state"),
+            }
+            if let Some(rt) = &self.rt {
+                rt.metrics.set_state(&w.cfg.name, Some(from), to);
+            }
+        }
+        w.bump();
+    }
+
+    async fn acquire(self: &Arc<Self>, w: Arc<Worker>) -> Result<Lease, ModelError> {
+        let m = w.cfg.clone();
+        let total = w.in_flight.load(Ordering::Acquire) + w.waiting.fetch_add(1, Ordering::AcqRel);
+        let waiting = WaitGuard(w.clone());
+        if total >= m.max_concurrency + m.queue_len {
+            let retry_after_s = if w.lock().state == State::Ready { 1 } else { 5 };
+            return Err(ModelError::Overloaded { model: m.name.clone(), in_flight: w.in_flight.load(Ordering::Relaxed), queue: m.queue_len, retry_after_s });
+        }
+        if m.launcher == LauncherKind::Static {
+            w.in_flight.fetch_add(1, Ordering::AcqRel);
+            drop(waiting);
+            let permit = w.permits.clone().acquire_owned().await.ok();
+            return Ok(Lease {
+                model: m.name.clone(),
+                base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
+                api_key: m.api_key.clone(),
+                version: None,
+                guard: InFlightGuard { worker: w, _permit: permit },
+            });
+        }
+        let Some(rt) = &self.rt else {
+            return Err(ModelError::Unavailable { model: m.name.clone(), reason: "on-demand workers are not running in this process".into() });
+        };
+        let deadline = Instant::now() + Duration::from_secs(m.load_timeout_s);
+        let mut rx = w.changed.subscribe();
+        let mut mine: Option<u64> = None;
+        let instance = loop {
+            rx.borrow_and_update();
+            {
+                let mut s = w.lock();
+                if let (Some(a), Some((failed, msg))) = (mine, &s.outcome) {
+                    if *failed == a {
+                        return Err(ModelError::Unavailable { model: m.name.clone(), reason: msg.clone() });
+                    }
+                }
+                match s.state {
+                    State::Ready => {
+                        if let Some(i) = s.instance.clone() {
+                            // Counted under the lock, so a drain that starts now waits for us.
+                            w.in_flight.fetch_add(1, Ordering::AcqRel);
+                            s.last_used = Instant::now();
+                            break i;
+                        }
+                    }
+                    State::Failed if s.retry_at.is_some_and(|t| t > Instant::now()) => {
+                        let secs = s.retry_at.map(|t| t.saturating_duration_since(Instant::now()).as_secs() + 1).unwrap_or(0);
+                        let mut reason = format!("{}; gpuhub retries in {secs}s (or run `gpuhub models load {}`)", s.detail.clone().unwrap_or_else(|| "it failed".into()), m.name);
+                        if !s.log_tail.is_empty() {
+                            reason.push_str(&format!("; last log lines: {}", s.log_tail.join(" | ")));
+                        }
+                        return Err(ModelError::Unavailable { model: m.name.clone(), reason });
+                    }
+                    State::Unloaded | State::Failed => {
+                        s.attempt += 1;
+                        mine = Some(s.attempt);
+                        let first = if m.launcher == LauncherKind::Slurm { State::Pending } else { State::Starting };
+                        self.transition(&w, &mut s, first, Some("placing: checking GPU memory".into()));
+                        let (me, w2, attempt) = (self.clone(), w.clone(), s.attempt);
+                        rt.tasks.spawn(async move { me.load(w2, attempt).await });
+                    }
+                    State::Pending | State::Starting | State::Draining => {
+                        if mine.is_none() && s.state != State::Draining {
+                            mine = Some(s.attempt);
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return Err(ModelError::Unavailable { model: m.name.clone(), reason: "the agent is shutting down".into() }) },
+                () = tokio::time::sleep_until(deadline) => return Err(ModelError::LoadTimeout { model: m.name.clone(), seconds: m.load_timeout_s }),
+            }
+        };
+        drop(waiting);
+        let permit = match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), w.permits.clone().acquire_owned()).await {
+            Ok(Ok(p)) => Some(p),
+            _ => {
+                // Give back the count taken above; the guard below would do it, but no lease.
+                w.in_flight.fetch_sub(1, Ordering::AcqRel);
+                w.bump();
+                return Err(ModelError::Overloaded { model: m.name.clone(), in_flight: m.max_concurrency, queue: m.queue_len, retry_after_s: 1 });
+            }
+        };
+        Ok(Lease {
+            model: m.name.clone(),
+            base_url: instance.base_url.clone(),
+            api_key: Some(instance.api_key.clone()),
+            version: instance.version.clone(),
+            guard: InFlightGuard { worker: w, _permit: permit },
+        })
+    }
+
+    /// The load task: place, launch, wait for health, then supervise.
+    async fn load(self: Arc<Self>, w: Arc<Worker>, attempt: u64) {
+        let Some(rt) = &self.rt else { return };
+        let started = Instant::now();
+        let result = self.load_inner(rt, &w).await;
+        match result {
+            Ok(inst) => {
+                let inst = Arc::new(inst);
+                {
+                    let mut s = w.lock();
+                    s.instance = Some(inst.clone());
+                    s.last_used = Instant::now();
+                    s.log_tail.clear();
+                    let detail = inst.version.as_ref().map(|v| format!("version {v}"));
+                    self.transition(&w, &mut s, State::Ready, detail);
+                }
+                rt.metrics.load_seconds(&w.cfg.name, started.elapsed().as_secs_f64());
+                self.supervise(w, inst).await;
+            }
+            Err(LoadFailure { message, tail, counts, instance }) => {
+                if let Some(inst) = &instance {
+                    rt.launchers.stop(inst).await;
+                    self.forget(&w.cfg.name, inst).await;
+                }
+                let mut s = w.lock();
+                s.instance = None;
+                s.log_tail = tail.clone();
+                let mut full = message.clone();
+                if !tail.is_empty() {
+                    full.push_str(&format!("; last log lines: {}", tail.join(" | ")));
+                }
+                s.outcome = Some((attempt, full));
+                if counts {
+                    s.failures += 1;
+                    let backoff = rt.cfg.backoff_s.saturating_mul(1 << s.failures.saturating_sub(1).min(7)).min(600);
+                    s.retry_at = Some(Instant::now() + Duration::from_secs(backoff));
+                    self.transition(&w, &mut s, State::Failed, Some(message));
+                } else {
+                    self.transition(&w, &mut s, State::Unloaded, Some(message));
+                }
+            }
+        }
+    }
+
+    async fn load_inner(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<Instance, LoadFailure> {
+        let m = &w.cfg;
+        let evicted = self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
+        let version = self.resolve_version(rt, m).await;
+        let port = launcher::pick_port(&rt.cfg.host).map_err(|e| LoadFailure::new(format!("cannot find a free port on {}: {e}", rt.cfg.host)))?;
+        let api_key = launcher::new_api_key();
+        let model_path = m.model_path.clone().unwrap_or_default().replace("{version}", version.as_deref().unwrap_or(""));
+        let port_s = port.to_string();
+        let command = launcher::render(
+            m.command.as_deref().unwrap_or(""),
+            &[("model", &m.name), ("model_path", &model_path), ("version", version.as_deref().unwrap_or("")), ("port", &port_s), ("host", &rt.cfg.host), ("api_key", &api_key)],
+        );
+        let spec = LaunchSpec {
+            model: m.name.clone(),
+            command,
+            env: m.env.clone(),
+            resources: m.resources.clone(),
+            workdir: m.workdir.clone(),
+            dir: rt.dir.clone(),
+            host: rt.cfg.host.clone(),
+            port,
+            api_key,
+            version,
+            orphan_after_s: m.idle_timeout_s.max(30),
+        };
+        let launch_us = crate::util::now_us();
+        let inst = rt.launchers.start(m.launcher, &spec).await.map_err(|e| LoadFailure::new(format!("cannot launch the worker: {e}")))?;
+        // launch_us: when sbatch (or the child) was started, for bench/models-coldstart.sh.
+        tracing::info!(model = %m.name, worker = %inst.id, url = %inst.base_url, version = inst.version.as_deref().unwrap_or(""), launch_us, "worker launched");
+        self.remember(rt, &m.name, &inst).await;
+        {
+            let mut s = w.lock();
+            let detail = if evicted.is_empty() { None } else { Some(format!("unloaded idle {} to make room", evicted.join(", "))) };
+            let to = if m.launcher == LauncherKind::Slurm { State::Pending } else { State::Starting };
+            let detail = detail.or_else(|| (to == State::Pending).then(|| format!("Slurm job {} submitted", inst.id)));
+            self.transition(w, &mut s, to, detail);
+        }
+        match self.wait_ready(rt, w, &inst, Instant::now() + Duration::from_secs(m.load_timeout_s)).await {
+            Ok(()) => Ok(inst),
+            Err((message, counts)) => Err(LoadFailure { message, tail: launcher::log_tail(&inst.log_path, LOG_TAIL_LINES), counts, instance: Some(inst) }),
+        }
+    }
+
+    /// Polls health from 2 ms, backing off to 50 ms; checks the launcher every 250 ms.
+    async fn wait_ready(&self, rt: &Runtime, w: &Worker, inst: &Instance, deadline: Instant) -> Result<(), (String, bool)> {
+        let m = &w.cfg;
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).pool_max_idle_per_host(0).build().unwrap_or_default();
+        let url = format!("{}{}", inst.base_url, m.health_path);
+        let mut delay = Duration::from_millis(2);
+        let mut next_poll = Instant::now();
+        let mut last: Option<RunState> = None;
+        loop {
+            if rt.shutdown.is_cancelled() {
+                return Err(("the agent is shutting down".into(), false));
+            }
+            if Instant::now() >= next_poll {
+                next_poll = Instant::now() + Duration::from_millis(250);
+                let run = rt.launchers.poll(inst).await;
+                if last.as_ref() != Some(&run) {
+                    match &run {
+                        RunState::Pending(reason) => {
+                            let mut s = w.lock();
+                            self.transition(w, &mut s, State::Pending, Some(format!("Slurm job {} pending: {reason}", inst.id)));
+                        }
+                        RunState::Running => {
+                            let mut s = w.lock();
+                            if s.state != State::Starting {
+                                self.transition(w, &mut s, State::Starting, Some(format!("worker {} running; waiting for {}", inst.id, m.health_path)));
+                            }
+                        }
+                        RunState::Gone(how) => return Err((format!("the worker ended before it was ready: {how}"), true)),
+                    }
+                    last = Some(run);
+                }
+            }
+            if !matches!(last, Some(RunState::Pending(_))) {
+                if let Ok(r) = http.get(&url).send().await {
+                    if r.status().is_success() {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err((format!("the worker did not answer {} within {}s (load_timeout_s); it was stopped", m.health_path, m.load_timeout_s), true));
+            }
+            tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
+            delay = (delay * 3 / 2).min(Duration::from_millis(50));
+        }
+    }
+
+    /// Watches a ready worker: crash → restart on the next call (or failed after repeated
+    /// crashes); idle past `idle_timeout_s` with nothing in flight → unload.
+    async fn supervise(self: &Arc<Self>, w: Arc<Worker>, inst: Arc<Instance>) {
+        let Some(rt) = &self.rt else { return };
+        let period = if inst.launcher == LauncherKind::Slurm { Duration::from_millis(1000) } else { Duration::from_millis(200) };
+        let idle = Duration::from_secs(w.cfg.idle_timeout_s);
+        let stable_after = Duration::from_secs(60);
+        let ready_at = Instant::now();
+        loop {
+            tokio::select! {
+                () = rt.shutdown.cancelled() => return,
+                () = tokio::time::sleep(period) => {}
+            }
+            {
+                let s = w.lock();
+                let current = s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst));
+                if !current || !matches!(s.state, State::Ready) {
+                    return; // unloaded or draining by someone else; they stop the worker
+                }
+            }
+            if let RunState::Gone(how) = rt.launchers.poll(&inst).await {
+                let tail = launcher::log_tail(&inst.log_path, LOG_TAIL_LINES);
+                self.forget(&w.cfg.name, &inst).await;
+                let mut s = w.lock();
+                if !s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) || s.state != State::Ready {
+                    return;
+                }
+                if ready_at.elapsed() > stable_after {
+                    s.failures = 0;
+                }
+                s.failures += 1;
+                s.instance = None;
+                s.log_tail = tail;
+                if s.failures >= rt.cfg.max_restarts.max(1) {
+                    let backoff = rt.cfg.backoff_s.saturating_mul(1 << s.failures.saturating_sub(1).min(7)).min(600);
+                    s.retry_at = Some(Instant::now() + Duration::from_secs(backoff));
+                    let failures = s.failures;
+                    self.transition(&w, &mut s, State::Failed, Some(format!("worker crashed {failures} times in a row (last: {how})")));
+                } else {
+                    self.transition(&w, &mut s, State::Unloaded, Some(format!("worker crashed ({how}); it restarts on the next call")));
+                }
+                return;
+            }
+            let idle_for = w.lock().last_used.elapsed();
+            if !w.busy() && idle_for >= idle {
+                self.unload(&w, &format!("idle for {}s (idle_timeout_s)", idle.as_secs())).await;
+                return;
+            }
+        }
+    }
+
+    /// Drains (waits for in-flight calls, at most `workers.drain_timeout_s`) and stops.
+    async fn unload(&self, w: &Arc<Worker>, reason: &str) -> bool {
+        let Some(rt) = &self.rt else { return false };
+        let mut rx = w.changed.subscribe();
+        let inst = {
+            let mut s = w.lock();
+            let Some(inst) = s.instance.clone() else { return false };
+            if s.state != State::Ready {
+                return false;
+            }
+            self.transition(w, &mut s, State::Draining, Some(format!("{reason}; draining")));
+            inst
+        };
+        let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
+        while w.in_flight.load(Ordering::Acquire) > 0 {
+            tokio::select! {
+                _ = rx.changed() => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(model = %w.cfg.name, in_flight = w.in_flight.load(Ordering::Relaxed), "drain timeout; stopping the worker with calls in flight");
+                    break;
+                }
+            }
+        }
+        rt.launchers.stop(&inst).await;
+        self.forget(&w.cfg.name, &inst).await;
+        let mut s = w.lock();
+        if s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) {
+            s.instance = None;
+            s.failures = 0;
+            self.transition(w, &mut s, State::Unloaded, Some(reason.to_string()));
+        }
+        true
+    }
+
+    /// Makes room for `w` on the GPUs: evicts idle workers, least recently used first.
+    /// Returns the evicted names, or the message for the caller's 503.
+    async fn place(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<Vec<String>, String> {
+        let need = w.cfg.resources.vram_gib;
+        if need <= 0.0 {
+            return Ok(Vec::new());
+        }
+        let _one_at_a_time = rt.placement.lock().await;
+        let mut evicted = Vec::new();
+        loop {
+            let Some(free) = self.free_gib(rt, &w.cfg.name) else { return Ok(evicted) };
+            if need <= free + 1e-9 {
+                if !evicted.is_empty() {
+                    tracing::info!(model = %w.cfg.name, evicted = %evicted.join(", "), "unloaded idle models to make room");
+                }
+                return Ok(evicted);
+            }
+            let victim = self
+                .workers
+                .values()
+                .filter(|o| o.cfg.name != w.cfg.name && o.cfg.resources.vram_gib > 0.0 && !o.busy())
+                .filter_map(|o| {
+                    let s = o.lock();
+                    (s.state == State::Ready).then(|| (s.last_used, o.clone()))
+                })
+                .min_by_key(|(t, _)| *t)
+                .map(|(_, o)| o);
+            let Some(victim) = victim else {
+                return Err(self.no_room_message(rt, w, need, free));
+            };
+            tracing::info!(model = %w.cfg.name, victim = %victim.cfg.name, need_gib = need, free_gib = free, "evicting the least recently used idle model");
+            rt.metrics.evicted(&victim.cfg.name);
+            if self.unload(&victim, &format!("evicted to make room for `{}`", w.cfg.name)).await {
+                evicted.push(format!("`{}`", victim.cfg.name));
+            }
+        }
+    }
+
+    /// GPU memory free for a new worker, GiB (`None`: unknown, so everything fits).
+    fn free_gib(&self, rt: &Runtime, except: &str) -> Option<f64> {
+        let others = |pred: fn(State) -> bool| -> f64 {
+            self.workers.values().filter(|o| o.cfg.name != except).filter(|o| pred(o.lock().state)).map(|o| o.cfg.resources.vram_gib).sum()
+        };
+        let budget = rt.cfg.vram_gib.map(|b| b - others(State::holds_gpu));
+        let gpus = (rt.gpus)();
+        // NVML already counts running workers; subtract those that are still loading.
+        let nvml = (!gpus.is_empty()).then(|| gpus.iter().map(|g| g.memory_free_bytes as f64 / GIB).sum::<f64>() - others(|s| matches!(s, State::Pending | State::Starting)));
+        match (budget, nvml) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn no_room_message(&self, rt: &Runtime, w: &Worker, need: f64, free: f64) -> String {
+        let mut holders: Vec<String> = self
+            .workers
+            .values()
+            .filter(|o| o.cfg.name != w.cfg.name)
+            .filter_map(|o| {
+                let s = o.lock();
+                s.state.holds_gpu().then(|| {
+                    let n = o.in_flight.load(Ordering::Relaxed) + o.waiting.load(Ordering::Relaxed);
+                    let why = if s.state == State::Ready { format!("{n} calls in flight") } else { s.state.as_str().to_string() };
+                    format!("`{}` ({:.1} GiB, {why})", o.cfg.name, o.cfg.resources.vram_gib)
+                })
             })
-            .collect()
+            .collect();
+        let gpus = (rt.gpus)();
+        if !gpus.is_empty() {
+            let used: f64 = gpus.iter().map(|g| (g.memory_total_bytes - g.memory_free_bytes.min(g.memory_total_bytes)) as f64 / GIB).sum();
+            let workers: f64 = self.workers.values().filter(|o| o.cfg.name != w.cfg.name && o.lock().state == State::Ready).map(|o| o.cfg.resources.vram_gib).sum();
+            if used - workers > 0.05 {
+                holders.push(format!("other GPU processes (training jobs?) ({:.1} GiB)", used - workers));
+            }
+        }
+        let held = if holders.is_empty() { "nothing gpuhub started".to_string() } else { holders.join(", ") };
+        format!(
+            "it needs {need:.1} GiB of GPU memory but only {:.1} GiB is free and no idle model can be unloaded; the GPU is held by {held}; retry when those calls finish, or free memory with `gpuhub models unload NAME`",
+            free.max(0.0)
+        )
+    }
+
+    /// `@production` for the worker about to start; the last known version when MLflow is down.
+    async fn resolve_version(&self, rt: &Runtime, m: &ModelConfig) -> Option<String> {
+        let name = m.mlflow_model.as_deref()?;
+        let Some(mlflow) = &rt.mlflow else {
+            tracing::warn!(model = %m.name, "mlflow_model is set but mlflow.tracking_uri is not; starting without a version");
+            return None;
+        };
+        let cached = || rt.versions.lock().unwrap_or_else(|p| p.into_inner()).get(name).cloned();
+        match mlflow.production_version(name).await {
+            Ok(Some(v)) => {
+                rt.versions.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), v.clone());
+                Some(v)
+            }
+            Ok(None) => {
+                tracing::warn!(model = %m.name, mlflow_model = name, "no @production alias in MLflow; starting the last known version");
+                cached()
+            }
+            Err(e) => {
+                tracing::warn!(model = %m.name, error = %e, "cannot resolve @production; starting the last known version");
+                cached()
+            }
+        }
+    }
+
+    async fn remember(&self, rt: &Runtime, model: &str, inst: &Instance) {
+        let Some(store) = &rt.store else { return };
+        let row = WorkerRow {
+            model: model.to_string(),
+            launcher: launcher_name(inst.launcher).into(),
+            instance_id: inst.id.clone(),
+            base_url: inst.base_url.clone(),
+            api_key: inst.api_key.clone(),
+            version: inst.version.clone(),
+            log_path: inst.log_path.display().to_string(),
+            started_us: inst.started_us,
+        };
+        if let Err(e) = store.put_worker(&row).await {
+            tracing::error!(model, worker = %inst.id, error = %e, "cannot record the worker; after an agent restart it will be cancelled instead of adopted");
+        }
+    }
+
+    async fn forget(&self, model: &str, inst: &Instance) {
+        let Some(store) = self.rt.as_ref().and_then(|rt| rt.store.as_ref()) else { return };
+        if let Err(e) = store.delete_worker(model, &inst.id).await {
+            tracing::error!(model, worker = %inst.id, error = %e, "cannot forget a stopped worker");
+        }
+    }
+
+    /// Touches `<workers dir>/agent.heartbeat` every 5 s while the agent runs; Slurm worker
+    /// jobs stop themselves when it goes stale (an agent that never came back).
+    fn heartbeat(&self) {
+        let Some(rt) = &self.rt else { return };
+        if !self.workers.values().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
+            return;
+        }
+        let path = rt.dir.join(launcher::slurm::HEARTBEAT_FILE);
+        let token = rt.shutdown.clone();
+        rt.tasks.spawn(async move {
+            let mut warned = false;
+            loop {
+                let touched = std::fs::create_dir_all(path.parent().unwrap_or(std::path::Path::new("/"))).and_then(|()| std::fs::write(&path, crate::util::now_s().to_string()));
+                if let Err(e) = touched {
+                    if !warned {
+                        tracing::error!(path = %path.display(), error = %e, "cannot touch the worker heartbeat; Slurm workers will stop themselves after their idle timeout");
+                        warned = true;
+                    }
+                }
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
+                }
+            }
+        });
+    }
+
+    /// After an agent restart: adopt the workers the store remembers and that still run; cancel
+    /// this agent's Slurm worker jobs nobody remembers (no orphan holds a GPU).
+    async fn adopt_all(self: &Arc<Self>) {
+        let Some(rt) = &self.rt else { return };
+        let rows = match &rt.store {
+            Some(store) => store.workers().await.unwrap_or_else(|e| {
+                tracing::error!(error = %e, "cannot read remembered workers; none adopted");
+                Vec::new()
+            }),
+            None => Vec::new(),
+        };
+        let mut adopted_jobs = Vec::new();
+        for row in rows {
+            let w = self.workers.get(&row.model).filter(|w| launcher_name(w.cfg.launcher) == row.launcher).cloned();
+            let inst = Instance {
+                launcher: if row.launcher == "slurm" { LauncherKind::Slurm } else { LauncherKind::Local },
+                id: row.instance_id.clone(),
+                base_url: row.base_url.clone(),
+                api_key: row.api_key.clone(),
+                version: row.version.clone(),
+                log_path: row.log_path.clone().into(),
+                started_us: row.started_us,
+                child: None,
+            };
+            let alive = match inst.launcher {
+                LauncherKind::Slurm => match rt.launchers.slurm.job(&inst.id).await {
+                    Ok(Some(j)) => j.name == launcher::slurm::job_name(&row.model) && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING"),
+                    _ => false,
+                },
+                _ => launcher::local::Local::adopt(&inst.id, &inst.api_key),
+            };
+            let Some(w) = w.filter(|_| alive) else {
+                if alive {
+                    tracing::warn!(model = %row.model, worker = %row.instance_id, "a remembered worker's model left the catalog; stopping it");
+                    rt.launchers.stop(&inst).await;
+                }
+                self.forget(&row.model, &inst).await;
+                continue;
+            };
+            tracing::info!(model = %row.model, worker = %row.instance_id, "adopting a worker started before the agent restarted");
+            if inst.launcher == LauncherKind::Slurm {
+                adopted_jobs.push(inst.id.clone());
+            }
+            let inst = Arc::new(inst);
+            {
+                let mut s = w.lock();
+                s.attempt += 1;
+                self.transition(&w, &mut s, State::Starting, Some(format!("adopting worker {} after an agent restart", inst.id)));
+            }
+            let (me, attempt) = (self.clone(), w.lock().attempt);
+            rt.tasks.spawn(async move { me.finish_adoption(w, inst, attempt).await });
+        }
+        if self.workers.values().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
+            match rt.launchers.slurm.own_jobs().await {
+                Ok(jobs) => {
+                    for j in jobs.into_iter().filter(|j| !adopted_jobs.contains(&j.id)) {
+                        tracing::warn!(job = %j.id, name = %j.name, "cancelling a worker job no agent remembers (orphan)");
+                        rt.launchers.slurm.cancel(&j.id).await;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot list worker jobs to cancel orphans"),
+            }
+        }
+    }
+
+    async fn finish_adoption(self: Arc<Self>, w: Arc<Worker>, inst: Arc<Instance>, attempt: u64) {
+        let Some(rt) = &self.rt else { return };
+        match self.wait_ready(rt, &w, &inst, Instant::now() + Duration::from_secs(w.cfg.load_timeout_s)).await {
+            Ok(()) => {
+                {
+                    let mut s = w.lock();
+                    s.instance = Some(inst.clone());
+                    s.last_used = Instant::now();
+                    let detail = Some(format!("adopted worker {}", inst.id));
+                    self.transition(&w, &mut s, State::Ready, detail);
+                }
+                self.supervise(w, inst).await;
+            }
+            Err((message, _)) => {
+                rt.launchers.stop(&inst).await;
+                self.forget(&w.cfg.name, &inst).await;
+                let mut s = w.lock();
+                s.outcome = Some((attempt, message.clone()));
+                self.transition(&w, &mut s, State::Unloaded, Some(format!("could not adopt worker {}: {message}", inst.id)));
+            }
+        }
+    }
+}
+
+struct LoadFailure {
+    message: String,
+    tail: Vec<String>,
+    /// A real failure (counts toward back-off), not "no room on the GPU".
+    counts: bool,
+    instance: Option<Instance>,
+}
+
+impl LoadFailure {
+    fn new(message: String) -> LoadFailure {
+        LoadFailure { message, tail: Vec::new(), counts: true, instance: None }
+    }
+}
+
+pub fn launcher_name(k: LauncherKind) -> &'static str {
+    match k {
+        LauncherKind::Static => "static",
+        LauncherKind::Local => "local",
+        LauncherKind::Slurm => "slurm",
     }
 }

@@ -1,8 +1,20 @@
 //! Model workers: the catalog, and the lifecycle that turns a model name into an upstream
 //! the gateway can forward to (starting the worker through a launcher when needed).
+//!
+//! - [`catalog`]: names, aliases and roles from `[[models]]`/`[roles]`.
+//! - [`lifecycle`]: the per-model state machine (single-flight load, queue, idle unload,
+//!   crash restart, adoption, VRAM-aware placement with LRU eviction).
+//! - [`launcher`]: `local` (child process) and `slurm` (sbatch/squeue/scancel) workers.
+//! - [`mlflow`]: `@production` resolution, discovery, eval-gated promotion.
+//! - [`metrics`]: `gpuhub_model_*` series.
+//! - [`api`]: the control-socket routes behind `gpuhub models`.
 
+pub mod api;
 pub mod catalog;
+pub mod launcher;
 pub mod lifecycle;
+pub mod metrics;
+pub mod mlflow;
 
 pub use catalog::Catalog;
-pub use lifecycle::{Lease, ModelError, ModelManager, ModelStatus};
+pub use lifecycle::{Lease, ManagerDeps, ModelError, ModelManager, ModelStatus, State};

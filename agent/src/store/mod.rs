@@ -21,6 +21,12 @@ use std::time::Duration;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
+mod backup;
+pub mod names;
+pub mod gateway;
+mod models;
+pub use models::WorkerRow;
+
 /// Which database the URL selected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {

@@ -53,9 +53,12 @@ impl Attributor {
                 return job.clone();
             }
         }
-        let job = from_environ(&dir).or_else(|| from_cgroup(&dir));
-        // Only cache when the process is still the same one after reading.
-        if start_time(&dir) == Some(start) {
+        let (env_job, env_seen) = from_environ(&dir);
+        let job = env_job.or_else(|| from_cgroup(&dir));
+        // Cache only a settled answer: the same process after reading, and an environment
+        // that was there. Right after execve the kernel shows an empty environ for a moment
+        // (measured: most reads straight after spawn), which must not stick as "no job".
+        if env_seen && start_time(&dir) == Some(start) {
             self.cache.insert(pid, (start, job.clone()));
         }
         job
@@ -76,8 +79,15 @@ fn start_time(dir: &Path) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
-fn from_environ(dir: &Path) -> Option<JobRef> {
-    let env = std::fs::read(dir.join("environ")).ok()?;
+/// The job from the process environment, and whether an environment was readable at all.
+fn from_environ(dir: &Path) -> (Option<JobRef>, bool) {
+    match std::fs::read(dir.join("environ")) {
+        Ok(env) if !env.is_empty() => (job_from_env(dir, &env), true),
+        _ => (None, false),
+    }
+}
+
+fn job_from_env(dir: &Path, env: &[u8]) -> Option<JobRef> {
     let mut job_id = None;
     let mut user = None;
     let mut shards = None;
@@ -170,15 +180,13 @@ mod tests {
             .unwrap();
         let pid = child.id();
         let mut a = Attributor::default();
-        // The child may still be between fork and exec: give it a moment to show its env.
-        let mut got = None;
-        for _ in 0..100 {
+        // Straight after spawn the kernel may still show an empty environ: that answer must
+        // not be cached, so asking again a moment later finds the job.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut got = a.attribute(pid);
+        while got.is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
             got = a.attribute(pid);
-            if got.is_some() {
-                break;
-            }
-            a.cache.clear();
-            std::thread::sleep(std::time::Duration::from_millis(10));
         }
         assert_eq!(got, Some(JobRef { job_id: 31337, user: "carol".into(), shards: Some(7) }));
         assert!(a.cache.contains_key(&pid));

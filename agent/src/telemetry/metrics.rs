@@ -24,12 +24,14 @@ pub struct GpuLabels {
     pub uuid: String,
 }
 
-/// One job on one GPU.
+/// One job on one GPU. The job label is `jobid` (as Princeton jobstats' cgroup exporter
+/// names it), not `job`: Prometheus owns `job` (the scrape job) and would rename ours to
+/// `exported_job`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct JobGpuLabels {
     pub gpu: String,
     pub uuid: String,
-    pub job: String,
+    pub jobid: String,
     pub user: String,
 }
 
@@ -123,7 +125,7 @@ impl GpuhubMetrics {
         );
         r.register_with_unit("gpu_power", "GPU power draw", watts(), m.gpu_power.clone());
         r.register_with_unit("gpu_energy", "GPU energy used since the agent started", Unit::Joules, m.gpu_energy.clone());
-        r.register_with_unit("gpu_utilization", "GPU utilisation (0-1)", Unit::Ratios, m.gpu_utilization.clone());
+        r.register_with_unit("gpu_utilization", "GPU utilisation (0-1)", Unit::Other("ratio".into()), m.gpu_utilization.clone());
         r.register_with_unit("gpu_temperature", "GPU die temperature", Unit::Celsius, m.gpu_temperature.clone());
         r.register_with_unit(
             "job_gpu_memory_used",
@@ -134,7 +136,7 @@ impl GpuhubMetrics {
         r.register_with_unit(
             "job_gpu_utilization",
             "SM utilisation of the job's processes on the GPU (0-1); the GPU's own when the job is alone on it",
-            Unit::Ratios,
+            Unit::Other("ratio".into()),
             m.job_gpu_utilization.clone(),
         );
         r.register_with_unit(

@@ -21,6 +21,7 @@
 
 pub mod attribution;
 pub mod dcgm;
+pub mod exposition;
 pub mod metrics;
 pub mod nvml;
 pub mod sampler;

@@ -127,7 +127,6 @@ pub struct GpuSampler {
     nvml_library: Option<PathBuf>,
     nvml: Option<NvmlSource>,
     next_open: Instant,
-    opened_once: bool,
     logged_no_nvml: bool,
     hostname: Arc<String>,
     job_map_dir: Option<PathBuf>,
@@ -163,7 +162,6 @@ impl GpuSampler {
             nvml_library: cfg.nvml_library.clone(),
             nvml: None,
             next_open: Instant::now(),
-            opened_once: false,
             logged_no_nvml: false,
             hostname: Arc::new(cfg.effective_hostname()),
             job_map_dir: cfg.job_map_dir.clone(),
@@ -209,7 +207,6 @@ impl GpuSampler {
                     src.driver_version().unwrap_or_else(|| "unknown".into())
                 );
                 self.nvml = Some(src);
-                self.opened_once = true;
                 self.logged_no_nvml = false;
             }
             Err(e) => {
@@ -328,7 +325,7 @@ impl GpuSampler {
                 } else {
                     1.0 / participants.max(1) as f64
                 };
-                let jl = JobGpuLabels { gpu: gl.gpu.clone(), uuid: s.uuid.clone(), job: id.to_string(), user: j.user.clone() };
+                let jl = JobGpuLabels { gpu: gl.gpu.clone(), uuid: s.uuid.clone(), jobid: id.to_string(), user: j.user.clone() };
                 self.own.job_gpu_memory_used.get_or_create(&jl).set(to_i64(j.vram));
                 self.own.job_gpu_utilization.get_or_create(&jl).set(util / 100.0);
                 self.own.job_gpu_processes.get_or_create(&jl).set(j.procs);
@@ -472,11 +469,6 @@ impl GpuSampler {
             Ok(text) => text.lines().filter_map(|l| l.trim().parse().ok()).collect(),
             Err(_) => Vec::new(),
         }
-    }
-
-    #[cfg(test)]
-    pub(crate) fn opened_once(&self) -> bool {
-        self.opened_once
     }
 }
 

@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
 use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -165,7 +166,10 @@ pub enum CommandError {
 /// Runs `bin args..` with a hard timeout; returns stdout.
 pub fn run_command(bin: &std::path::Path, args: &[&str], timeout: Duration) -> Result<String, CommandError> {
     let cmd = bin.display().to_string();
+    // Own process group, so a timeout kills the command's children too (a wrapper script's
+    // `sleep` would otherwise hold the pipes open).
     let mut child = Command::new(bin)
+        .process_group(0)
         .args(args)
         .env("LC_ALL", "C")
         .stdin(Stdio::null())
@@ -188,29 +192,38 @@ pub fn run_command(bin: &std::path::Path, args: &[&str], timeout: Duration) -> R
     let status = loop {
         match child.try_wait() {
             Ok(Some(status)) => break Some(status),
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) | Err(_) => {
+                kill_group(&mut child);
                 break None;
             }
         }
     };
-    let [out, err] = readers.map(|h| h.and_then(|h| h.join().ok()).unwrap_or_default());
     let Some(status) = status else {
+        // The readers end when the last holder of the pipes dies; they are not waited for, so
+        // a grandchild that escaped the group cannot stall the sampler.
         return Err(CommandError::Timeout { cmd, ms: timeout.as_millis() });
     };
+    let [out, err] = readers.map(|h| h.and_then(|h| h.join().ok()).unwrap_or_default());
     if !status.success() {
         let stderr = String::from_utf8_lossy(&err);
         let stderr = stderr.lines().last().unwrap_or("").trim().to_string();
         return Err(CommandError::Failed { cmd, status: status.to_string(), stderr });
     }
     Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// SIGKILLs the child's process group, then reaps the child.
+fn kill_group(child: &mut std::process::Child) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) with a negative pid signals the process group we created for this
+        // child (`process_group(0)`); the child is not reaped yet, so its pid (= pgid) is ours.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// The Slurm sampler; runs on its own thread.
@@ -438,6 +451,9 @@ x|RUNNING|gpu|a|b|None||gpu01
     fn a_hanging_command_is_killed_at_the_timeout() {
         let t0 = Instant::now();
         let err = run_command(std::path::Path::new("sleep"), &["30"], Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(err, CommandError::Timeout { .. }), "{err}");
+        // A wrapper script whose child holds the pipes: the whole group goes.
+        let err = run_command(std::path::Path::new("sh"), &["-c", "sleep 30; echo done"], Duration::from_millis(200)).unwrap_err();
         assert!(matches!(err, CommandError::Timeout { .. }), "{err}");
         assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
         assert!(err.to_string().contains("telemetry.slurm_timeout_ms"), "{err}");

@@ -1,0 +1,126 @@
+//! Control-socket routes for accounting (merged in `control/server.rs`):
+//!
+//! - `GET /v1/usage/gpu?since=30d&by=user|account|gpu|partition` → `{since, by, shards_per_gpu,
+//!   rows: [{key, <by>, jobs, gpu_seconds, shard_seconds, gpu_equivalent_seconds}], total}`
+//! - `GET /v1/jobs/{job_id}` → the job's summary per node, with per-GPU NVML measurements.
+//!
+//! A user sees their own jobs (the caller's uid from SO_PEERCRED); root and `admin.group` see all.
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::db::{self, JobGpuRow, JobRow};
+use super::usage::{self, UsageBy};
+use crate::AppState;
+use crate::control::Caller;
+
+type ApiResult = Result<Json<Value>, (StatusCode, Json<Value>)>;
+
+fn err(status: StatusCode, message: impl Into<String>) -> (StatusCode, Json<Value>) {
+    (status, Json(json!({"error": message.into()})))
+}
+
+fn store_err(e: sqlx::Error) -> (StatusCode, Json<Value>) {
+    tracing::error!(error = %e, "accounting control API: store failed");
+    err(StatusCode::SERVICE_UNAVAILABLE, "the store is not available right now; see the agent's log")
+}
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/v1/usage/gpu", get(usage_gpu)).route("/v1/jobs/{job_id}", get(job))
+}
+
+#[derive(Debug, Deserialize)]
+struct UsageQuery {
+    since: Option<String>,
+    by: Option<String>,
+}
+
+async fn usage_gpu(State(state): State<AppState>, caller: Caller, Query(q): Query<UsageQuery>) -> ApiResult {
+    let since = q.since.unwrap_or_else(|| "30d".into());
+    let since_s = crate::util::parse_duration_s(&since).map_err(|m| err(StatusCode::BAD_REQUEST, format!("since: {m}")))?;
+    let by = UsageBy::parse(q.by.as_deref().unwrap_or("user")).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
+    let spg = state.config.file.accounting.shards_per_gpu;
+    let body = usage_json(state.store.pool(), &caller, &since, since_s, by, spg).await.map_err(store_err)?;
+    Ok(Json(body))
+}
+
+/// The `/v1/usage/gpu` body (also used by tests without HTTP).
+pub async fn usage_json(pool: &sqlx::AnyPool, caller: &Caller, since: &str, since_s: i64, by: UsageBy, spg: u32) -> Result<Value, sqlx::Error> {
+    let now = crate::util::now_us();
+    let since_us = now.saturating_sub(since_s.saturating_mul(1_000_000));
+    let uid = (!caller.admin).then_some(i64::from(caller.uid));
+    let jobs = db::jobs_since(pool, since_us, uid).await?;
+    let rows = usage::aggregate(&jobs, by, since_us, now, spg);
+    let total = rows.iter().fold((0u64, 0.0, 0.0, 0.0), |t, r| {
+        (t.0 + r.jobs, t.1 + r.gpu_seconds, t.2 + r.shard_seconds, t.3 + r.gpu_equivalent_seconds)
+    });
+    let rows: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            json!({
+                "key": r.key, by.as_str(): r.key, "jobs": r.jobs, "gpu_seconds": r.gpu_seconds,
+                "shard_seconds": r.shard_seconds, "gpu_equivalent_seconds": r.gpu_equivalent_seconds,
+            })
+        })
+        .collect();
+    Ok(json!({
+        "since": since, "since_us": since_us, "until_us": now, "by": by.as_str(), "shards_per_gpu": spg,
+        "scope": if caller.admin { "all users" } else { "your jobs" },
+        "rows": rows,
+        "total": {"jobs": total.0, "gpu_seconds": total.1, "shard_seconds": total.2, "gpu_equivalent_seconds": total.3},
+    }))
+}
+
+async fn job(State(state): State<AppState>, caller: Caller, Path(job_id): Path<String>) -> ApiResult {
+    let id: u32 = job_id
+        .parse()
+        .map_err(|_| err(StatusCode::BAD_REQUEST, format!("`{job_id}` is not a Slurm job id (a number, e.g. 4242)")))?;
+    let spg = state.config.file.accounting.shards_per_gpu;
+    match job_json(state.store.pool(), &caller, id, spg).await.map_err(store_err)? {
+        Some(v) => Ok(Json(v)),
+        None if caller.admin => Err(err(StatusCode::NOT_FOUND, format!("no job {id} in the accounting records of this node"))),
+        None => Err(err(
+            StatusCode::NOT_FOUND,
+            format!("no job {id} of yours in the accounting records of this node (you see your own jobs; admins see all)"),
+        )),
+    }
+}
+
+/// The `/v1/jobs/{id}` body, or `None` when the caller may see no such job.
+pub async fn job_json(pool: &sqlx::AnyPool, caller: &Caller, job_id: u32, spg: u32) -> Result<Option<Value>, sqlx::Error> {
+    let now = crate::util::now_us();
+    let rows: Vec<(JobRow, Vec<JobGpuRow>)> =
+        db::job(pool, i64::from(job_id)).await?.into_iter().filter(|(j, _)| caller.admin || j.uid == i64::from(caller.uid)).collect();
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let nodes: Vec<Value> = rows
+        .iter()
+        .map(|(j, gpus)| {
+            let u = usage::aggregate(std::slice::from_ref(&(j.clone(), gpus.clone())), UsageBy::User, i64::MIN, now, spg);
+            let (g, s, e) = u.first().map_or((0.0, 0.0, 0.0), |r| (r.gpu_seconds, r.shard_seconds, r.gpu_equivalent_seconds));
+            let state = match (j.end_us, j.end_reason.as_deref()) {
+                (None, _) => "running",
+                (Some(_), Some("closed_after_reboot")) => "closed_after_reboot",
+                (Some(_), _) => "ended",
+            };
+            json!({
+                "node": j.node, "job_id": j.job_id, "user": j.user_name, "uid": j.uid, "account": j.account,
+                "partition": j.partition, "start_us": j.start_us.unwrap_or(j.first_seen_us), "end_us": j.end_us,
+                "state": state, "exit_code": j.exit_code, "shards": j.shards,
+                "anomalies": j.anomalies.split(',').filter(|a| !a.is_empty()).collect::<Vec<_>>(),
+                "seconds": usage::overlap_us(j, i64::MIN, now) as f64 / 1e6,
+                "gpu_seconds": g, "shard_seconds": s, "gpu_equivalent_seconds": e,
+                "gpus": gpus.iter().map(|g| json!({
+                    "index": g.gpu_index, "uuid": g.gpu_uuid, "mean_util": g.mean_util,
+                    "peak_vram_bytes": g.peak_vram_bytes, "energy_joules": g.energy_joules, "samples": g.samples,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    Ok(Some(json!({"job_id": job_id, "nodes": nodes})))
+}

@@ -1,0 +1,105 @@
+//! `gpuhub usage` (GPU-hours) and `gpuhub job JOBID`: requests to the control socket, then a
+//! table (hours, whole GPUs and shards apart and summed) or the JSON as the agent sent it.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use serde_json::Value;
+
+use super::usage::UsageBy;
+use crate::cli::output;
+use crate::control::client;
+use crate::util::sanitize;
+
+/// `gpuhub usage [--since 30d] [--by user|account|gpu|partition] [--json]`.
+pub async fn usage(socket: &Path, since: &str, by: UsageBy, json: bool) -> anyhow::Result<ExitCode> {
+    crate::util::parse_duration_s(since).map_err(|m| anyhow::anyhow!("--since: {m}"))?;
+    let path = format!("/v1/usage/gpu?since={}&by={}", crate::cli::keys::urlencode(since), by.as_str());
+    let v = client::request(socket, "GET", &path, None).await?;
+    if json {
+        output::json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    output::line(&usage_table(&v, since, by));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn hours(v: &Value, k: &str) -> String {
+    format!("{:.2}", v[k].as_f64().unwrap_or(0.0) / 3600.0)
+}
+
+/// The human table (kept apart from `--json`, STYLE.md §9).
+pub fn usage_table(v: &Value, since: &str, by: UsageBy) -> String {
+    let rows: Vec<&Value> = v["rows"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
+    if rows.is_empty() {
+        return format!("no GPU usage in the last {since} ({})", v["scope"].as_str().unwrap_or(""));
+    }
+    let mut out = String::new();
+    let header = [by.as_str().to_uppercase(), "JOBS".into(), "GPU_H".into(), "SHARD_H".into(), "GPU_EQ_H".into()];
+    let mut table: Vec<[String; 5]> = vec![header];
+    for r in rows.iter().copied().chain(std::iter::once(&v["total"])) {
+        let key = if std::ptr::eq(r, &v["total"]) { "TOTAL".to_string() } else { sanitize(r["key"].as_str().unwrap_or("-")) };
+        table.push([key, r["jobs"].as_u64().unwrap_or(0).to_string(), hours(r, "gpu_seconds"), hours(r, "shard_seconds"), hours(r, "gpu_equivalent_seconds")]);
+    }
+    let widths: Vec<usize> = (0..5).map(|c| table.iter().map(|row| row[c].chars().count()).max().unwrap_or(0)).collect();
+    for row in &table {
+        let cells: Vec<String> =
+            row.iter().enumerate().map(|(c, s)| if c == 0 { format!("{s:<w$}", w = widths[c]) } else { format!("{s:>w$}", w = widths[c]) }).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out.push_str(&format!(
+        "GPU-hours in the last {since}, {}; shard-hours count 1/{} GPU each in GPU_EQ_H",
+        v["scope"].as_str().unwrap_or(""),
+        v["shards_per_gpu"].as_u64().unwrap_or(14)
+    ));
+    out
+}
+
+/// `gpuhub job JOBID [--json]`.
+pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitCode> {
+    let v = client::request(socket, "GET", &format!("/v1/jobs/{job_id}"), None).await?;
+    if json {
+        output::json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    for n in v["nodes"].as_array().into_iter().flatten() {
+        let s = |k: &str| sanitize(n[k].as_str().unwrap_or("-"));
+        output::line(&format!(
+            "job {} on {}: user {} (uid {}), account {}, partition {}, {}{}",
+            job_id,
+            s("node"),
+            s("user"),
+            n["uid"],
+            s("account"),
+            s("partition"),
+            s("state"),
+            n["exit_code"].as_i64().map(|c| format!(" (exit {c})")).unwrap_or_default()
+        ));
+        output::line(&format!(
+            "  time {:.0} s; GPU-seconds {:.0}, shard-seconds {:.0} ({} shards), GPU-equivalent {:.0}",
+            n["seconds"].as_f64().unwrap_or(0.0),
+            n["gpu_seconds"].as_f64().unwrap_or(0.0),
+            n["shard_seconds"].as_f64().unwrap_or(0.0),
+            n["shards"],
+            n["gpu_equivalent_seconds"].as_f64().unwrap_or(0.0)
+        ));
+        for g in n["gpus"].as_array().into_iter().flatten() {
+            let measured = match g["samples"].as_i64() {
+                Some(samples) if samples > 0 => format!(
+                    "mean util {:.1} %, peak VRAM {:.2} GiB, energy {:.0} J ({samples} samples)",
+                    g["mean_util"].as_f64().unwrap_or(0.0),
+                    g["peak_vram_bytes"].as_f64().unwrap_or(0.0) / 1073741824.0,
+                    g["energy_joules"].as_f64().unwrap_or(0.0)
+                ),
+                _ => "no NVML measurements".to_string(),
+            };
+            output::line(&format!("  GPU {} {}: {measured}", g["index"], sanitize(g["uuid"].as_str().unwrap_or(""))));
+        }
+        if let Some(a) = n["anomalies"].as_array().filter(|a| !a.is_empty()) {
+            let list: Vec<&str> = a.iter().filter_map(Value::as_str).collect();
+            output::line(&format!("  note: {} (see docs/accounting.md)", list.join(", ")));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

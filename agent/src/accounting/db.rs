@@ -1,0 +1,336 @@
+//! Accounting SQL, shared by SQLite and PostgreSQL (`$n` placeholders, `BIGINT` decoded as
+//! `i64`, no backend-specific functions: min/max folding happens in Rust inside the
+//! transaction). Tables: `agent/migrations/*/0002_accounting.sql`.
+
+use std::collections::BTreeMap;
+
+use gpuhub_wire::spool::{GpuRef, Record};
+use sqlx::{Any, AnyPool, Transaction};
+
+use super::Anomaly;
+use crate::telemetry::JobGpuStats;
+
+/// One `acct_jobs` row.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct JobRow {
+    pub node: String,
+    pub job_id: i64,
+    pub uid: i64,
+    pub user_name: String,
+    pub account: Option<String>,
+    pub partition: Option<String>,
+    pub start_us: Option<i64>,
+    pub end_us: Option<i64>,
+    pub first_seen_us: i64,
+    pub last_seen_us: i64,
+    pub exit_code: Option<i64>,
+    pub end_reason: Option<String>,
+    pub shards: i64,
+    pub anomalies: String,
+}
+
+/// One `acct_job_gpus` row.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct JobGpuRow {
+    pub node: String,
+    pub job_id: i64,
+    pub gpu_index: i64,
+    pub gpu_uuid: Option<String>,
+    pub mean_util: Option<f64>,
+    pub peak_vram_bytes: Option<i64>,
+    pub energy_joules: Option<f64>,
+    pub samples: Option<i64>,
+}
+
+const JOB_COLS: &str = "node, job_id, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, exit_code, end_reason, shards, anomalies";
+const GPU_COLS: &str = "node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples";
+
+/// Inserts the record and folds it into its job, in one transaction. Returns `None` when the
+/// record was already ingested (a file re-read after a crash): nothing else is touched.
+pub async fn ingest_record(
+    pool: &AnyPool,
+    rec: &Record,
+    known_gpus: Option<&BTreeMap<u32, String>>,
+    stats: &[JobGpuStats],
+    now_us: i64,
+) -> Result<Option<Vec<Anomaly>>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let job = rec.job();
+    let inserted = sqlx::query(
+        "INSERT INTO acct_records (record_id, kind, node, job_id, time_us, body, ingested_us) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (record_id) DO NOTHING",
+    )
+    .bind(rec.record_id())
+    .bind(rec.kind())
+    .bind(&job.node)
+    .bind(i64::from(job.job_id))
+    .bind(rec.time_us())
+    .bind(rec.to_json())
+    .bind(now_us)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if inserted == 0 {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let anomalies = fold(&mut tx, rec, known_gpus, stats).await?;
+    tx.commit().await?;
+    Ok(Some(anomalies))
+}
+
+async fn fold(
+    tx: &mut Transaction<'static, Any>,
+    rec: &Record,
+    known_gpus: Option<&BTreeMap<u32, String>>,
+    stats: &[JobGpuStats],
+) -> Result<Vec<Anomaly>, sqlx::Error> {
+    let id = rec.job();
+    let t = rec.time_us();
+    let existing: Option<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2"))
+        .bind(&id.node)
+        .bind(i64::from(id.job_id))
+        .fetch_optional(&mut **tx)
+        .await?;
+    let mut row = existing.unwrap_or_else(|| JobRow {
+        node: id.node.clone(),
+        job_id: i64::from(id.job_id),
+        uid: i64::from(id.uid),
+        user_name: id.user.clone(),
+        account: None,
+        partition: None,
+        start_us: None,
+        end_us: None,
+        first_seen_us: t,
+        last_seen_us: t,
+        exit_code: None,
+        end_reason: None,
+        shards: 0,
+        anomalies: String::new(),
+    });
+    if !id.user.is_empty() {
+        row.user_name = id.user.clone();
+        row.uid = i64::from(id.uid);
+    }
+    if id.account.is_some() {
+        row.account = id.account.clone();
+    }
+    if id.partition.is_some() {
+        row.partition = id.partition.clone();
+    }
+    row.first_seen_us = row.first_seen_us.min(t);
+    row.last_seen_us = row.last_seen_us.max(t);
+
+    let mut anomalies = Vec::new();
+    let mut gpus: &[GpuRef] = &[];
+    match rec {
+        Record::JobStart { gpus: g, .. } => {
+            row.start_us = Some(t);
+            gpus = g;
+            // The end was ingested first (records out of order): the start is here now.
+            remove_anomaly(&mut row.anomalies, Anomaly::EndWithoutStart.as_str());
+            if let Some(end) = row.end_us {
+                if end < t {
+                    anomalies.push(Anomaly::ClockBackwards);
+                }
+            }
+        }
+        Record::JobEnd { gpus: g, exit_code, .. } => {
+            row.end_us = Some(t);
+            row.exit_code = exit_code.map(i64::from);
+            row.end_reason = Some("ended".into());
+            gpus = g;
+            match row.start_us {
+                Some(start) if t < start => anomalies.push(Anomaly::ClockBackwards),
+                Some(_) => {}
+                None => anomalies.push(Anomaly::EndWithoutStart),
+            }
+        }
+        Record::StepStart { gpus: g, shards, .. } => {
+            gpus = g;
+            if let Some(n) = shards {
+                row.shards = row.shards.max(i64::from(*n));
+            }
+        }
+        Record::StepEnd { .. } => {}
+    }
+    if let Some(known) = known_gpus {
+        for g in gpus {
+            let ok = match (known.get(&g.index), &g.uuid) {
+                (None, _) => false,
+                (Some(k), Some(u)) => k == u,
+                (Some(_), None) => true,
+            };
+            if !ok {
+                anomalies.push(Anomaly::UnknownGpu);
+                break;
+            }
+        }
+    }
+    for a in &anomalies {
+        add_anomaly(&mut row.anomalies, a.as_str());
+    }
+    upsert_job(tx, &row).await?;
+    for g in gpus {
+        sqlx::query(
+            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid) VALUES ($1, $2, $3, $4) ON CONFLICT (node, job_id, gpu_index) DO UPDATE SET gpu_uuid = COALESCE(excluded.gpu_uuid, acct_job_gpus.gpu_uuid)",
+        )
+        .bind(&row.node)
+        .bind(row.job_id)
+        .bind(i64::from(g.index))
+        .bind(g.uuid.clone().or_else(|| known_gpus.and_then(|k| k.get(&g.index).cloned())))
+        .execute(&mut **tx)
+        .await?;
+    }
+    if matches!(rec, Record::JobEnd { .. }) {
+        for s in stats {
+            sqlx::query(
+                "UPDATE acct_job_gpus SET mean_util = $1, peak_vram_bytes = $2, energy_joules = $3, samples = $4 WHERE node = $5 AND job_id = $6 AND gpu_index = $7",
+            )
+            .bind(s.mean_util)
+            .bind(i64::try_from(s.peak_vram_bytes).unwrap_or(i64::MAX))
+            .bind(s.energy_joules)
+            .bind(i64::try_from(s.samples).unwrap_or(i64::MAX))
+            .bind(&row.node)
+            .bind(row.job_id)
+            .bind(i64::from(s.gpu_index))
+            .execute(&mut **tx)
+            .await?;
+        }
+    }
+    Ok(anomalies)
+}
+
+fn remove_anomaly(list: &mut String, a: &str) {
+    *list = list.split(',').filter(|x| !x.is_empty() && *x != a).collect::<Vec<_>>().join(",");
+}
+
+fn add_anomaly(list: &mut String, a: &str) {
+    if !list.split(',').any(|x| x == a) {
+        if !list.is_empty() {
+            list.push(',');
+        }
+        list.push_str(a);
+    }
+}
+
+async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<(), sqlx::Error> {
+    sqlx::query(&format!(
+        "INSERT INTO acct_jobs ({JOB_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+         ON CONFLICT (node, job_id) DO UPDATE SET uid = excluded.uid, user_name = excluded.user_name, account = excluded.account, \
+         partition = excluded.partition, start_us = excluded.start_us, end_us = excluded.end_us, first_seen_us = excluded.first_seen_us, \
+         last_seen_us = excluded.last_seen_us, exit_code = excluded.exit_code, end_reason = excluded.end_reason, shards = excluded.shards, \
+         anomalies = excluded.anomalies"
+    ))
+    .bind(&row.node)
+    .bind(row.job_id)
+    .bind(row.uid)
+    .bind(&row.user_name)
+    .bind(&row.account)
+    .bind(&row.partition)
+    .bind(row.start_us)
+    .bind(row.end_us)
+    .bind(row.first_seen_us)
+    .bind(row.last_seen_us)
+    .bind(row.exit_code)
+    .bind(&row.end_reason)
+    .bind(row.shards)
+    .bind(&row.anomalies)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Jobs of `nodes` still open that started before `before_us` (the boot): they cannot be
+/// running, their end record was lost with the node. Closes each at `end_us` (the agent's last
+/// heartbeat when it falls inside the job, else the boot time). Returns the closed job ids.
+pub async fn close_jobs_lost_in_reboot(
+    pool: &AnyPool,
+    nodes: &[String],
+    boot_us: i64,
+    heartbeat_us: Option<i64>,
+) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    let mut closed = Vec::new();
+    for node in nodes {
+        let open: Vec<JobRow> = sqlx::query_as(&format!(
+            "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NULL AND first_seen_us < $2"
+        ))
+        .bind(node)
+        .bind(boot_us)
+        .fetch_all(pool)
+        .await?;
+        for mut row in open {
+            let start = row.start_us.unwrap_or(row.first_seen_us);
+            let end = match heartbeat_us {
+                Some(h) if h >= start && h <= boot_us => h,
+                _ => boot_us,
+            };
+            row.end_us = Some(end.max(row.last_seen_us));
+            row.end_reason = Some("closed_after_reboot".into());
+            add_anomaly(&mut row.anomalies, Anomaly::NeverEnded.as_str());
+            let mut tx = pool.begin().await?;
+            upsert_job(&mut tx, &row).await?;
+            tx.commit().await?;
+            closed.push((row.node.clone(), row.job_id));
+        }
+    }
+    Ok(closed)
+}
+
+/// Jobs overlapping `[since_us, now]` (open or ended after `since_us`), optionally of one uid,
+/// with their GPUs.
+pub async fn jobs_since(pool: &AnyPool, since_us: i64, uid: Option<i64>) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
+    let filter = if uid.is_some() { " AND j.uid = $2" } else { "" };
+    let cols: String = JOB_COLS.split(", ").map(|c| format!("j.{c}")).collect::<Vec<_>>().join(", ");
+    let sql = format!("SELECT {cols} FROM acct_jobs j WHERE (j.end_us IS NULL OR j.end_us >= $1){filter} ORDER BY j.job_id");
+    let mut q = sqlx::query_as::<_, JobRow>(&sql).bind(since_us);
+    if let Some(u) = uid {
+        q = q.bind(u);
+    }
+    let jobs = q.fetch_all(pool).await?;
+    let gcols: String = GPU_COLS.split(", ").map(|c| format!("g.{c}")).collect::<Vec<_>>().join(", ");
+    let sql = format!(
+        "SELECT {gcols} FROM acct_job_gpus g JOIN acct_jobs j ON j.node = g.node AND j.job_id = g.job_id \
+         WHERE (j.end_us IS NULL OR j.end_us >= $1){filter} ORDER BY g.gpu_index"
+    );
+    let mut q = sqlx::query_as::<_, JobGpuRow>(&sql).bind(since_us);
+    if let Some(u) = uid {
+        q = q.bind(u);
+    }
+    let gpus = q.fetch_all(pool).await?;
+    let mut by_job: BTreeMap<(String, i64), Vec<JobGpuRow>> = BTreeMap::new();
+    for g in gpus {
+        by_job.entry((g.node.clone(), g.job_id)).or_default().push(g);
+    }
+    Ok(jobs
+        .into_iter()
+        .map(|j| {
+            let g = by_job.remove(&(j.node.clone(), j.job_id)).unwrap_or_default();
+            (j, g)
+        })
+        .collect())
+}
+
+/// One job (every node it ran on), with its GPUs.
+pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
+    let jobs: Vec<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE job_id = $1 ORDER BY node"))
+        .bind(job_id)
+        .fetch_all(pool)
+        .await?;
+    let mut out = Vec::new();
+    for j in jobs {
+        let gpus: Vec<JobGpuRow> =
+            sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 ORDER BY gpu_index"))
+                .bind(&j.node)
+                .bind(j.job_id)
+                .fetch_all(pool)
+                .await?;
+        out.push((j, gpus));
+    }
+    Ok(out)
+}
+
+/// Number of ingested records (tests, `gpuhub doctor`).
+pub async fn record_count(pool: &AnyPool) -> Result<i64, sqlx::Error> {
+    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM acct_records").fetch_one(pool).await?;
+    Ok(n)
+}

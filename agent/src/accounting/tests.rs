@@ -1,0 +1,257 @@
+//! One accounting "story" run on both backends: SQLite always, PostgreSQL when
+//! `GPUHUB_TEST_PG_URL` is set (a uniquely named database per run; `GPUHUB_TEST_KEEP_DB=1`
+//! keeps it for inspection).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use gpuhub_wire::spool::{GpuRef, JobIdentity, QUARANTINE_DIR, RECORDS_DIR, Record, record_file_name};
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+
+use super::api::{job_json, usage_json};
+use super::*;
+use crate::control::Caller;
+use crate::store::Store;
+
+const S: i64 = 1_000_000;
+const U0: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
+const U1: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
+
+struct FakeGpus;
+
+impl GpuView for FakeGpus {
+    fn known_gpus(&self) -> Option<BTreeMap<u32, String>> {
+        Some(BTreeMap::from([(0, U0.to_string()), (1, U1.to_string())]))
+    }
+    fn job_gpu_stats(&self, job_id: u32) -> Vec<JobGpuStats> {
+        if job_id != 11 {
+            return Vec::new();
+        }
+        vec![JobGpuStats {
+            gpu_uuid: U0.into(),
+            gpu_index: 0,
+            mean_util: 42.5,
+            peak_vram_bytes: 1 << 30,
+            energy_joules: 1234.0,
+            samples: 10,
+            first_seen: 0,
+            last_seen: 0,
+        }]
+    }
+}
+
+fn ident(job: u32, uid: u32, user: &str) -> JobIdentity {
+    JobIdentity {
+        job_id: job,
+        uid,
+        user: user.into(),
+        account: Some(format!("{user}-lab")),
+        partition: Some("gpu".into()),
+        node: "gpu01".into(),
+    }
+}
+
+fn g(index: u32, uuid: Option<&str>) -> GpuRef {
+    GpuRef { index, uuid: uuid.map(str::to_string) }
+}
+
+fn start(t: i64, job: &JobIdentity, gpus: Vec<GpuRef>) -> Record {
+    Record::JobStart { v: 1, time_us: t, job: job.clone(), gpus }
+}
+fn end(t: i64, job: &JobIdentity, gpus: Vec<GpuRef>) -> Record {
+    Record::JobEnd { v: 1, time_us: t, job: job.clone(), exit_code: Some(0), gpus }
+}
+fn step(t: i64, job: &JobIdentity, gpus: Vec<GpuRef>, shards: Option<u32>) -> Record {
+    Record::StepStart { v: 1, time_us: t, job: job.clone(), step_id: 0, gpus, shards }
+}
+fn step_end(t: i64, job: &JobIdentity) -> Record {
+    Record::StepEnd { v: 1, time_us: t, job: job.clone(), step_id: 0, exit_status: Some(0) }
+}
+
+fn write(spool: &Path, rec: &Record) -> String {
+    let dir = spool.join(RECORDS_DIR);
+    std::fs::create_dir_all(&dir).unwrap();
+    let name = record_file_name(rec, 4242);
+    std::fs::write(dir.join(&name), rec.to_json()).unwrap();
+    name
+}
+
+fn caller(uid: u32, user: &str, admin: bool) -> Caller {
+    Caller { uid, user: user.into(), admin }
+}
+
+fn row<'a>(v: &'a Value, key: &str) -> &'a Value {
+    v["rows"].as_array().unwrap().iter().find(|r| r["key"] == key).unwrap_or_else(|| panic!("no row {key} in {v:#}"))
+}
+
+async fn story(store: Store) {
+    let spool = tempfile::tempdir().unwrap();
+    let t0 = crate::util::now_us() - 3600 * S;
+    let (alice, bob, carol, dave, erin, frank, gina) = (
+        ident(11, 1001, "alice"),
+        ident(12, 1002, "bob"),
+        ident(13, 1003, "carol"),
+        ident(14, 1004, "dave"),
+        ident(15, 1005, "erin"),
+        ident(16, 1006, "frank"),
+        ident(17, 1007, "gina"),
+    );
+    // gpu:1 for 100 s, with a step.
+    write(spool.path(), &start(t0, &alice, vec![g(0, Some(U0))]));
+    write(spool.path(), &step(t0 + S, &alice, vec![g(0, None)], None));
+    write(spool.path(), &step_end(t0 + 99 * S, &alice));
+    let alice_end = write(spool.path(), &end(t0 + 100 * S, &alice, vec![g(0, Some(U0))]));
+    // gpu:2 for 50 s.
+    write(spool.path(), &start(t0, &bob, vec![g(0, None), g(1, None)]));
+    write(spool.path(), &end(t0 + 50 * S, &bob, vec![g(0, None), g(1, None)]));
+    // shard:7 on GPU 1 for 30 s: the prolog sees one GPU, the step the shard count.
+    write(spool.path(), &start(t0, &carol, vec![g(1, None)]));
+    write(spool.path(), &step(t0 + S, &carol, vec![g(1, None)], Some(7)));
+    write(spool.path(), &end(t0 + 30 * S, &carol, vec![g(1, None)]));
+    // CPU only.
+    write(spool.path(), &start(t0, &dave, vec![]));
+    write(spool.path(), &end(t0 + 20 * S, &dave, vec![]));
+    // A GPU NVML does not know.
+    write(spool.path(), &start(t0, &erin, vec![g(7, None)]));
+    write(spool.path(), &end(t0 + 10 * S, &erin, vec![g(7, None)]));
+    // The clock went backwards between start and end.
+    write(spool.path(), &start(t0 + 50 * S, &frank, vec![g(0, None)]));
+    write(spool.path(), &end(t0 + 40 * S, &frank, vec![g(0, None)]));
+    // Never ends: the node reboots.
+    write(spool.path(), &start(t0, &gina, vec![g(0, None)]));
+    // Not records: corrupt, a future version, a huge file; and a temp file in flight.
+    let records = spool.path().join(RECORDS_DIR);
+    std::fs::write(records.join("00000000000000000001-garbage.json"), "{not json").unwrap();
+    std::fs::write(
+        records.join("00000000000000000002-v99.json"),
+        start(t0, &alice, vec![]).to_json().replace("\"v\":1", "\"v\":99"),
+    )
+    .unwrap();
+    std::fs::write(records.join("00000000000000000003-huge.json"), vec![b' '; 2 * 1024 * 1024]).unwrap();
+    std::fs::write(records.join(".00000000000000000004-inflight.tmp"), "{").unwrap();
+
+    let mut registry = Registry::default();
+    let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+    let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics);
+    let report = ing.pass().await;
+    assert_eq!((report.ingested, report.duplicates, report.quarantined, report.left), (16, 0, 3, 0), "{report:?}");
+    let left: Vec<_> = std::fs::read_dir(&records).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(left, vec![".00000000000000000004-inflight.tmp"], "only the file in flight stays");
+    let q = spool.path().join(QUARANTINE_DIR);
+    let reason = std::fs::read_to_string(q.join("00000000000000000001-garbage.json.reason")).unwrap();
+    assert!(reason.contains("not a gpuhub usage record"), "{reason}");
+    assert!(std::fs::read_to_string(q.join("00000000000000000002-v99.json.reason")).unwrap().contains("version 99"));
+    assert!(std::fs::read_to_string(q.join("00000000000000000003-huge.json.reason")).unwrap().contains("larger than any record"));
+    assert_eq!(std::fs::read_to_string(q.join("00000000000000000001-garbage.json")).unwrap(), "{not json", "kept as it was");
+
+    // The node rebooted 500 s after t0; the agent's last heartbeat was at t0 + 300 s.
+    ing.close_after_reboot(t0 + 500 * S, Some(t0 + 300 * S)).await;
+
+    let admin = caller(0, "root", true);
+    let pool = store.pool();
+    let v = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::User, 14).await.unwrap();
+    let num = |r: &Value, k: &str| r[k].as_f64().unwrap();
+    assert_eq!(num(row(&v, "alice"), "gpu_seconds"), 100.0);
+    assert_eq!(num(row(&v, "bob"), "gpu_seconds"), 100.0);
+    assert_eq!(num(row(&v, "carol"), "gpu_seconds"), 0.0);
+    assert_eq!(num(row(&v, "carol"), "shard_seconds"), 210.0);
+    assert_eq!(num(row(&v, "carol"), "gpu_equivalent_seconds"), 15.0);
+    assert_eq!(num(row(&v, "dave"), "gpu_seconds"), 0.0);
+    assert_eq!(row(&v, "dave")["jobs"], 1);
+    assert_eq!(num(row(&v, "erin"), "gpu_seconds"), 10.0, "an unknown GPU is still accounted");
+    assert_eq!(num(row(&v, "frank"), "gpu_seconds"), 0.0, "end before start counts zero");
+    assert_eq!(num(row(&v, "gina"), "gpu_seconds"), 300.0, "closed at the last heartbeat");
+    assert_eq!(num(&v["total"], "gpu_seconds"), 510.0);
+    assert_eq!(num(&v["total"], "gpu_equivalent_seconds"), 525.0);
+    assert_eq!(row(&v, "alice")["user"], "alice", "rows also carry the --by field by name");
+
+    let by_gpu = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::Gpu, 14).await.unwrap();
+    assert_eq!(num(row(&by_gpu, "gpu0"), "gpu_seconds"), 100.0 + 50.0 + 300.0);
+    assert_eq!(num(row(&by_gpu, "gpu1"), "gpu_seconds"), 50.0);
+    assert_eq!(num(row(&by_gpu, "gpu1"), "shard_seconds"), 210.0);
+    assert_eq!(num(row(&by_gpu, "gpu7"), "gpu_seconds"), 10.0);
+    let by_account = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::Account, 14).await.unwrap();
+    assert_eq!(num(row(&by_account, "bob-lab"), "gpu_seconds"), 100.0);
+    let by_part = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::Partition, 14).await.unwrap();
+    assert_eq!(num(row(&by_part, "gpu"), "gpu_seconds"), 510.0);
+    // A window that starts after everything ended.
+    let recent = usage_json(pool, &admin, "10m", 600, UsageBy::User, 14).await.unwrap();
+    assert!(recent["rows"].as_array().unwrap().is_empty(), "{recent:#}");
+
+    // A user sees their own jobs only.
+    let mine = usage_json(pool, &caller(1001, "alice", false), "30d", 30 * 86_400, UsageBy::User, 14).await.unwrap();
+    assert_eq!(mine["rows"].as_array().unwrap().len(), 1, "{mine:#}");
+    assert_eq!(num(row(&mine, "alice"), "gpu_seconds"), 100.0);
+    assert!(job_json(pool, &caller(1002, "bob", false), 11, 14).await.unwrap().is_none(), "bob cannot see alice's job");
+
+    // The job summary, with what NVML measured.
+    let j = job_json(pool, &caller(1001, "alice", false), 11, 14).await.unwrap().unwrap();
+    let n = &j["nodes"][0];
+    assert_eq!(n["state"], "ended");
+    assert_eq!(n["gpu_seconds"].as_f64(), Some(100.0));
+    assert_eq!(n["gpus"][0]["uuid"], U0);
+    assert_eq!(n["gpus"][0]["mean_util"].as_f64(), Some(42.5));
+    assert_eq!(n["gpus"][0]["peak_vram_bytes"].as_i64(), Some(1 << 30));
+    let c = job_json(pool, &admin, 13, 14).await.unwrap().unwrap();
+    assert_eq!(c["nodes"][0]["shards"], 7);
+    assert_eq!(c["nodes"][0]["gpus"][0]["uuid"], U1, "UUID filled in from NVML when the record had none");
+    for (id, want) in [(15, "unknown_gpu"), (16, "clock_backwards"), (17, "never_ended")] {
+        let j = job_json(pool, &admin, id, 14).await.unwrap().unwrap();
+        assert_eq!(j["nodes"][0]["anomalies"], serde_json::json!([want]), "job {id}");
+    }
+    assert_eq!(job_json(pool, &admin, 17, 14).await.unwrap().unwrap()["nodes"][0]["state"], "closed_after_reboot");
+
+    // Crash between commit and unlink: the file comes back. It is a duplicate, nothing changes.
+    std::fs::write(records.join(&alice_end), end(t0 + 100 * S, &alice, vec![g(0, Some(U0))]).to_json()).unwrap();
+    let report = ing.pass().await;
+    assert_eq!((report.ingested, report.duplicates), (0, 1), "{report:?}");
+    assert!(!records.join(&alice_end).exists());
+    let again = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::User, 14).await.unwrap();
+    assert_eq!(again["rows"], v["rows"], "re-reading a record must not count it twice");
+    assert_eq!(db::record_count(pool).await.unwrap(), 16);
+
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for line in [
+        "gpuhub_accounting_records_quarantined_total 3",
+        "gpuhub_accounting_records_duplicate_total 1",
+        "gpuhub_accounting_anomalies_total{kind=\"unknown_gpu\"} 1",
+        "gpuhub_accounting_anomalies_total{kind=\"clock_backwards\"} 1",
+        "gpuhub_accounting_anomalies_total{kind=\"never_ended\"} 1",
+        "gpuhub_accounting_records_ingested_total{kind=\"job_start\"} 7",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing `{line}` in\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn story_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("acct.db").display());
+    let store = Store::open(&url, None).await.unwrap();
+    story(store).await;
+}
+
+#[tokio::test]
+async fn story_postgres() {
+    let Some(admin_url) = std::env::var("GPUHUB_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
+        eprintln!("story_postgres: GPUHUB_TEST_PG_URL not set; PostgreSQL half skipped (tests/lib/pg.sh starts one)");
+        return;
+    };
+    sqlx::any::install_default_drivers();
+    let name = format!("gpuhub_acct_{}_{}", std::process::id(), crate::util::now_us() % 1_000_000);
+    let admin = sqlx::AnyPool::connect(&admin_url).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(b, _)| b);
+    let store = Store::open(&format!("{base}/{name}"), Some(4)).await.unwrap();
+    story(store.clone()).await;
+    store.close().await;
+    if std::env::var("GPUHUB_TEST_KEEP_DB").as_deref() != Ok("1") {
+        sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await.unwrap();
+    } else {
+        eprintln!("kept database {name}");
+    }
+}

@@ -1,0 +1,211 @@
+//! GPU-seconds from job rows: pure functions, so the arithmetic is tested without a database.
+//!
+//! A job's time is `[start, end]` from its records (`start` falls back to its first record,
+//! `end` to now for a running job), clipped to the query window. Per job:
+//! - a shard job (a step reported `SLURM_SHARDS_ON_NODE`): shard-seconds = shards x time, on
+//!   its GPU;
+//! - otherwise: GPU-seconds = GPUs x time, each GPU its own time;
+//! - GPU-equivalent seconds = GPU-seconds + shard-seconds / shards-per-GPU.
+//!
+//! Sums are kept in integer microseconds and converted once, so a table and its total agree.
+//! An end before the start (a clock that went backwards) counts zero.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::db::{JobGpuRow, JobRow};
+
+/// What `gpuhub usage --by` groups by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum UsageBy {
+    User,
+    Account,
+    Gpu,
+    Partition,
+}
+
+impl UsageBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageBy::User => "user",
+            UsageBy::Account => "account",
+            UsageBy::Gpu => "gpu",
+            UsageBy::Partition => "partition",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "user" => Ok(UsageBy::User),
+            "account" => Ok(UsageBy::Account),
+            "gpu" => Ok(UsageBy::Gpu),
+            "partition" => Ok(UsageBy::Partition),
+            other => Err(format!("--by `{other}` is not known; use user, account, gpu or partition")),
+        }
+    }
+}
+
+/// One row of `gpuhub usage`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UsageRow {
+    /// The group's value (user name, account, `gpu<index>`, partition; `-` when unknown).
+    pub key: String,
+    pub jobs: u64,
+    pub gpu_seconds: f64,
+    pub shard_seconds: f64,
+    pub gpu_equivalent_seconds: f64,
+}
+
+#[derive(Default)]
+struct Sum {
+    jobs: u64,
+    gpu_us: i128,
+    shard_us: i128,
+}
+
+/// Microseconds of `job` inside `[since_us, now_us]`.
+pub fn overlap_us(job: &JobRow, since_us: i64, now_us: i64) -> i64 {
+    let start = job.start_us.unwrap_or(job.first_seen_us);
+    let end = job.end_us.unwrap_or(now_us).min(now_us);
+    if end < start {
+        return 0;
+    }
+    (end - start.max(since_us)).max(0)
+}
+
+/// Groups the jobs' usage by `by`; rows sorted by GPU-equivalent seconds, largest first.
+pub fn aggregate(jobs: &[(JobRow, Vec<JobGpuRow>)], by: UsageBy, since_us: i64, now_us: i64, shards_per_gpu: u32) -> Vec<UsageRow> {
+    let mut sums: BTreeMap<String, Sum> = BTreeMap::new();
+    let dash = |s: &Option<String>| s.clone().filter(|v| !v.is_empty()).unwrap_or_else(|| "-".into());
+    for (job, gpus) in jobs {
+        let t = i128::from(overlap_us(job, since_us, now_us));
+        let shard_job = job.shards > 0;
+        match by {
+            UsageBy::Gpu => {
+                for (i, g) in gpus.iter().enumerate() {
+                    let s = sums.entry(format!("gpu{}", g.gpu_index)).or_default();
+                    s.jobs += 1;
+                    if shard_job {
+                        // A job's shards sit on one GPU: count them once, on its first GPU.
+                        if i == 0 {
+                            s.shard_us += i128::from(job.shards) * t;
+                        }
+                    } else {
+                        s.gpu_us += t;
+                    }
+                }
+            }
+            _ => {
+                let key = match by {
+                    UsageBy::User => if job.user_name.is_empty() { job.uid.to_string() } else { job.user_name.clone() },
+                    UsageBy::Account => dash(&job.account),
+                    UsageBy::Partition => dash(&job.partition),
+                    UsageBy::Gpu => String::new(),
+                };
+                let s = sums.entry(key).or_default();
+                s.jobs += 1;
+                if shard_job {
+                    if !gpus.is_empty() {
+                        s.shard_us += i128::from(job.shards) * t;
+                    }
+                } else {
+                    s.gpu_us += gpus.len() as i128 * t;
+                }
+            }
+        }
+    }
+    let spg = i128::from(shards_per_gpu.max(1));
+    let mut rows: Vec<UsageRow> = sums
+        .into_iter()
+        .map(|(key, s)| UsageRow {
+            key,
+            jobs: s.jobs,
+            gpu_seconds: s.gpu_us as f64 / 1e6,
+            shard_seconds: s.shard_us as f64 / 1e6,
+            gpu_equivalent_seconds: (s.gpu_us as f64 + s.shard_us as f64 / spg as f64) / 1e6,
+        })
+        .collect();
+    rows.sort_by(|a, b| b.gpu_equivalent_seconds.total_cmp(&a.gpu_equivalent_seconds).then(a.key.cmp(&b.key)));
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn job(id: i64, user: &str, start: Option<i64>, end: Option<i64>, shards: i64) -> JobRow {
+        JobRow {
+            node: "gpu01".into(),
+            job_id: id,
+            uid: 1000,
+            user_name: user.into(),
+            account: Some("acct".into()),
+            partition: Some("gpu".into()),
+            start_us: start,
+            end_us: end,
+            first_seen_us: start.unwrap_or(0),
+            last_seen_us: end.unwrap_or(0),
+            exit_code: None,
+            end_reason: None,
+            shards,
+            anomalies: String::new(),
+        }
+    }
+
+    fn gpus(id: i64, idx: &[i64]) -> Vec<JobGpuRow> {
+        idx.iter()
+            .map(|i| JobGpuRow {
+                node: "gpu01".into(),
+                job_id: id,
+                gpu_index: *i,
+                gpu_uuid: None,
+                mean_util: None,
+                peak_vram_bytes: None,
+                energy_joules: None,
+                samples: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn whole_gpus_shards_and_cpu_jobs() {
+        let s = 1_000_000;
+        let jobs = vec![
+            (job(1, "alice", Some(0), Some(10 * s), 0), gpus(1, &[0])),
+            (job(2, "alice", Some(0), Some(5 * s), 0), gpus(2, &[0, 1])),
+            (job(3, "bob", Some(0), Some(4 * s), 7), gpus(3, &[1])),
+            (job(4, "bob", Some(0), Some(100 * s), 0), vec![]),
+        ];
+        let rows = aggregate(&jobs, UsageBy::User, 0, 1000 * s, 14);
+        let alice = rows.iter().find(|r| r.key == "alice").unwrap();
+        assert_eq!((alice.jobs, alice.gpu_seconds, alice.shard_seconds), (2, 20.0, 0.0));
+        let bob = rows.iter().find(|r| r.key == "bob").unwrap();
+        assert_eq!((bob.jobs, bob.gpu_seconds, bob.shard_seconds, bob.gpu_equivalent_seconds), (2, 0.0, 28.0, 2.0));
+        let by_gpu = aggregate(&jobs, UsageBy::Gpu, 0, 1000 * s, 14);
+        let g0 = by_gpu.iter().find(|r| r.key == "gpu0").unwrap();
+        let g1 = by_gpu.iter().find(|r| r.key == "gpu1").unwrap();
+        assert_eq!((g0.gpu_seconds, g1.gpu_seconds, g1.shard_seconds), (15.0, 5.0, 28.0));
+    }
+
+    #[test]
+    fn window_clipping_running_jobs_and_backwards_clocks() {
+        let s = 1_000_000;
+        let jobs = vec![
+            (job(1, "a", Some(0), Some(10 * s), 0), gpus(1, &[0])),
+            (job(2, "a", Some(8 * s), None, 0), gpus(2, &[1])),
+            (job(3, "a", Some(10 * s), Some(2 * s), 0), gpus(3, &[0])),
+        ];
+        let rows = aggregate(&jobs, UsageBy::Account, 5 * s, 20 * s, 14);
+        assert_eq!(rows[0].gpu_seconds, 5.0 + 12.0, "job 1 clipped to 5 s, job 2 running 12 s, job 3 zero");
+        assert_eq!(rows[0].jobs, 3);
+    }
+
+    #[test]
+    fn by_parses_and_says_what_is_known() {
+        assert_eq!(UsageBy::parse("gpu"), Ok(UsageBy::Gpu));
+        assert!(UsageBy::parse("node").unwrap_err().contains("user, account, gpu or partition"));
+    }
+}

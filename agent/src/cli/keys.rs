@@ -1,0 +1,97 @@
+//! `gpuhub keys`: gateway API keys (admins only). A key names a user and an app; the agent
+//! stores only its hash, so `create` shows it once.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use serde_json::{Value, json};
+
+use super::output;
+use crate::control::client;
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key for a user's app and print it (once: only its hash is kept).
+    Create {
+        /// The user the key's calls are accounted to.
+        #[arg(long, value_name = "USER")]
+        user: String,
+        /// The app name (shown in the usage log and metrics as `app`).
+        #[arg(long, value_name = "APP")]
+        app: String,
+        /// Only these models (comma-separated catalog names); default: every model.
+        #[arg(long, value_name = "A,B", value_delimiter = ',')]
+        models: Vec<String>,
+        /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List keys (id, prefix, user, app, models, created, revoked); never the keys.
+    List {
+        /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key by id (see `gpuhub keys list`); its calls get a 401 that says so.
+    Revoke {
+        /// The key id, e.g. k1a2b3c4d.
+        id: String,
+    },
+}
+
+fn time(us: &Value) -> String {
+    us.as_i64().map(|u| format!("{}", u / 1_000_000)).unwrap_or_else(|| "-".into())
+}
+
+pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        KeysCommand::Create { user, app, models, json } => {
+            let models: Vec<String> = models.into_iter().map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();
+            let v = client::request(socket, "POST", "/v1/keys", Some(json!({"user": user, "app": app, "models": models}))).await?;
+            if json {
+                output::json(&v);
+            } else {
+                output::line(&format!("key {} for {}/{} created; it is shown only now:", v["id"].as_str().unwrap_or("?"), crate::util::sanitize(&user), crate::util::sanitize(&app)));
+                output::line(v["key"].as_str().unwrap_or("?"));
+            }
+        }
+        KeysCommand::List { json } => {
+            let v = client::request(socket, "GET", "/v1/keys", None).await?;
+            if json {
+                output::json(&v);
+            } else {
+                let rows: Vec<Vec<String>> = v["keys"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|k| {
+                                let models = k["models"].as_array().map(|m| m.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(",")).unwrap_or_default();
+                                vec![
+                                    k["id"].as_str().unwrap_or("").to_string(),
+                                    format!("{}...", k["prefix"].as_str().unwrap_or("")),
+                                    k["user"].as_str().unwrap_or("").to_string(),
+                                    k["app"].as_str().unwrap_or("").to_string(),
+                                    if models.is_empty() { "*".into() } else { models },
+                                    time(&k["created_us"]),
+                                    if k["revoked_us"].is_null() { "active".into() } else { format!("revoked {}", time(&k["revoked_us"])) },
+                                ]
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                output::table(&["ID", "KEY", "USER", "APP", "MODELS", "CREATED", "STATE"], &rows);
+            }
+        }
+        KeysCommand::Revoke { id } => {
+            let v = client::request(socket, "POST", &format!("/v1/keys/{}/revoke", urlencode(&id)), None).await?;
+            output::line(&format!("key {} ({}/{}) revoked", v["id"].as_str().unwrap_or("?"), v["user"].as_str().unwrap_or("?"), v["app"].as_str().unwrap_or("?")));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Percent-encodes a path segment.
+pub fn urlencode(s: &str) -> String {
+    s.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+}

@@ -1,0 +1,145 @@
+//! `gpuhub models`: what each model is doing (state, Slurm job, version, why), and the admin
+//! verbs `load`, `unload`, `promote`.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use serde_json::{Value, json};
+
+use super::output;
+use crate::control::client;
+
+#[derive(Debug, Subcommand)]
+pub enum ModelsCmd {
+    /// List models with their state, worker, version and detail (the default).
+    List {
+        /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Start a model's worker now and wait until it is ready (admins).
+    Load { model: String },
+    /// Drain and stop a model's worker (admins).
+    Unload { model: String },
+    /// Point MLflow's `@production` alias at VERSION if it passes the catalog's eval gate
+    /// (admins). The next worker start serves it. Exit 1 if the gate refuses.
+    Promote { model: String, version: String },
+    /// Registered models MLflow says the gateway serves (tag served_by=gateway).
+    Registry {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCode> {
+    match cmd.unwrap_or(ModelsCmd::List { json: false }) {
+        ModelsCmd::List { json } => list(socket, json).await,
+        ModelsCmd::Load { model } => {
+            let v = client::request(socket, "POST", "/v1/models/load", Some(json!({"model": model}))).await?;
+            output::line(&format!("{}: {}{}", crate::util::sanitize(&model), v["state"].as_str().unwrap_or("?"), suffix(&v)));
+            Ok(ExitCode::SUCCESS)
+        }
+        ModelsCmd::Unload { model } => {
+            let v = client::request(socket, "POST", "/v1/models/unload", Some(json!({"model": model}))).await?;
+            if v["unloaded"].as_bool() == Some(true) {
+                output::line(&format!("{}: unloaded", crate::util::sanitize(&model)));
+            } else {
+                output::line(&format!("{}: was not loaded ({})", crate::util::sanitize(&model), v["status"]["state"].as_str().unwrap_or("?")));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ModelsCmd::Promote { model, version } => {
+            let v = client::request(socket, "POST", "/v1/models/promote", Some(json!({"model": model, "version": version}))).await?;
+            output::line(&crate::util::sanitize(v["message"].as_str().unwrap_or("")));
+            Ok(if v["promoted"].as_bool() == Some(true) { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        ModelsCmd::Registry { json } => {
+            let v = client::request(socket, "GET", "/v1/models/registry", None).await?;
+            if json {
+                output::json(&v);
+            } else {
+                let rows: Vec<Vec<String>> = v["registered"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        let served: Vec<String> = r["served_as"].as_array().into_iter().flatten().filter_map(|x| x.as_str().map(str::to_string)).collect();
+                        vec![s(&r["name"]), s(&r["production"]), if served.is_empty() { "(no catalog entry)".into() } else { served.join(",") }]
+                    })
+                    .collect();
+                output::table(&["REGISTERED MODEL", "@PRODUCTION", "SERVED AS"], &rows);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(x) => x.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn suffix(v: &Value) -> String {
+    let mut out = String::new();
+    if let Some(id) = v["worker_id"].as_str() {
+        out.push_str(&format!(" (worker {id})"));
+    }
+    if let Some(d) = v["detail"].as_str() {
+        out.push_str(&format!(": {d}"));
+    }
+    out
+}
+
+async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
+    let v = client::request(socket, "GET", "/v1/models", None).await?;
+    if as_json {
+        output::json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let models = v["models"].as_array().cloned().unwrap_or_default();
+    let rows: Vec<Vec<String>> = models
+        .iter()
+        .map(|m| {
+            vec![
+                s(&m["name"]),
+                s(&m["state"]),
+                s(&m["launcher"]),
+                s(&m["worker_id"]),
+                s(&m["version"]),
+                format!("{}", m["in_flight"].as_u64().unwrap_or(0)),
+                m["idle_s"].as_u64().map(|i| format!("{i}s/{}s", m["idle_timeout_s"])).unwrap_or_else(|| "-".into()),
+                s(&m["detail"]),
+            ]
+        })
+        .collect();
+    output::table(&["MODEL", "STATE", "LAUNCHER", "WORKER", "VERSION", "IN FLIGHT", "IDLE", "DETAIL"], &rows);
+    for m in &models {
+        let tail: Vec<&str> = m["log_tail"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        if m["state"] == "failed" && !tail.is_empty() {
+            output::line(&format!("\n{} failed; last log lines:", s(&m["name"])));
+            for l in tail {
+                output::line(&format!("  {l}"));
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    #[test]
+    fn models_subcommands_parse() {
+        assert!(Cli::try_parse_from(["gpuhub", "models"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "models", "list", "--json"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr", "3"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr"]).is_err(), "promote needs a version");
+        assert!(Cli::try_parse_from(["gpuhub", "models", "unload"]).is_err(), "unload needs a model");
+    }
+}

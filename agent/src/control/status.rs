@@ -1,0 +1,114 @@
+//! `/v1/status` (what `gpuhub doctor` checks) and `/v1/admin/backup`.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+
+use super::Caller;
+use crate::AppState;
+
+/// One health check: what was checked, whether it is fine, and what to do if not.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Check {
+    pub name: String,
+    pub ok: bool,
+    pub detail: String,
+    pub fix: Option<String>,
+}
+
+fn check(name: &str, ok: bool, detail: String, fix: &str) -> Check {
+    Check { name: name.into(), ok, detail, fix: if ok { None } else { Some(fix.into()) } }
+}
+
+/// The agent-side checks. Cheap and bounded (the MLflow probe has a 2 s timeout).
+pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
+    let cfg = &state.config;
+    let mut checks = Vec::new();
+
+    let store = state.store.ping().await;
+    checks.push(check(
+        "store",
+        store.is_ok(),
+        match &store {
+            Ok(()) => format!("{} reachable", crate::config::redact_url(&cfg.store_url)),
+            Err(e) => format!("{}: {e}", crate::config::redact_url(&cfg.store_url)),
+        },
+        "check store.url in agent.toml and that the database is running",
+    ));
+
+    let spool = &cfg.file.paths.spool_dir;
+    let probe = spool.join(".gpuhub-doctor-probe");
+    let writable = std::fs::create_dir_all(spool).and_then(|_| std::fs::write(&probe, b"x")).and_then(|_| std::fs::remove_file(&probe));
+    checks.push(check(
+        "spool",
+        writable.is_ok(),
+        match &writable {
+            Ok(()) => format!("{} writable", spool.display()),
+            Err(e) => format!("{}: {e}", spool.display()),
+        },
+        "create the spool directory (root, 0755) or fix paths.spool_dir; it must match the plugstack spool_dir",
+    ));
+
+    let snap_age = std::fs::metadata(&cfg.snapshot_path).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+    checks.push(check(
+        "snapshot",
+        snap_age.is_some(),
+        match snap_age {
+            Some(a) => format!("{} written {}s ago", cfg.snapshot_path.display(), a.as_secs()),
+            None => format!("{} missing", cfg.snapshot_path.display()),
+        },
+        "the agent writes it at start; check that paths.runtime_dir is writable",
+    ));
+
+    let gpus = state.telemetry.gpus();
+    checks.push(check(
+        "nvml",
+        state.telemetry.nvml_up(),
+        if state.telemetry.nvml_up() { format!("{} GPU(s) visible", gpus.len()) } else { "NVML not available".into() },
+        "install the NVIDIA driver (libnvidia-ml.so.1) or set telemetry.nvml_library; without it GPU metrics are off",
+    ));
+
+    checks.push(check(
+        "job-key",
+        state.job_key.is_some(),
+        format!("{}", cfg.job_key_path.display()),
+        "the agent creates it at start; check that paths.state_dir is writable by root",
+    ));
+
+    if let Some(uri) = &cfg.file.mlflow.tracking_uri {
+        let url = format!("{}/health", uri.trim_end_matches('/'));
+        let res = match reqwest::Client::builder().timeout(Duration::from_secs(2)).build() {
+            Ok(c) => c.get(&url).send().await.map(|r| r.status().is_success()).unwrap_or(false),
+            Err(_) => false,
+        };
+        checks.push(check("mlflow", res, format!("{uri}"), "start the MLflow server or fix mlflow.tracking_uri"));
+    }
+    Json(checks)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct BackupRequest {
+    /// Directory for the backup (default `<state_dir>/backups`).
+    pub dir: Option<std::path::PathBuf>,
+    /// Keep this many newest backups (default 7).
+    pub keep: Option<usize>,
+}
+
+/// Writes a backup of the store (admin only).
+pub async fn backup(State(state): State<AppState>, caller: Caller, Json(req): Json<BackupRequest>) -> Result<Json<serde_json::Value>, (StatusCode, String)> {
+    caller.require_admin("gpuhub backup")?;
+    let dir = req.dir.unwrap_or_else(|| state.config.state_path("backups"));
+    if !dir.is_absolute() {
+        return Err((StatusCode::BAD_REQUEST, format!("backup directory `{}` must be an absolute path", dir.display())));
+    }
+    match state.store.backup_into(&dir, &state.config.store_url, req.keep.unwrap_or(7)).await {
+        Ok(path) => Ok(Json(serde_json::json!({"path": path}))),
+        Err(e) => {
+            tracing::error!(error = %e, "backup failed");
+            Err((StatusCode::INTERNAL_SERVER_ERROR, format!("backup failed: {e}")))
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Control-socket routes for the gateway: API keys (admins only) and call summaries.
+//!
+//! - `POST /v1/keys` `{user, app, models?}` → the new key, shown once.
+//! - `GET /v1/keys` → every key (hash never included).
+//! - `POST /v1/keys/{id}/revoke` → the revoked key.
+//! - `GET /v1/usage/calls?since=30d[&user=U]` → calls per user/app/name/model from the
+//!   rollups; users see their own calls, admins everyone's.
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::auth;
+use crate::AppState;
+use crate::control::Caller;
+use crate::store::gateway::ApiKeyRecord;
+
+type ApiResult = Result<Json<Value>, (StatusCode, Json<Value>)>;
+
+fn err(status: StatusCode, message: impl Into<String>) -> (StatusCode, Json<Value>) {
+    (status, Json(json!({"error": message.into()})))
+}
+
+fn admin(caller: &Caller, what: &str) -> Result<(), (StatusCode, Json<Value>)> {
+    caller.require_admin(what).map_err(|(s, m)| err(s, m))
+}
+
+fn store_err(e: crate::store::StoreError) -> (StatusCode, Json<Value>) {
+    match e {
+        crate::store::StoreError::NotFound(what) => err(StatusCode::NOT_FOUND, format!("no {what}")),
+        other => {
+            tracing::error!(error = %other, "gateway control API: store failed");
+            err(StatusCode::SERVICE_UNAVAILABLE, "the store is not available right now; see the agent's log")
+        }
+    }
+}
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/keys", get(list_keys).post(create_key))
+        .route("/v1/keys/{id}/revoke", post(revoke_key))
+        .route("/v1/usage/calls", get(calls))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateKey {
+    pub user: String,
+    pub app: String,
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+/// User and app names: letters, digits, `.`, `_`, `-`, `@`, 1 to 64 characters.
+pub fn check_label(what: &str, s: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > 64 || !s.chars().all(|c| c.is_ascii_alphanumeric() || "._-@".contains(c)) {
+        return Err(format!("{what} `{}` must be 1 to 64 letters, digits, . _ - or @", crate::util::sanitize(s)));
+    }
+    Ok(())
+}
+
+fn public(k: &ApiKeyRecord) -> Value {
+    json!({"id": k.id, "prefix": k.prefix, "user": k.user, "app": k.app, "models": k.models, "created_us": k.created_us, "created_by": k.created_by, "revoked_us": k.revoked_us})
+}
+
+async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Json<CreateKey>) -> ApiResult {
+    admin(&caller, "creating API keys")?;
+    check_label("user", &req.user).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
+    check_label("app", &req.app).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
+    for m in &req.models {
+        if state.catalog.get(m).is_none() {
+            let known = state.catalog.models().map(|c| c.name.clone()).collect::<Vec<_>>().join(", ");
+            return Err(err(StatusCode::BAD_REQUEST, format!("--models: `{}` is not in the catalog; known models: {known}", crate::util::sanitize(m))));
+        }
+    }
+    let key = auth::new_key();
+    let record = ApiKeyRecord {
+        id: format!("k{}", hex::encode(rand::random::<[u8; 4]>())),
+        key_hash: auth::hash_key(&key),
+        prefix: key.chars().take(12).collect(),
+        user: req.user,
+        app: req.app,
+        models: req.models,
+        created_us: crate::util::now_us(),
+        created_by: caller.user.clone(),
+        revoked_us: None,
+    };
+    state.store.insert_api_key(&record).await.map_err(store_err)?;
+    state.gateway.keys.upsert(record.clone());
+    tracing::info!(id = %record.id, user = %record.user, app = %record.app, by = %caller.user, "API key created");
+    let mut v = public(&record);
+    v["key"] = json!(key);
+    Ok(Json(v))
+}
+
+async fn list_keys(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    admin(&caller, "listing API keys")?;
+    let keys = state.store.api_keys().await.map_err(store_err)?;
+    Ok(Json(json!({"keys": keys.iter().map(public).collect::<Vec<_>>()})))
+}
+
+async fn revoke_key(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult {
+    admin(&caller, "revoking API keys")?;
+    let record = state.store.revoke_api_key(&id, crate::util::now_us()).await.map_err(store_err)?;
+    state.gateway.keys.upsert(record.clone());
+    tracing::info!(id = %record.id, user = %record.user, app = %record.app, by = %caller.user, "API key revoked");
+    Ok(Json(public(&record)))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CallsQuery {
+    pub since: Option<String>,
+    pub user: Option<String>,
+}
+
+async fn calls(State(state): State<AppState>, caller: Caller, Query(q): Query<CallsQuery>) -> ApiResult {
+    let since_s = crate::util::parse_duration_s(q.since.as_deref().unwrap_or("30d")).map_err(|m| err(StatusCode::BAD_REQUEST, format!("--since: {m}")))?;
+    let user = match (q.user, caller.admin) {
+        (Some(u), true) => Some(u),
+        (None, true) => None,
+        (Some(u), false) if u != caller.user => return Err(err(StatusCode::FORBIDDEN, format!("you can see your own calls only (you are `{}`); admins see everyone's", caller.user))),
+        (_, false) => Some(caller.user.clone()),
+    };
+    let since_us = crate::util::now_us() - since_s.saturating_mul(1_000_000);
+    let rows = state.store.call_summary(since_us, user.as_deref()).await.map_err(store_err)?;
+    Ok(Json(json!({"since_us": since_us, "user": user, "calls": rows})))
+}

@@ -1,0 +1,161 @@
+//! The gateway's one error type, OpenAI-shaped on the wire:
+//! `{"error": {"message", "type", "param", "code"}}`.
+//!
+//! `status()` and `code()` are `match`es without a `_` arm: a new variant must choose both.
+//! Messages name the model and what happened; internal causes (I/O, reqwest, sqlx) are logged
+//! where the error is created and never sent to clients.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+use crate::models::ModelError;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GatewayError {
+    #[error("the request body is not valid JSON: {0}")]
+    MalformedJson(String),
+    #[error("the request body must name a model: add \"model\": \"NAME\" (see `GET /v1/models`)")]
+    MissingModel,
+    #[error("`{field}` must be {expected}")]
+    WrongType { field: &'static str, expected: &'static str },
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("the request body is larger than the limit of {limit} bytes (gateway.max_body_bytes)")]
+    BodyTooLarge { limit: usize },
+    #[error("the request body did not arrive within {seconds}s")]
+    BodyTimeout { seconds: u64 },
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("no route {method} {path} (the API is under /v1; see `GET /v1/models`)")]
+    UnknownRoute { method: String, path: String },
+    /// A name the registry does not serve (unknown, retired, role without a model).
+    #[error("{message}")]
+    Refused { status: u16, code: &'static str, message: String },
+    #[error("{message}")]
+    Overloaded { message: String, retry_after_s: u64 },
+    #[error("{0}")]
+    ModelUnavailable(String),
+    #[error("{0}")]
+    LoadTimeout(String),
+    #[error("model `{model}`: {what}")]
+    Upstream { model: String, what: String },
+    #[error("model `{model}` did not answer within {seconds}s (gateway.upstream_timeout_s)")]
+    UpstreamTimeout { model: String, seconds: u64 },
+    #[error("the gateway failed to handle this request; the details are in the agent's log (request id {request_id})")]
+    Internal { request_id: String },
+}
+
+impl GatewayError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GatewayError::MalformedJson(_) | GatewayError::MissingModel | GatewayError::WrongType { .. } | GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            GatewayError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            GatewayError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
+            GatewayError::UnknownRoute { .. } => StatusCode::NOT_FOUND,
+            GatewayError::Refused { status, .. } => StatusCode::from_u16(*status).unwrap_or(StatusCode::NOT_FOUND),
+            GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::ModelUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::LoadTimeout(_) | GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            GatewayError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's `code` field (also the usage log's `error_code` and the metrics label).
+    pub fn code(&self) -> &'static str {
+        match self {
+            GatewayError::MalformedJson(_) => "invalid_json",
+            GatewayError::MissingModel => "missing_model",
+            GatewayError::WrongType { .. } => "invalid_type",
+            GatewayError::BadRequest(_) => "invalid_request",
+            GatewayError::BodyTooLarge { .. } => "request_too_large",
+            GatewayError::BodyTimeout { .. } => "request_timeout",
+            GatewayError::Unauthenticated(_) => "invalid_api_key",
+            GatewayError::Forbidden(_) => "model_not_allowed",
+            GatewayError::UnknownRoute { .. } => "unknown_route",
+            GatewayError::Refused { code, .. } => code,
+            GatewayError::Overloaded { .. } => "model_overloaded",
+            GatewayError::ModelUnavailable(_) => "model_unavailable",
+            GatewayError::LoadTimeout(_) => "model_load_timeout",
+            GatewayError::Upstream { .. } => "upstream_error",
+            GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
+            GatewayError::Internal { .. } => "internal_error",
+        }
+    }
+
+    /// OpenAI's `type` field.
+    fn kind(&self) -> &'static str {
+        match self.status().as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 | 410 => "invalid_request_error",
+            429 => "rate_limit_error",
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+
+    /// The request field at fault, if any (OpenAI's `param`).
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::MissingModel | GatewayError::Refused { .. } | GatewayError::Forbidden(_) => Some("model"),
+            GatewayError::WrongType { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+
+    /// The JSON body (also used as an SSE error event).
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {"message": self.to_string(), "type": self.kind(), "param": self.param(), "code": self.code()}})
+    }
+}
+
+impl From<ModelError> for GatewayError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Overloaded { retry_after_s, .. } => GatewayError::Overloaded { message: e.to_string(), retry_after_s },
+            ModelError::NotInCatalog(_) | ModelError::Unavailable { .. } => GatewayError::ModelUnavailable(e.to_string()),
+            ModelError::LoadTimeout { .. } => GatewayError::LoadTimeout(e.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for GatewayError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if let GatewayError::Overloaded { retry_after_s, .. } = &self {
+            if let Ok(v) = HeaderValue::from_str(&retry_after_s.max(&1).to_string()) {
+                resp.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        if let GatewayError::Unauthenticated(_) = &self {
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_shape_and_statuses() {
+        let e = GatewayError::Refused { status: 404, code: "model_not_found", message: "model `x` does not exist".into() };
+        let b = e.body();
+        assert_eq!(b["error"]["code"], "model_not_found");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["param"], "model");
+        assert_eq!(e.status(), StatusCode::NOT_FOUND);
+        let o = GatewayError::from(ModelError::Overloaded { model: "m".into(), in_flight: 3, queue: 1, retry_after_s: 2 });
+        let r = o.into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        assert_eq!(GatewayError::from(ModelError::LoadTimeout { model: "m".into(), seconds: 3 }).status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(GatewayError::Upstream { model: "m".into(), what: "x".into() }.body()["error"]["type"], "server_error");
+    }
+}

@@ -1,0 +1,60 @@
+//! `GET /v1/models` and `GET /v1/models/{name}`: OpenAI's list shape plus gpuhub's fields
+//! (`state`, `role`, `aliases`, `in_flight`, `detail`). A key with an allow-list sees only
+//! its models.
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde_json::{Value, json};
+
+use super::auth::Identity;
+use super::error::GatewayError;
+use super::proxy::{Call, with_headers};
+use super::RequestMeta;
+use crate::AppState;
+use crate::models::ModelStatus;
+
+fn entry(s: &ModelStatus) -> Value {
+    json!({
+        "id": s.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "gpuhub",
+        "state": s.state,
+        "role": s.role,
+        "aliases": s.aliases,
+        "in_flight": s.in_flight,
+        "detail": s.detail,
+    })
+}
+
+pub async fn list(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>) -> Response {
+    let data: Vec<Value> = state.models.statuses().iter().filter(|s| id.models.is_empty() || id.models.contains(&s.name)).map(entry).collect();
+    let mut call = Call { row: meta.row("/v1/models", &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    call.row.status = 200;
+    call.record(&state);
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+pub async fn get(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>, Path(name): Path<String>) -> Response {
+    let mut call = Call { row: meta.row("/v1/models/{name}", &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    call.row.requested_name = name.clone();
+    let res = state.names.resolve(&name);
+    call.row.name_state = res.state().to_string();
+    call.extra_headers = state.names.deprecation_headers(&res);
+    if let Some(r) = state.names.refusal(&name, &res) {
+        return call.fail(&state, GatewayError::Refused { status: r.status, code: r.code, message: r.message });
+    }
+    let model = res.model().unwrap_or_default().to_string();
+    call.row.resolved_model = model.clone();
+    if let Err(e) = id.check_model(&name, Some(&model)) {
+        return call.fail(&state, e);
+    }
+    let Some(s) = state.models.statuses().into_iter().find(|s| s.name == model) else {
+        return call.fail(&state, GatewayError::ModelUnavailable(format!("model `{model}` is in no catalog entry")));
+    };
+    call.row.status = 200;
+    let extra = std::mem::take(&mut call.extra_headers);
+    call.record(&state);
+    with_headers(Json(entry(&s)).into_response(), &extra)
+}

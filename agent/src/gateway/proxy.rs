@@ -1,0 +1,264 @@
+//! Forwards any `/v1/*` call whose body names a model, without understanding the route:
+//! auth (middleware) → read the body (bounded, timed) → find the model → resolve the name →
+//! check the key's allow-list → acquire the model → forward with the worker's key (never the
+//! client's) → answer, with deprecation headers for renamed names → one usage row.
+
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+
+use super::auth::Identity;
+use super::error::GatewayError;
+use super::metrics::GaugeGuard;
+use super::parse::{self, Parsed};
+use super::usage_log::UsageRow;
+use super::{RequestMeta, stream, us_since};
+use crate::AppState;
+
+/// One call on its way through the gateway: the row it will leave and its timings.
+pub struct Call {
+    pub row: UsageRow,
+    pub started: Instant,
+    /// Time spent waiting for the model (loading, queue): not gateway overhead.
+    pub wait_us: i64,
+    /// Time spent waiting for the upstream: not gateway overhead.
+    pub upstream_us: i64,
+    /// Headers every answer to this call carries (deprecation signals).
+    pub extra_headers: Vec<(&'static str, String)>,
+}
+
+impl Call {
+    /// Fills the timings and records the row (journaled before the response leaves).
+    pub fn record(mut self, state: &AppState) {
+        self.row.latency_us = us_since(self.started);
+        self.row.overhead_us = (self.row.latency_us - self.wait_us - self.upstream_us).max(0);
+        state.gateway.finish(self.row);
+    }
+
+    /// Records a failed call and builds its OpenAI-shaped answer.
+    pub fn fail(mut self, state: &AppState, e: GatewayError) -> Response {
+        self.row.status = e.status().as_u16();
+        self.row.error_code = e.code().to_string();
+        let extra = std::mem::take(&mut self.extra_headers);
+        self.record(state);
+        with_headers(e.into_response(), &extra)
+    }
+}
+
+/// Adds `extra` headers to a response.
+pub fn with_headers(mut resp: Response, extra: &[(&'static str, String)]) -> Response {
+    for (k, v) in extra {
+        if let Ok(v) = HeaderValue::from_str(v) {
+            resp.headers_mut().append(HeaderName::from_static(k), v);
+        }
+    }
+    resp
+}
+
+/// What the upstream request needs from the client's request.
+pub struct Outgoing {
+    pub method: Method,
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// The fallback handler: every `/v1/*` route not handled elsewhere.
+pub async fn forward(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>, req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    let call = Call { row: meta.row(&path, &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    let mut call = call;
+    match prepare(&state, &mut call, &id, req).await {
+        Ok((parsed, out)) => {
+            if parsed.stream {
+                stream::start(state, call, parsed, out).await
+            } else {
+                plain(&state, call, out).await
+            }
+        }
+        Err(e) => call.fail(&state, e),
+    }
+}
+
+/// Answers a method/path the gateway does not serve.
+pub async fn unknown_route(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>, req: Request) -> Response {
+    let call = Call { row: meta.row(req.uri().path(), &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    call.fail(&state, GatewayError::UnknownRoute { method: req.method().to_string(), path: crate::util::sanitize(req.uri().path()) })
+}
+
+/// Reads and checks the request up to the point where the model is known and allowed.
+async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request) -> Result<(Parsed, Outgoing), GatewayError> {
+    let cfg = &state.config.file.gateway;
+    let (parts, body) = req.into_parts();
+    if !parts.uri.path().starts_with("/v1/") {
+        return Err(GatewayError::UnknownRoute { method: parts.method.to_string(), path: crate::util::sanitize(parts.uri.path()) });
+    }
+    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if matches!(parts.method, Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS) && declared.unwrap_or(0) == 0 {
+        return Err(GatewayError::UnknownRoute { method: parts.method.to_string(), path: crate::util::sanitize(parts.uri.path()) });
+    }
+    if declared.is_some_and(|n| n > cfg.max_body_bytes as u64) {
+        return Err(GatewayError::BodyTooLarge { limit: cfg.max_body_bytes });
+    }
+    let seconds = cfg.body_timeout_s;
+    let bytes = match tokio::time::timeout(Duration::from_secs(seconds), axum::body::to_bytes(body, cfg.max_body_bytes)).await {
+        Err(_) => return Err(GatewayError::BodyTimeout { seconds }),
+        Ok(Err(e)) if is_length_limit(&e) => return Err(GatewayError::BodyTooLarge { limit: cfg.max_body_bytes }),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reading a request body failed");
+            return Err(GatewayError::BadRequest("the request body could not be read (the connection broke off)".into()));
+        }
+        Ok(Ok(b)) => b,
+    };
+    let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let parsed = parse::parse(content_type, &bytes)?;
+    call.row.requested_name = parsed.model.clone();
+    call.row.streamed = parsed.stream;
+    let res = state.names.resolve(&parsed.model);
+    call.row.name_state = res.state().to_string();
+    call.extra_headers = state.names.deprecation_headers(&res);
+    if let Some(r) = state.names.refusal(&parsed.model, &res) {
+        return Err(GatewayError::Refused { status: r.status, code: r.code, message: r.message });
+    }
+    let Some(model) = res.model() else {
+        return Err(GatewayError::Refused { status: 404, code: "model_not_found", message: format!("model `{}` is not served here (see `GET /v1/models`)", crate::util::sanitize(&parsed.model)) });
+    };
+    call.row.resolved_model = model.to_string();
+    id.check_model(&parsed.model, Some(model))?;
+    let path_and_query = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| parts.uri.path().to_string());
+    let body = parse::upstream_body(&parsed, &bytes, model).map(Bytes::from).unwrap_or(bytes);
+    Ok((parsed, Outgoing { method: parts.method, path_and_query, headers: parts.headers, body }))
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Waits for the model (counted as queued), then returns its lease.
+pub async fn acquire(state: &AppState, call: &mut Call) -> Result<crate::models::Lease, GatewayError> {
+    let model = call.row.resolved_model.clone();
+    let t = Instant::now();
+    let lease = {
+        let _queued = GaugeGuard::new(&state.gateway.metrics.queued, &model);
+        state.models.acquire(&model).await
+    };
+    call.wait_us += us_since(t);
+    let lease = lease?;
+    call.row.model_version = lease.version.clone().unwrap_or_default();
+    Ok(lease)
+}
+
+/// Builds the upstream request: the client's method, path, body, content type and accept
+/// header; the worker's key, never the client's credential.
+pub fn upstream_request(state: &AppState, lease: &crate::models::Lease, out: &Outgoing, body: Bytes, request_id: &str) -> reqwest::RequestBuilder {
+    let url = format!("{}{}", lease.base_url, out.path_and_query);
+    let mut rb = state.gateway.http.request(out.method.clone(), url).timeout(Duration::from_secs(state.config.file.gateway.upstream_timeout_s)).body(body);
+    for h in [header::CONTENT_TYPE, header::ACCEPT] {
+        if let Some(v) = out.headers.get(&h) {
+            rb = rb.header(h, v.clone());
+        }
+    }
+    if let Some(k) = &lease.api_key {
+        rb = rb.bearer_auth(k);
+    }
+    rb.header("x-request-id", request_id)
+}
+
+/// Maps a failed upstream request to what the client is told (the cause is logged).
+pub fn upstream_error(state: &AppState, lease: &crate::models::Lease, e: reqwest::Error) -> GatewayError {
+    let model = lease.model.clone();
+    if e.is_timeout() {
+        tracing::warn!(model = %model, error = %e, "upstream timed out");
+        return GatewayError::UpstreamTimeout { model, seconds: state.config.file.gateway.upstream_timeout_s };
+    }
+    let what = if e.is_connect() { "cannot connect to its worker (it may have stopped; the next call restarts it)" } else { "the connection to its worker broke off" };
+    tracing::warn!(model = %model, upstream = %lease.base_url, error = %e, "upstream request failed");
+    GatewayError::Upstream { model, what: what.into() }
+}
+
+/// The upstream's own error body, shortened, for messages.
+pub fn snippet(body: &[u8]) -> String {
+    let text = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("detail")).or_else(|| v.get("message")).and_then(|m| m.as_str()).map(str::to_string))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
+    let text = crate::util::sanitize(text.trim());
+    if text.chars().count() > 200 { format!("{}...", text.chars().take(200).collect::<String>()) } else { text }
+}
+
+/// The upstream's error code for the usage log (`upstream_<status>` when it sent none).
+pub fn upstream_code(status: StatusCode, body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code").and_then(|c| c.as_str()).map(|c| c.chars().take(64).collect()))
+        .unwrap_or_else(|| format!("upstream_{}", status.as_u16()))
+}
+
+const HOP_BY_HOP: [&str; 10] = ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "content-length", "date"];
+
+/// Copies upstream response headers except hop-by-hop ones.
+pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (k, v) in from {
+        if !HOP_BY_HOP.contains(&k.as_str()) && k != header::SERVER {
+            to.append(k.clone(), v.clone());
+        }
+    }
+}
+
+/// A call answered in one piece (JSON, audio bytes, ...).
+async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
+    let lease = match acquire(state, &mut call).await {
+        Ok(l) => l,
+        Err(e) => return call.fail(state, e),
+    };
+    let _in_flight = GaugeGuard::new(&state.gateway.metrics.in_flight, &lease.model);
+    let t0 = Instant::now();
+    let sent = upstream_request(state, &lease, &out, out.body.clone(), &call.row.request_id).send().await;
+    let resp = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            call.upstream_us += us_since(t0);
+            return call.fail(state, upstream_error(state, &lease, e));
+        }
+    };
+    call.row.upstream_ttfb_us = us_since(t0);
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = resp.bytes().await;
+    call.upstream_us += us_since(t0);
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return call.fail(state, upstream_error(state, &lease, e)),
+    };
+    if status.is_server_error() {
+        tracing::warn!(model = %lease.model, status = %status, body = %snippet(&body), "upstream answered with a server error");
+        let what = format!("its worker answered {}: {}", status.as_u16(), snippet(&body));
+        return call.fail(state, GatewayError::Upstream { model: lease.model.clone(), what });
+    }
+    if let Some((p, c)) = parse::usage_of(&body) {
+        call.row.prompt_tokens = p;
+        call.row.completion_tokens = c;
+    }
+    call.row.status = status.as_u16();
+    if !status.is_success() {
+        call.row.error_code = upstream_code(status, &body);
+    }
+    let extra = std::mem::take(&mut call.extra_headers);
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    copy_headers(&headers, response.headers_mut());
+    call.record(state);
+    drop(lease);
+    with_headers(response.into_response(), &extra)
+}

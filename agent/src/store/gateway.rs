@@ -1,0 +1,328 @@
+//! Gateway queries: API keys, the usage log (batched, idempotent inserts) and call rollups.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use sqlx::Row;
+
+use super::{Store, StoreError};
+use crate::gateway::usage_log::UsageRow;
+
+/// Columns of `usage_log`, in bind order.
+const USAGE_COLUMNS: &[&str] = &[
+    "request_id",
+    "time_us",
+    "user_name",
+    "app",
+    "job_id",
+    "client_addr",
+    "user_agent",
+    "requested_name",
+    "resolved_model",
+    "model_version",
+    "name_state",
+    "route",
+    "status",
+    "error_code",
+    "prompt_tokens",
+    "completion_tokens",
+    "streamed",
+    "latency_us",
+    "upstream_ttfb_us",
+    "overhead_us",
+];
+
+/// Rows per INSERT statement: 20 columns x 200 rows stays far below both backends' limit on
+/// bind parameters (SQLite 32766, PostgreSQL 65535).
+const ROWS_PER_STATEMENT: usize = 200;
+
+/// One stored API key (never the key itself).
+#[derive(Debug, Clone, Serialize)]
+pub struct ApiKeyRecord {
+    pub id: String,
+    pub key_hash: String,
+    pub prefix: String,
+    pub user: String,
+    pub app: String,
+    /// Models this key may use; empty = every model.
+    pub models: Vec<String>,
+    pub created_us: i64,
+    pub created_by: String,
+    pub revoked_us: Option<i64>,
+}
+
+/// One line of `gpuhub usage --calls`.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct CallSummary {
+    pub user: String,
+    pub app: String,
+    pub requested_name: String,
+    pub model: String,
+    pub calls: i64,
+    pub errors: i64,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+    pub mean_latency_us: i64,
+}
+
+const HOUR_US: i64 = 3_600_000_000;
+
+impl Store {
+    pub async fn insert_api_key(&self, k: &ApiKeyRecord) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO api_keys (id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, NULL)")
+            .bind(&k.id)
+            .bind(&k.key_hash)
+            .bind(&k.prefix)
+            .bind(&k.user)
+            .bind(&k.app)
+            .bind(k.models.join(","))
+            .bind(k.created_us)
+            .bind(&k.created_by)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Every key, revoked ones included (the gateway tells a revoked key from an unknown one).
+    pub async fn api_keys(&self) -> Result<Vec<ApiKeyRecord>, StoreError> {
+        let rows = sqlx::query("SELECT id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us FROM api_keys ORDER BY created_us, id")
+            .fetch_all(self.pool())
+            .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let models: String = r.try_get("models")?;
+            out.push(ApiKeyRecord {
+                id: r.try_get("id")?,
+                key_hash: r.try_get("key_hash")?,
+                prefix: r.try_get("prefix")?,
+                user: r.try_get("user_name")?,
+                app: r.try_get("app")?,
+                models: models.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect(),
+                created_us: r.try_get("created_us")?,
+                created_by: r.try_get("created_by")?,
+                revoked_us: r.try_get("revoked_us")?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Revokes a key by id; returns the revoked record. Revoking twice is a no-op that still
+    /// answers with the record.
+    pub async fn revoke_api_key(&self, id: &str, now_us: i64) -> Result<ApiKeyRecord, StoreError> {
+        sqlx::query("UPDATE api_keys SET revoked_us = $1 WHERE id = $2 AND revoked_us IS NULL").bind(now_us).bind(id).execute(self.pool()).await?;
+        self.api_keys()
+            .await?
+            .into_iter()
+            .find(|k| k.id == id)
+            .ok_or_else(|| StoreError::NotFound(format!("API key `{id}` (see `gpuhub keys list`)")))
+    }
+
+    /// Inserts a batch of usage rows in one transaction. Rows already stored (same request id,
+    /// e.g. replayed from the journal after a crash) are skipped, and only the rows inserted now
+    /// are added to the rollups, so replaying is exact. Returns how many rows were new.
+    pub async fn insert_usage(&self, rows: &[UsageRow]) -> Result<usize, StoreError> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool().begin().await?;
+        let mut inserted: Vec<UsageRow> = Vec::with_capacity(rows.len());
+        for chunk in rows.chunks(ROWS_PER_STATEMENT) {
+            let sql = usage_insert_sql(chunk.len());
+            let mut q = sqlx::query(&sql);
+            for r in chunk {
+                q = q
+                    .bind(&r.request_id)
+                    .bind(r.time_us)
+                    .bind(&r.user)
+                    .bind(&r.app)
+                    .bind(r.job_id)
+                    .bind(&r.client_addr)
+                    .bind(&r.user_agent)
+                    .bind(&r.requested_name)
+                    .bind(&r.resolved_model)
+                    .bind(&r.model_version)
+                    .bind(&r.name_state)
+                    .bind(&r.route)
+                    .bind(i64::from(r.status))
+                    .bind(&r.error_code)
+                    .bind(r.prompt_tokens)
+                    .bind(r.completion_tokens)
+                    .bind(i64::from(r.streamed))
+                    .bind(r.latency_us)
+                    .bind(r.upstream_ttfb_us)
+                    .bind(r.overhead_us);
+            }
+            let ids: Vec<String> = q.fetch_all(&mut *tx).await?.iter().map(|row| row.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
+            let ids: std::collections::HashSet<String> = ids.into_iter().collect();
+            inserted.extend(chunk.iter().filter(|r| ids.contains(&r.request_id)).cloned());
+        }
+        // Hourly call rollups of the new rows.
+        let mut sums: BTreeMap<(i64, &str, &str, &str, &str), [i64; 5]> = BTreeMap::new();
+        for r in &inserted {
+            let k = (r.time_us - r.time_us.rem_euclid(HOUR_US), r.user.as_str(), r.app.as_str(), r.requested_name.as_str(), r.resolved_model.as_str());
+            let s = sums.entry(k).or_insert([0; 5]);
+            s[0] += 1;
+            s[1] += i64::from(r.status >= 400);
+            s[2] += r.prompt_tokens;
+            s[3] += r.completion_tokens;
+            s[4] += r.latency_us;
+        }
+        for ((hour, user, app, name, model), s) in &sums {
+            sqlx::query(
+                "INSERT INTO call_rollups (hour_us, user_name, app, requested_name, resolved_model, calls, errors, prompt_tokens, completion_tokens, latency_us_sum) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                 ON CONFLICT (hour_us, user_name, app, requested_name, resolved_model) DO UPDATE SET \
+                 calls = call_rollups.calls + excluded.calls, errors = call_rollups.errors + excluded.errors, \
+                 prompt_tokens = call_rollups.prompt_tokens + excluded.prompt_tokens, \
+                 completion_tokens = call_rollups.completion_tokens + excluded.completion_tokens, \
+                 latency_us_sum = call_rollups.latency_us_sum + excluded.latency_us_sum",
+            )
+            .bind(*hour)
+            .bind(*user)
+            .bind(*app)
+            .bind(*name)
+            .bind(*model)
+            .bind(s[0])
+            .bind(s[1])
+            .bind(s[2])
+            .bind(s[3])
+            .bind(s[4])
+            .execute(&mut *tx)
+            .await?;
+        }
+        crate::names::callers::roll_up(&mut tx, &inserted).await?;
+        tx.commit().await?;
+        Ok(inserted.len())
+    }
+
+    /// Calls per user, app, requested name and model since `since_us`, from the hourly
+    /// rollups (whole hours: the hour that contains `since_us` counts whole). `user` limits
+    /// it to one user.
+    pub async fn call_summary(&self, since_us: i64, user: Option<&str>) -> Result<Vec<CallSummary>, StoreError> {
+        let hour = since_us - since_us.rem_euclid(HOUR_US);
+        let sql = format!(
+            "SELECT user_name, app, requested_name, resolved_model, CAST(SUM(calls) AS BIGINT) AS calls, CAST(SUM(errors) AS BIGINT) AS errors, \
+             CAST(SUM(prompt_tokens) AS BIGINT) AS pt, CAST(SUM(completion_tokens) AS BIGINT) AS ct, CAST(SUM(latency_us_sum) AS BIGINT) AS lat \
+             FROM call_rollups WHERE hour_us >= $1 {} GROUP BY user_name, app, requested_name, resolved_model ORDER BY calls DESC, user_name, app, requested_name",
+            if user.is_some() { "AND user_name = $2" } else { "" }
+        );
+        let mut q = sqlx::query(&sql).bind(hour);
+        if let Some(u) = user {
+            q = q.bind(u);
+        }
+        let rows = q.fetch_all(self.pool()).await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let calls: i64 = r.try_get("calls")?;
+            let lat: i64 = r.try_get("lat")?;
+            out.push(CallSummary {
+                user: r.try_get("user_name")?,
+                app: r.try_get("app")?,
+                requested_name: r.try_get("requested_name")?,
+                model: r.try_get("resolved_model")?,
+                calls,
+                errors: r.try_get("errors")?,
+                prompt_tokens: r.try_get("pt")?,
+                completion_tokens: r.try_get("ct")?,
+                mean_latency_us: if calls > 0 { lat / calls } else { 0 },
+            });
+        }
+        Ok(out)
+    }
+
+    /// Number of usage rows (tests, `doctor`).
+    pub async fn usage_row_count(&self) -> Result<i64, StoreError> {
+        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM usage_log").fetch_one(self.pool()).await?;
+        Ok(n)
+    }
+}
+
+fn usage_insert_sql(rows: usize) -> String {
+    let cols = USAGE_COLUMNS.len();
+    let mut sql = format!("INSERT INTO usage_log ({}) VALUES ", USAGE_COLUMNS.join(", "));
+    for r in 0..rows {
+        if r > 0 {
+            sql.push_str(", ");
+        }
+        sql.push('(');
+        for c in 0..cols {
+            if c > 0 {
+                sql.push_str(", ");
+            }
+            sql.push_str(&format!("${}", r * cols + c + 1));
+        }
+        sql.push(')');
+    }
+    sql.push_str(" ON CONFLICT (request_id) DO NOTHING RETURNING request_id");
+    sql
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::testing;
+
+    fn row(id: &str, t: i64, user: &str, status: u16, pt: i64) -> UsageRow {
+        UsageRow {
+            request_id: id.into(),
+            time_us: t,
+            user: user.into(),
+            app: "ocr-service".into(),
+            requested_name: "svc-ocr".into(),
+            resolved_model: "dots.ocr".into(),
+            status,
+            prompt_tokens: pt,
+            completion_tokens: 2,
+            latency_us: 1000,
+            job_id: Some(42),
+            ..UsageRow::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn usage_inserts_are_idempotent_and_rolled_up_once_on_every_backend() {
+        for (store, _d) in testing::stores().await {
+            let t = 1_800_000_000_000_000;
+            let rows: Vec<UsageRow> = (0..450).map(|i| row(&format!("r{i}"), t + i, if i % 2 == 0 { "alice" } else { "bob" }, if i % 10 == 0 { 500 } else { 200 }, 3)).collect();
+            assert_eq!(store.insert_usage(&rows).await.unwrap(), 450);
+            // Replaying the same rows (a journal after kill -9) adds nothing.
+            assert_eq!(store.insert_usage(&rows[100..300]).await.unwrap(), 0);
+            let mut mixed = rows[0..10].to_vec();
+            mixed.push(row("new", t, "alice", 200, 5));
+            assert_eq!(store.insert_usage(&mixed).await.unwrap(), 1);
+            assert_eq!(store.usage_row_count().await.unwrap(), 451);
+            let all = store.call_summary(t, None).await.unwrap();
+            assert_eq!(all.iter().map(|c| c.calls).sum::<i64>(), 451, "{:?}", store.backend());
+            let alice = store.call_summary(t, Some("alice")).await.unwrap();
+            assert_eq!(alice.len(), 1);
+            assert_eq!(alice[0].calls, 226);
+            assert_eq!(alice[0].errors, 45);
+            assert_eq!(alice[0].prompt_tokens, 225 * 3 + 5);
+            assert_eq!(alice[0].mean_latency_us, 1000);
+            assert!(store.call_summary(t + 2 * HOUR_US, None).await.unwrap().is_empty());
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_round_trip_and_revoke_on_every_backend() {
+        for (store, _d) in testing::stores().await {
+            let k = ApiKeyRecord {
+                id: "k1".into(),
+                key_hash: "h".into(),
+                prefix: "ghk_ab".into(),
+                user: "alice".into(),
+                app: "ocr".into(),
+                models: vec!["a".into(), "b".into()],
+                created_us: 1,
+                created_by: "root".into(),
+                revoked_us: None,
+            };
+            store.insert_api_key(&k).await.unwrap();
+            let keys = store.api_keys().await.unwrap();
+            assert_eq!(keys[0].models, vec!["a", "b"]);
+            assert_eq!(store.revoke_api_key("k1", 5).await.unwrap().revoked_us, Some(5));
+            assert_eq!(store.revoke_api_key("k1", 9).await.unwrap().revoked_us, Some(5));
+            assert!(store.revoke_api_key("nope", 9).await.unwrap_err().to_string().contains("gpuhub keys list"));
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! The gateway in process, against a scriptable upstream on 127.0.0.1:0: forwarding, streaming,
+//! identity, every bad input, the usage rows and the metrics each call leaves.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod gateway_support;
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use gateway_support::{Agent, start};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn post(a: &Agent, key: &str, path: &str, body: Value) -> reqwest::Response {
+    client().post(a.url(path)).bearer_auth(key).json(&body).send().await.unwrap()
+}
+
+async fn error_of(r: reqwest::Response) -> (u16, Value) {
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap_or_else(|e| panic!("status {status}: body is not JSON: {e}"));
+    let err = body["error"].clone();
+    assert!(err["message"].is_string() && err.get("type").is_some() && err.get("param").is_some() && err.get("code").is_some(), "not OpenAI-shaped: {body}");
+    (status, err)
+}
+
+fn find<'a>(rows: &'a [Value], request_id: &str) -> &'a Value {
+    rows.iter().find(|r| r["request_id"] == request_id).unwrap_or_else(|| panic!("no row for {request_id}: {rows:#?}"))
+}
+
+#[tokio::test]
+async fn plain_call_is_forwarded_with_the_workers_key_and_leaves_one_row() {
+    let a = start("").await;
+    let (key, _) = a.key("alice", "ocr-service", &[]).await;
+    let r = client().post(a.url("/v1/chat/completions")).bearer_auth(&key).header("user-agent", "app/1.0").json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let rid = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "hello");
+    let seen = a.upstream.seen.lock().unwrap().clone();
+    assert_eq!(seen.authorization.as_deref(), Some("Bearer worker-secret"), "the client's key must never reach the worker");
+    assert_eq!(seen.path, "/v1/chat/completions");
+    let rows = a.rows(1).await;
+    let row = find(&rows, &rid);
+    assert_eq!((row["user_name"].as_str(), row["app"].as_str(), row["status"].as_i64()), (Some("alice"), Some("ocr-service"), Some(200)));
+    assert_eq!((row["prompt_tokens"].as_i64(), row["completion_tokens"].as_i64()), (Some(5), Some(7)));
+    assert_eq!((row["requested_name"].as_str(), row["resolved_model"].as_str(), row["name_state"].as_str()), (Some("chat"), Some("chat"), Some("active")));
+    assert_eq!((row["route"].as_str(), row["user_agent"].as_str(), row["client_addr"].as_str()), (Some("/v1/chat/completions"), Some("app/1.0"), Some("127.0.0.1")));
+    assert_eq!(row["streamed"].as_i64(), Some(0));
+    assert!(row["latency_us"].as_i64().unwrap() >= row["overhead_us"].as_i64().unwrap());
+    assert!(row["upstream_ttfb_us"].as_i64().unwrap() > 0);
+    // Any /v1 route whose body names a model is forwarded without the gateway knowing it.
+    let r = post(&a, &key, "/v1/ner/extract?lang=en", json!({"model": "chat", "text": "Ada Lovelace"})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(a.upstream.seen.lock().unwrap().path, "/v1/ner/extract");
+    // Audio speech: binary bytes come back untouched.
+    let r = post(&a, &key, "/v1/audio/speech", json!({"model": "chat", "input": "hi", "voice": "x"})).await;
+    assert_eq!(r.headers()["content-type"], "audio/wav");
+    assert_eq!(r.bytes().await.unwrap().as_ref(), &[0u8, 1, 2, 3, 255]);
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn deprecated_names_are_served_renamed_with_headers() {
+    let a = start("").await;
+    let (key, _) = a.key("alice", "ocr-service", &[]).await;
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "svc-chat", "messages": []})).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["deprecation"].to_str().unwrap().starts_with('@'));
+    assert_eq!(r.headers()["sunset"], "Thu, 31 Dec 2026 00:00:00 GMT");
+    assert!(r.headers()["link"].to_str().unwrap().contains("chat"));
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["echo"]["model"], "chat", "the worker must be asked for its own name");
+    let rows = a.rows(1).await;
+    assert_eq!((rows[0]["requested_name"].as_str(), rows[0]["resolved_model"].as_str(), rows[0]["name_state"].as_str()), (Some("svc-chat"), Some("chat"), Some("deprecated")));
+    a.stop().await;
+}
+
+/// Reads an SSE body into its events, with the time each arrived.
+async fn events(r: reqwest::Response) -> Vec<String> {
+    let text = r.text().await.unwrap();
+    text.split("\n\n").filter(|e| !e.is_empty()).map(str::to_string).collect()
+}
+
+#[tokio::test]
+async fn streams_pass_through_and_usage_is_captured_but_stripped_unless_asked() {
+    let a = start("").await;
+    let (key, _) = a.key("bob", "chatbot", &[]).await;
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "chat", "stream": true, "messages": []})).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let ev = events(r).await;
+    assert_eq!(ev.len(), 4, "{ev:?}"); // 3 chunks + [DONE], no usage chunk
+    assert!(ev.iter().all(|e| !e.contains("\"usage\":{")), "{ev:?}");
+    assert_eq!(ev.last().unwrap(), "data: [DONE]");
+    let asked: Value = serde_json::from_slice(&a.upstream.seen.lock().unwrap().body).unwrap();
+    assert_eq!(asked["stream_options"]["include_usage"], true, "the gateway asks the upstream for usage");
+    let rows = a.rows(1).await;
+    assert_eq!((rows[0]["prompt_tokens"].as_i64(), rows[0]["completion_tokens"].as_i64(), rows[0]["streamed"].as_i64()), (Some(4), Some(3), Some(1)));
+
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "chat", "stream": true, "stream_options": {"include_usage": true}})).await;
+    let ev = events(r).await;
+    assert_eq!(ev.len(), 5, "{ev:?}");
+    assert!(ev[3].contains("\"prompt_tokens\":4"), "{ev:?}");
+    a.rows(2).await;
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_stream_keeps_its_usage_row() {
+    let a = start("").await;
+    let (key, _) = a.key("carol", "app", &[]).await;
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "slow", "stream": true})).await;
+    let rid = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    let mut s = r.bytes_stream();
+    let first = s.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("w0"));
+    drop(s); // the client goes away after the first chunk
+    let t = Instant::now();
+    let rows = a.rows(1).await;
+    let row = find(&rows, &rid);
+    assert_eq!(row["completion_tokens"].as_i64(), Some(10), "the upstream was drained to its usage chunk");
+    assert_eq!(row["error_code"].as_str(), Some("client_closed"));
+    assert!(t.elapsed() < Duration::from_secs(5));
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn upstream_failures_name_the_model_and_what_happened() {
+    let a = start("[gateway]\nupstream_timeout_s = 1\n").await;
+    let (key, _) = a.key("alice", "app", &[]).await;
+    let (s, e) = error_of(post(&a, &key, "/v1/chat/completions", json!({"model": "fail"})).await).await;
+    assert_eq!(s, 502);
+    assert!(e["message"].as_str().unwrap().contains("model `fail`") && e["message"].as_str().unwrap().contains("500"), "{e}");
+    let (s, e) = error_of(post(&a, &key, "/v1/chat/completions", json!({"model": "down"})).await).await;
+    assert_eq!(s, 502);
+    assert!(e["message"].as_str().unwrap().contains("cannot connect"), "{e}");
+    let (s, e) = error_of(post(&a, &key, "/v1/chat/completions", json!({"model": "hang"})).await).await;
+    assert_eq!((s, e["code"].as_str()), (504, Some("upstream_timeout")));
+    // A 4xx from the model is the model's answer: passed through.
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "bad"})).await;
+    assert_eq!(r.status(), 400);
+    // Mid-stream failure: an error event, then [DONE].
+    let ev = events(post(&a, &key, "/v1/chat/completions", json!({"model": "break", "stream": true})).await).await;
+    assert_eq!(ev.len(), 4, "{ev:?}");
+    assert!(ev[2].contains("\"code\":\"upstream_error\"") && ev[2].contains("break"), "{ev:?}");
+    assert_eq!(ev[3], "data: [DONE]");
+    let ev = events(post(&a, &key, "/v1/chat/completions", json!({"model": "nodone", "stream": true})).await).await;
+    assert!(ev[ev.len() - 2].contains("without [DONE]"), "{ev:?}");
+    // A stream refused before it started is a plain error.
+    let (s, _) = error_of(post(&a, &key, "/v1/chat/completions", json!({"model": "fail", "stream": true})).await).await;
+    assert_eq!(s, 502);
+    let rows = a.rows(7).await;
+    let codes: Vec<&str> = rows.iter().map(|r| r["error_code"].as_str().unwrap()).collect();
+    assert!(codes.contains(&"upstream_timeout") && codes.contains(&"bad_param") && codes.iter().filter(|c| **c == "upstream_error").count() == 5, "{codes:?}");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_openai_shaped_errors() {
+    let a = start("[gateway]\nmax_body_bytes = 4096\nbody_timeout_s = 1\n").await;
+    let (key, _) = a.key("alice", "app", &[]).await;
+    let raw = |body: Vec<u8>| {
+        let key = key.clone();
+        let url = a.url("/v1/chat/completions");
+        async move { client().post(url).bearer_auth(key).header("content-type", "application/json").body(body).send().await.unwrap() }
+    };
+    for (body, status, code) in [
+        (b"{\"model\": \"chat\",".to_vec(), 400, "invalid_json"),
+        (b"\xff\xfe\x00{\"model\": \"chat\"}".to_vec(), 400, "invalid_json"),
+        (b"{\"model\": \"ch\xffat\"}".to_vec(), 400, "invalid_json"),
+        (b"{}".to_vec(), 400, "missing_model"),
+        (b"".to_vec(), 400, "missing_model"),
+        (b"{\"model\": 42}".to_vec(), 400, "invalid_type"),
+        (b"{\"model\": \"chat\", \"stream\": \"yes\"}".to_vec(), 400, "invalid_type"),
+        (b"[\"chat\"]".to_vec(), 400, "invalid_request"),
+        (vec![b' '; 5000], 413, "request_too_large"),
+        (b"{\"model\": \"chat-gpt\"}".to_vec(), 404, "model_not_found"),
+        (b"{\"model\": \"tts\"}".to_vec(), 503, "role_unassigned"),
+    ] {
+        let (s, e) = error_of(raw(body.clone()).await).await;
+        assert_eq!((s, e["code"].as_str().unwrap()), (status, code), "body {:?}: {e}", String::from_utf8_lossy(&body));
+    }
+    let (_, e) = error_of(raw(b"{\"model\": \"chta\"}".to_vec()).await).await;
+    assert!(e["message"].as_str().unwrap().contains("did you mean `chat`"), "{e}");
+    // A chunked body over the limit (no Content-Length to check up front).
+    let stream = futures_util::stream::iter((0..10).map(|_| Ok::<_, std::io::Error>(vec![b' '; 1000])));
+    let r = client().post(a.url("/v1/chat/completions")).bearer_auth(&key).body(reqwest::Body::wrap_stream(stream)).send().await.unwrap();
+    assert_eq!(error_of(r).await.0, 413);
+    // Unknown routes, with and without credentials.
+    let (s, e) = error_of(client().get(a.url("/v2/whatever")).bearer_auth(&key).send().await.unwrap()).await;
+    assert_eq!((s, e["code"].as_str()), (404, Some("unknown_route")));
+    let (s, _) = error_of(client().get(a.url("/v1/files")).bearer_auth(&key).send().await.unwrap()).await;
+    assert_eq!(s, 404);
+    let (s, _) = error_of(client().get(a.url("/v2/whatever")).send().await.unwrap()).await;
+    assert_eq!(s, 401);
+    // A slow client: headers, then a body that never completes.
+    let mut sock = tokio::net::TcpStream::connect(a.gateway).await.unwrap();
+    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"model\"");
+    sock.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await.expect("the gateway must time out a slow body").unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 408") && text.contains("request_timeout"), "{text}");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn identity_keys_tokens_sso_and_allow_lists() {
+    let a = start("[gateway.sso]\nenabled = true\nuser_header = \"X-Forwarded-User\"\ntrusted_proxies = [\"127.0.0.2\"]\n").await;
+    let body = json!({"model": "chat"});
+    // No credentials, a made-up key, a spoofed SSO header from an untrusted peer.
+    let (s, e) = error_of(client().post(a.url("/v1/chat/completions")).json(&body).send().await.unwrap()).await;
+    assert_eq!((s, e["code"].as_str()), (401, Some("invalid_api_key")));
+    let (s, _) = error_of(post(&a, "ghk_0000", "/v1/chat/completions", body.clone()).await).await;
+    assert_eq!(s, 401);
+    let (s, e) = error_of(client().post(a.url("/v1/chat/completions")).header("x-forwarded-user", "root").json(&body).send().await.unwrap()).await;
+    assert_eq!(s, 401);
+    assert!(e["message"].as_str().unwrap().contains("only accepted from the site's proxy"), "{e}");
+    // The same header from the trusted proxy address.
+    let proxy = reqwest::Client::builder().local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap()).build().unwrap();
+    let r = proxy.post(a.url("/v1/chat/completions")).header("x-forwarded-user", "dave").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // Revoked keys say so.
+    let (key, id) = a.key("alice", "ocr", &[]).await;
+    assert_eq!(post(&a, &key, "/v1/chat/completions", body.clone()).await.status(), 200);
+    a.control("POST", &format!("/v1/keys/{id}/revoke"), None).await.unwrap();
+    let (s, e) = error_of(post(&a, &key, "/v1/chat/completions", body.clone()).await).await;
+    assert_eq!(s, 401);
+    assert!(e["message"].as_str().unwrap().contains("revoked"), "{e}");
+    // Allow-lists.
+    let (narrow, _) = a.key("erin", "ocr", &["fail"]).await;
+    let (s, e) = error_of(post(&a, &narrow, "/v1/chat/completions", body.clone()).await).await;
+    assert_eq!((s, e["code"].as_str()), (403, Some("model_not_allowed")));
+    let models: Value = client().get(a.url("/v1/models")).bearer_auth(&narrow).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"].as_array().unwrap().len(), 1);
+    // Job tokens, minted with the node's key like the SPANK plugin does.
+    let job_key = std::fs::read_to_string(a.dir.path().join("state/job-token.key")).unwrap();
+    let claims = gpuhub_wire::token::JobClaims { uid: 1000, user: "frank".into(), job_id: 4242, expires: gpuhub_agent::util::now_s() + 600 };
+    let token = gpuhub_wire::token::mint(job_key.trim().as_bytes(), &claims).unwrap();
+    assert_eq!(post(&a, &token, "/v1/chat/completions", body.clone()).await.status(), 200);
+    let forged = token.replace(".4242.", ".4243.");
+    assert_eq!(error_of(post(&a, &forged, "/v1/chat/completions", body.clone()).await).await.0, 401);
+    let rows = a.rows(10).await;
+    let job = rows.iter().find(|r| r["user_name"] == "frank").unwrap();
+    assert_eq!((job["job_id"].as_i64(), job["app"].as_str()), (Some(4242), Some("job")));
+    assert!(rows.iter().any(|r| r["user_name"] == "dave" && r["app"] == "sso"));
+    // Control API: only admins manage keys (the test runs as root); listing shows no secrets.
+    let list = a.control("GET", "/v1/keys", None).await.unwrap();
+    assert!(!list.to_string().contains(&key) && !list.to_string().contains("key_hash"));
+    let err = a.control("POST", "/v1/keys", Some(json!({"user": "x y", "app": "a"}))).await.unwrap_err().to_string();
+    assert!(err.contains("letters, digits"), "{err}");
+    let err = a.control("POST", "/v1/keys", Some(json!({"user": "x", "app": "a", "models": ["nope"]}))).await.unwrap_err().to_string();
+    assert!(err.contains("not in the catalog"), "{err}");
+    let calls = a.control("GET", "/v1/usage/calls?since=1h", None).await.unwrap();
+    assert!(calls["calls"].as_array().unwrap().iter().any(|c| c["user"] == "alice" && c["calls"] == 1), "{calls}");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn overload_gets_429_with_retry_after_and_metrics_count_everything() {
+    let a = start("").await;
+    let (key, _) = a.key("alice", "app", &[]).await;
+    let first = post(&a, &key, "/v1/chat/completions", json!({"model": "one", "stream": true})).await;
+    assert_eq!(first.status(), 200);
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "one", "stream": true})).await;
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let m = a.scrape().await;
+    assert!(m.contains("gpuhub_gateway_in_flight{model=\"one\"} 1"), "{m}");
+    drop(first);
+    post(&a, &key, "/v1/chat/completions", json!({"model": "nosuch-model"})).await;
+    post(&a, &key, "/v1/chat/completions", json!({"model": "chat"})).await;
+    let t = Instant::now();
+    loop {
+        let m = a.scrape().await;
+        let ok = m.contains("gpuhub_gateway_unknown_model_requests_total{name=\"nosuch-model\"} 1")
+            && m.contains("gpuhub_gateway_requests_total{model=\"chat\",requested=\"chat\",user=\"alice\",app=\"app\"} 1")
+            && m.contains("gpuhub_gateway_errors_total{model=\"one\",requested=\"one\",user=\"alice\",app=\"app\",code=\"model_overloaded\"} 1")
+            && m.contains("gpuhub_gateway_tokens_total{model=\"chat\",user=\"alice\",app=\"app\",kind=\"completion\"} 7")
+            && m.contains("gpuhub_gateway_request_duration_seconds_bucket")
+            && m.contains("gpuhub_gateway_overhead_seconds_bucket")
+            && m.contains("gpuhub_gateway_in_flight{model=\"one\"} 0");
+        if ok {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "metrics missing: {m}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let models: Value = client().get(a.url("/v1/models")).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["object"], "list");
+    let chat = models["data"].as_array().unwrap().iter().find(|m| m["id"] == "chat").unwrap();
+    assert_eq!((chat["object"].as_str(), chat["state"].as_str(), chat["role"].as_str()), (Some("model"), Some("ready"), Some("chat")));
+    let one: Value = client().get(a.url("/v1/models/svc-chat")).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
+    assert_eq!(one["id"], "chat");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn multipart_uploads_are_routed_by_their_model_field() {
+    let a = start("").await;
+    let (key, _) = a.key("alice", "asr", &[]).await;
+    let mut body = Vec::new();
+    body.extend_from_slice(b"--BOUND\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n");
+    body.extend_from_slice(&[0u8, 159, 146, 150, 13, 10, 45, 45]); // binary, even "\r\n--"
+    body.extend_from_slice(b"\r\n--BOUND\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nsvc-chat\r\n--BOUND--\r\n");
+    let r = client().post(a.url("/v1/audio/transcriptions")).bearer_auth(&key).header("content-type", "multipart/form-data; boundary=BOUND").body(body.clone()).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = a.upstream.seen.lock().unwrap().clone();
+    assert!(String::from_utf8_lossy(&seen.body).contains("\r\n\r\nchat\r\n--BOUND--"), "renamed to the model's own name");
+    assert_eq!(seen.body.len(), body.len() - 4);
+    let r = client().post(a.url("/v1/audio/transcriptions")).bearer_auth(&key).header("content-type", "multipart/form-data; boundary=BOUND").body(&b"--BOUND\r\n\r\n--BOUND--"[..]).send().await.unwrap();
+    assert_eq!(error_of(r).await.1["code"], "missing_model");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_writes_every_row_and_leaves_no_journal() {
+    let a = start("").await;
+    let (key, _) = a.key("alice", "app", &[]).await;
+    for _ in 0..50 {
+        post(&a, &key, "/v1/chat/completions", json!({"model": "chat"})).await;
+    }
+    let db = a.db_url.clone();
+    let dir = a.stop().await;
+    assert_eq!(gateway_support::read_rows(&db).await.len(), 50);
+    let journal: Vec<_> = std::fs::read_dir(dir.path().join("state/usage-journal")).unwrap().collect();
+    assert!(journal.is_empty(), "{journal:?}");
+}

@@ -1,0 +1,105 @@
+#!/bin/bash
+# Agent telemetry benchmark: the real gpuhub-agent with 8 fake H200s (tests/fake-nvml) and 200
+# running "jobs" (real processes carrying SLURM_JOB_ID/SLURM_JOB_USER, 25 per GPU, listed by the
+# fake NVML as GPU processes), sampling every 1 s. Prints, from one run:
+#   - idle RSS of the agent (VmRSS after warm-up, and VmHWM at the end)
+#   - CPU used per minute (utime+stime over BENCH_SECONDS, scaled to 60 s) as % of one core
+#   - p50/p99 time of a /metrics scrape (wrk, 1 connection, after the CPU window)
+# Targets (issue 3): RSS <= 30 MiB, CPU <= 1 % of a core, scrape p99 <= 5 ms.
+# Usage: bench/agent-telemetry.sh            (BENCH_SECONDS=60 BENCH_JOBS=200 BENCH_GPUS=8)
+# Needs: cargo build --release (target/release/gpuhub-agent), cc, wrk, curl, python3.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+agent="$repo/target/release/gpuhub-agent"
+secs="${BENCH_SECONDS:-60}"
+njobs="${BENCH_JOBS:-200}"
+ngpus="${BENCH_GPUS:-8}"
+[ -x "$agent" ] || { echo "FAIL: $agent missing; run cargo build --release" >&2; exit 1; }
+for t in cc wrk curl python3; do command -v "$t" >/dev/null || { echo "FAIL: $t not installed (tests/setup/deps.sh)" >&2; exit 1; }; done
+
+T="$(mktemp -d /tmp/gpuhub-bench-telemetry.XXXXXX)"
+pids=()
+agent_pid=""
+cleanup() {
+    [ -n "$agent_pid" ] && kill "$agent_pid" 2>/dev/null && wait "$agent_pid" 2>/dev/null || true
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$T"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+"$repo/tests/fake-nvml/build.sh" "$T/nvml" >/dev/null
+# 200 job processes: job ids 1000.., users user0..user19, every 2nd job a shard job.
+for ((j = 0; j < njobs; j++)); do
+    if ((j % 2)); then shards=7; else shards=""; fi
+    env SLURM_JOB_ID=$((1000 + j)) SLURM_JOB_USER="user$((j % 20))" ${shards:+SLURM_SHARDS_ON_NODE=$shards} \
+        sleep 100000 &
+    pids+=("$!")
+done
+{
+    echo "driver version=550.54.15"
+    for ((g = 0; g < ngpus; g++)); do
+        printf 'gpu index=%d uuid=GPU-bench000-0000-0000-0000-%012d name="NVIDIA H200" pci=00000000:%02X:00.0 mem_total=150754820096 mem_used=100000000000 util=87 mem_util=40 temp=55 power_mw=600000 energy_mj=1000000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0\n' "$g" "$g" $((0x19 + g))
+    done
+    for ((j = 0; j < njobs; j++)); do
+        echo "proc gpu=$((j % ngpus)) pid=${pids[$j]} mem=$((4 * 1024 * 1024 * 1024)) sm=$((j % 40))"
+    done
+} > "$T/nvml/fake-nvml.conf"
+
+slurm=false
+if command -v squeue >/dev/null && timeout 5 squeue -h -o %i >/dev/null 2>&1; then slurm=true; fi
+mp="$(free_port)"; gp="$(free_port)"
+mkdir -p "$T/state" "$T/spool" "$T/run"
+cat > "$T/agent.toml" <<TOML
+[paths]
+state_dir = "$T/state"
+spool_dir = "$T/spool"
+runtime_dir = "$T/run"
+[gateway]
+listen = "127.0.0.1:$gp"
+[metrics]
+listen = "127.0.0.1:$mp"
+[telemetry]
+nvml_library = "$T/nvml/libnvidia-ml.so.1"
+interval_ms = 1000
+hostname = "bench01"
+enable_slurm = $slurm
+job_map_dir = "$T/run/dcgm-job-map"
+TOML
+GPUHUB_LOG=warn "$agent" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 &
+agent_pid=$!
+url="http://127.0.0.1:$mp/metrics"
+for ((i = 0; i < 120; i++)); do
+    curl -fsS -o /dev/null "$url" 2>/dev/null && break
+    kill -0 "$agent_pid" 2>/dev/null || { echo "FAIL: agent exited:"; cat "$T/agent.log"; exit 1; }
+    sleep 0.25
+done
+sleep 5 # warm-up: a few samples, attribution cache filled
+body="$(curl -fsS "$url")"
+job_series="$(grep -c '^gpuhub_job_gpu_memory_used_bytes{' <<<"$body" || true)"
+lines="$(grep -vc '^#' <<<"$body" || true)"
+[ "$job_series" -eq "$njobs" ] || { echo "FAIL: expected $njobs per-job series, got $job_series"; tail -n 20 "$T/agent.log"; exit 1; }
+
+clk="$(getconf CLK_TCK)"
+cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$agent_pid/stat"; }
+rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$agent_pid/status"; }
+rss_idle="$(rss_kib)"
+c0="$(cpu_ticks)"; t0="$(date +%s.%N)"
+sleep "$secs"
+c1="$(cpu_ticks)"; t1="$(date +%s.%N)"
+cpu_pct="$(awk -v a="$c0" -v b="$c1" -v hz="$clk" -v s0="$t0" -v s1="$t1" 'BEGIN { printf "%.3f", (b - a) / hz / (s1 - s0) * 100 }')"
+cpu_s_per_min="$(awk -v p="$cpu_pct" 'BEGIN { printf "%.3f", p / 100 * 60 }')"
+rss_end="$(rss_kib)"
+hwm="$(awk '/^VmHWM:/ { print $2 }' "/proc/$agent_pid/status")"
+wrk_out="$(wrk -t1 -c1 -d10s --latency "$url")"
+p50="$(awk '$1 == "50%" { print $2 }' <<<"$wrk_out")"
+p99="$(awk '$1 == "99%" { print $2 }' <<<"$wrk_out")"
+reqs="$(awk '/requests in/ { print $1 }' <<<"$wrk_out")"
+
+echo "agent telemetry benchmark: $ngpus fake H200s, $njobs running jobs (25/GPU, half shard jobs), sampling 1 s, slurm snapshots: $slurm"
+echo "  /metrics: $lines samples, $(printf %s "$body" | wc -c) bytes"
+printf '  idle RSS:        %6.1f MiB after warm-up, %6.1f MiB at end, peak (VmHWM) %6.1f MiB   (target <= 30 MiB)\n' \
+    "$(awk -v k="$rss_idle" 'BEGIN{print k/1024}')" "$(awk -v k="$rss_end" 'BEGIN{print k/1024}')" "$(awk -v k="$hwm" 'BEGIN{print k/1024}')"
+echo "  CPU:             $cpu_pct % of one core = $cpu_s_per_min CPU-s per minute over ${secs}s, no scrapes   (target <= 1 %)"
+echo "  scrape latency:  p50 $p50, p99 $p99 over $reqs scrapes (wrk -t1 -c1 -d10s)   (target p99 <= 5 ms)"

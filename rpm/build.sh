@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# Builds the gpuhub RPMs (gpuhub-spank, gpuhub-agent, and the source RPM) into target/rpm/,
+# offline, from a source tarball with every crate vendored; then lists their contents, runs
+# rpmlint (rpm/rpmlintrc + rpm/rpmlint.toml: zero errors) and `systemd-analyze verify` on the
+# packaged units where systemd-analyze exists.
+#
+#   rpm/build.sh                        full build: rpmbuild compiles the workspace from the
+#                                       tarball with `cargo build --release --offline --frozen`
+#   GPUHUB_RPM_PREBUILT=1 rpm/build.sh  CI mode: `cargo build --release` here (a no-op when CI
+#                                       just built it), then rpmbuild packages those artifacts
+#                                       instead of compiling everything a second time
+#   GPUHUB_RPM_PREBUILT_DIR=DIR         with PREBUILT=1: take the artifacts from DIR as they are
+#                                       (no cargo build here; default: target/release, built)
+#   GPUHUB_RPM_LINT=0                   skip rpmlint (not recommended)
+#
+# On Debian (the lab) the RHEL BuildRequires (rust-toolset, slurm-devel, clang-devel,
+# systemd-rpm-macros) are not in the rpm database, so rpmbuild runs with --nodeps; the systemd
+# macros come from rpm/macros.debian. The headers and tools are the Debian equivalents
+# (libslurm-dev, libclang-dev, cargo from rustup). On RHEL 10: install the BuildRequires
+# (`dnf builddep target/rpm/gpuhub-*.src.rpm`) and run `rpmbuild --rebuild` on the source RPM,
+# or this script (it adds --nodeps only where the macros are missing).
+#
+# Outputs: target/rpm/*.rpm, target/rpm/gpuhub-VERSION.tar.gz, target/rpm/contents.txt
+# (file lists with modes and owners, requires/provides), target/rpm/rpmlint.txt.
+# Caches (target/rpm-cache/): the vendored crates, keyed by Cargo.lock's hash.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$REPO/target/rpm"
+CACHE="$REPO/target/rpm-cache"
+PREBUILT="${GPUHUB_RPM_PREBUILT:-0}"
+LINT="${GPUHUB_RPM_LINT:-1}"
+SPEC="$REPO/rpm/gpuhub.spec"
+
+log() { echo "[rpm] $*"; }
+die() { echo "[rpm] ERROR: $*" >&2; exit 1; }
+t_start=$(date +%s)
+
+for tool in rpmbuild rpm cargo tar gzip python3 sha256sum; do
+    command -v "$tool" >/dev/null || die "$tool not found; run tests/setup/deps.sh (Debian: apt-get install rpm rpmlint)"
+done
+[ -f "$REPO/Cargo.lock" ] || die "Cargo.lock missing at $REPO; run cargo build once"
+[ -f "$REPO/LICENSE" ] || die "LICENSE missing at the repository root; the spec ships it as %license"
+
+# ------------------------------------------------------------------ version: spec == Cargo.toml
+cargo_version="$(awk '/^\[workspace.package\]/{s=1;next} /^\[/{s=0} s && $1=="version"{gsub(/"/,"",$3); print $3; exit}' "$REPO/Cargo.toml")"
+spec_version="$(awk '$1=="Version:"{print $2; exit}' "$SPEC")"
+[ -n "$cargo_version" ] || die "cannot read [workspace.package] version from Cargo.toml"
+[ "$cargo_version" = "$spec_version" ] ||
+    die "rpm/gpuhub.spec has Version: $spec_version but Cargo.toml says $cargo_version; make them equal"
+VERSION="$cargo_version"
+NV="gpuhub-$VERSION"
+
+# ------------------------------------------------------------------ License: tags == what is linked
+for crate in gpuhub-spank gpuhub-agent; do
+    want="$("$REPO/rpm/licenses.sh" "$crate")" || die "rpm/licenses.sh $crate failed"
+    sub="${crate#gpuhub-}"
+    have="$(awk -v pkg="$sub" '$1=="%package" && $2==pkg {s=1; next} /^%package|^%description/ {s=0} s && $1=="License:" {sub(/^License:[ \t]*/, ""); print; exit}' "$SPEC")"
+    [ "$want" = "$have" ] || die "License: of gpuhub-$sub in rpm/gpuhub.spec does not match the crates it links.
+  spec:   $have
+  linked: $want
+  (rpm/licenses.sh $crate --list shows which crate brings which license; update the spec)"
+done
+
+# ------------------------------------------------------------------ vendored crates (cached)
+# cargo vendor copies from ~/.cargo/registry; --locked keeps Cargo.lock as is. Windows-only
+# crates are stubbed (their import libraries are ~170 MB and never compiled on Linux): files
+# removed, an empty src/lib.rs, their entries dropped from .cargo-checksum.json (cargo checks
+# only the files listed there; the package checksum from Cargo.lock is kept), licenses kept.
+lock_key="$(cat "$REPO/Cargo.lock" "$REPO/rpm/build.sh" | sha256sum | cut -c1-16)"
+VENDOR_PARENT="$CACHE/vendor-$lock_key"
+if [ ! -d "$VENDOR_PARENT/vendor" ]; then
+    log "vendoring crates for Cargo.lock $lock_key"
+    mkdir -p "$CACHE"
+    find "$CACHE" -maxdepth 1 -name 'vendor-*' -exec rm -rf {} +
+    tmp="$CACHE/tmp-vendor.$$"
+    rm -rf "$tmp"; mkdir -p "$tmp"
+    (cd "$REPO" && cargo vendor --locked --versioned-dirs --quiet "$tmp/vendor" >/dev/null) ||
+        die "cargo vendor failed (offline? the crates must be in ~/.cargo/registry: run cargo fetch once)"
+    python3 - "$tmp/vendor" <<'PY'
+import json, os, re, shutil, sys
+root = sys.argv[1]
+keep = re.compile(r"^(Cargo\.toml|\.cargo-checksum\.json|LICEN[CS]E.*|COPYING.*|NOTICE.*)$", re.I)
+for crate in sorted(os.listdir(root)):
+    if not re.match(r"^(windows|winapi)", crate):
+        continue
+    d = os.path.join(root, crate)
+    for entry in os.listdir(d):
+        if keep.match(entry):
+            continue
+        p = os.path.join(d, entry)
+        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    os.makedirs(os.path.join(d, "src"), exist_ok=True)
+    open(os.path.join(d, "src", "lib.rs"), "w").close()
+    ck = os.path.join(d, ".cargo-checksum.json")
+    with open(ck) as f:
+        data = json.load(f)
+    data["files"] = {k: v for k, v in data["files"].items() if keep.match(k)}
+    with open(ck, "w") as f:
+        json.dump(data, f)
+PY
+    mv "$tmp" "$VENDOR_PARENT"
+else
+    log "reusing vendored crates ($VENDOR_PARENT)"
+fi
+
+# ------------------------------------------------------------------ source tarball
+# The tree as git sees it (tracked + untracked, minus .gitignore'd: target/, .venv/), plus
+# vendor/ and a .cargo/config.toml that points cargo at it.
+mkdir -p "$OUT" "$CACHE/extra/.cargo"
+cat > "$CACHE/extra/.cargo/config.toml" <<'EOF'
+# Generated by rpm/build.sh: build from the vendored crates only (no network).
+[source.crates-io]
+replace-with = "vendored-sources"
+
+[source.vendored-sources]
+directory = "vendor"
+
+[net]
+offline = true
+EOF
+filelist="$CACHE/files.txt"
+(cd "$REPO" && git ls-files -z --cached --others --exclude-standard |
+    while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done) > "$filelist"
+grep -qz '^\.cargo/' "$filelist" && die "the repository has its own .cargo/; merge it with the generated config in build.sh"
+tarball="$OUT/$NV.tar.gz"
+log "writing $tarball"
+tar --create --file - --owner=0 --group=0 --numeric-owner --sort=name \
+    --transform "s,^,$NV/," \
+    -C "$REPO" --null --files-from "$filelist" \
+    -C "$CACHE/extra" .cargo/config.toml \
+    -C "$VENDOR_PARENT" vendor | gzip -1 > "$tarball.tmp"
+mv "$tarball.tmp" "$tarball"
+
+# ------------------------------------------------------------------ rpmbuild
+TOPDIR="$CACHE/rpmbuild"
+rm -rf "$TOPDIR"
+mkdir -p "$TOPDIR"/{SOURCES,SPECS,BUILD,RPMS,SRPMS}
+ln -f "$tarball" "$TOPDIR/SOURCES/" 2>/dev/null || cp "$tarball" "$TOPDIR/SOURCES/"
+args=(--define "_topdir $TOPDIR" --define "_build_name_fmt %%{NAME}-%%{VERSION}-%%{RELEASE}.%%{ARCH}.rpm")
+if [ -z "$(rpm --eval '%{?_unitdir}')" ]; then
+    # Debian: no systemd-rpm-macros, and the RHEL BuildRequires are not in the rpm database.
+    args+=(--load "$REPO/rpm/macros.debian" --nodeps)
+fi
+if [ "$PREBUILT" = 1 ]; then
+    if [ -n "${GPUHUB_RPM_PREBUILT_DIR:-}" ]; then
+        prebuilt_dir="$(cd "$GPUHUB_RPM_PREBUILT_DIR" && pwd)"
+        log "GPUHUB_RPM_PREBUILT=1: packaging the artifacts in $prebuilt_dir as they are"
+    else
+        prebuilt_dir="$REPO/target/release"
+        log "GPUHUB_RPM_PREBUILT=1: cargo build --release here, rpmbuild packages target/release"
+        (cd "$REPO" && cargo build --release --locked -p gpuhub-spank -p gpuhub-agent)
+    fi
+    for f in gpuhub-agent gpuhub libgpuhub_spank.so; do
+        [ -f "$prebuilt_dir/$f" ] || die "GPUHUB_RPM_PREBUILT=1 but $prebuilt_dir/$f does not exist; run cargo build --release"
+    done
+    args+=(--define "gpuhub_prebuilt_dir $prebuilt_dir")
+fi
+# Offline for real: where we may create a network namespace (root, or user namespaces), rpmbuild
+# runs in one without any network, so a build that tried to download would fail here.
+netns=()
+if unshare -n true 2>/dev/null; then
+    netns=(unshare -n)
+    log "rpmbuild -ba without network (unshare -n) (log: $OUT/rpmbuild.log)"
+else
+    log "rpmbuild -ba (no network namespace available; offline by --offline --frozen only) (log: $OUT/rpmbuild.log)"
+fi
+t_rpm=$(date +%s)
+if ! "${netns[@]}" rpmbuild "${args[@]}" -ba "$SPEC" > "$OUT/rpmbuild.log" 2>&1; then
+    tail -n 40 "$OUT/rpmbuild.log" >&2
+    die "rpmbuild failed; full log: $OUT/rpmbuild.log"
+fi
+log "rpmbuild took $(( $(date +%s) - t_rpm )) s"
+echo "$(( $(date +%s) - t_rpm ))" > "$OUT/rpmbuild-seconds"
+rm -f "$OUT"/*.rpm
+find "$TOPDIR/RPMS" "$TOPDIR/SRPMS" -name '*.rpm' -exec cp {} "$OUT/" \;
+rm -rf "$TOPDIR/BUILD" "$TOPDIR/BUILDROOT"
+
+# ------------------------------------------------------------------ contents
+{
+    for p in "$OUT"/*.rpm; do
+        echo "=== $(basename "$p")"
+        rpm -qp --qf 'License: %{LICENSE}\n' "$p"
+        echo "--- files"
+        rpm -qlvp "$p"
+        echo "--- config files"
+        rpm -qcp "$p"
+        echo "--- requires"
+        rpm -qp --requires "$p"
+        echo "--- provides"
+        rpm -qp --provides "$p"
+    done
+} > "$OUT/contents.txt"
+for p in "$OUT"/*.rpm; do
+    case "$p" in *.src.rpm|*-debuginfo-*|*-debugsource-*) continue ;; esac
+    echo "=== $(basename "$p")"
+    rpm -qlp "$p" | grep -v '^/usr/share/licenses/.*/vendor-licenses/.' | sed 's/^/  /'
+done
+
+# ------------------------------------------------------------------ rpmlint
+if [ "$LINT" = 1 ]; then
+    command -v rpmlint >/dev/null || die "rpmlint not found; apt-get install rpmlint (or GPUHUB_RPM_LINT=0)"
+    # The -debuginfo/-debugsource packages are generated by find-debuginfo, not by the spec;
+    # Fedora's rpmlint profile filters what rpmlint says about them (.debug files look like
+    # unstripped libraries without dependencies), so they are not linted here.
+    lint_pkgs=()
+    for p in "$OUT"/*.rpm; do
+        case "$p" in *-debuginfo-*|*-debugsource-*) ;; *) lint_pkgs+=("$p") ;; esac
+    done
+    lint_rc=0
+    rpmlint --config "$REPO/rpm/rpmlint.toml" --rpmlintrc "$REPO/rpm/rpmlintrc" \
+        "${lint_pkgs[@]}" "$SPEC" > "$OUT/rpmlint.txt" 2>&1 || lint_rc=$?
+    tail -n 1 "$OUT/rpmlint.txt"
+    if [ "$lint_rc" -ne 0 ] || grep -q ': E: ' "$OUT/rpmlint.txt"; then
+        grep -E ': (E|W): ' "$OUT/rpmlint.txt" >&2 || true
+        die "rpmlint reported errors (rc $lint_rc); full output: $OUT/rpmlint.txt"
+    fi
+    if grep -q ': W: ' "$OUT/rpmlint.txt"; then
+        grep ': W: ' "$OUT/rpmlint.txt" >&2
+        die "rpmlint reported warnings that rpm/rpmlintrc does not explain; fix them or add a filter with a reason"
+    fi
+fi
+
+# ------------------------------------------------------------------ systemd-analyze verify
+if command -v systemd-analyze >/dev/null; then
+    # --root: an extracted package root (plus this machine's standard units, which verify needs
+    # for the implicit dependencies), so the ExecStart binaries are the packaged ones.
+    vroot="$CACHE/verify-root"
+    rm -rf "$vroot"; mkdir -p "$vroot/usr/lib/systemd/system"
+    cp -a /usr/lib/systemd/system/. "$vroot/usr/lib/systemd/system/" 2>/dev/null || true
+    for p in "$OUT"/gpuhub-agent-*.rpm; do (cd "$vroot" && rpm2cpio "$p" | cpio -idm --quiet); done
+    units=(/usr/lib/systemd/system/gpuhub-agent.service /usr/lib/systemd/system/gpuhub-backup.service /usr/lib/systemd/system/gpuhub-backup.timer)
+    verify_out="$(systemd-analyze verify --man=no --root="$vroot" "${units[@]}" 2>&1)" ||
+        die "systemd-analyze verify failed: $verify_out"
+    [ -z "$verify_out" ] || die "systemd-analyze verify complained: $verify_out"
+    log "systemd-analyze verify: units clean"
+    rm -rf "$vroot"
+else
+    log "systemd-analyze not installed: unit verification skipped"
+fi
+
+log "done in $(( $(date +%s) - t_start )) s: $(cd "$OUT" && ls *.rpm | tr '\n' ' ')"

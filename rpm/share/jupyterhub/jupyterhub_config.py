@@ -1,0 +1,68 @@
+# Example JupyterHub configuration for a gpuhub Slurm node (shipped in
+# /usr/share/gpuhub/jupyterhub/). Each user picks one of the site's four profiles; the
+# notebook server then runs as an ordinary Slurm job, so the gpuhub SPANK plugin records its
+# GPUs and shards (GPU-hours per user) and injects MLFLOW_*, OPENAI_BASE_URL, GPUHUB_URL,
+# OPENAI_API_KEY (a per-job gateway credential) and <ROLE>_MODEL into the notebook's
+# environment, exactly as for sbatch jobs.
+#
+# Needs: pip install jupyterhub batchspawner wrapspawner (in the hub's environment), and
+# batchspawner's `batchspawner-singleuser` in the users' environment on the node.
+# Copy to /etc/jupyterhub/jupyterhub_config.py and adapt partitions, memory and paths.
+#
+# The four profiles (GPU profiles in partition `interactive`, CPU in `cpu`; see slurm-conf/):
+#   1 GPU, 8 hours            --gres=gpu:1
+#   2 GPUs, 4 hours           --gres=gpu:2
+#   ~half a GPU, 6 hours      --gres=shard:7   (7 of the 14 shards of one H200: VRAM is shared
+#                                               on trust, there is no fencing between shard jobs)
+#   CPU only, 8 hours         no GPU
+c = get_config()  # noqa: F821 (provided by JupyterHub when it loads this file)
+
+c.JupyterHub.spawner_class = "wrapspawner.ProfilesSpawner"
+# Slurm may need a while to place a GPU job; the hub waits this long for the server to start.
+c.Spawner.start_timeout = 300
+c.Spawner.http_timeout = 120
+
+# Common batchspawner settings: the job script runs the single-user server; Slurm picks the
+# node, the plugin does the rest. {gres} and {runtime} come from each profile below.
+c.SlurmSpawner.batch_script = """#!/bin/bash
+#SBATCH --job-name=jupyterhub
+#SBATCH --partition={partition}
+#SBATCH --time={runtime}
+#SBATCH --cpus-per-task={nprocs}
+#SBATCH --mem={memory}
+#SBATCH --output={homedir}/.jupyterhub-slurm-%j.log
+#SBATCH --export={keepvars}
+#SBATCH --chdir={homedir}
+{options}
+set -euo pipefail
+trap 'echo SIGTERM received' TERM
+{prologue}
+{cmd}
+echo "jupyterhub-singleuser ended gracefully"
+{epilogue}
+"""
+
+
+def profile(label, key, partition, runtime, options, nprocs, memory):
+    return (
+        label,
+        key,
+        "batchspawner.SlurmSpawner",
+        {
+            "req_partition": partition,
+            "req_runtime": runtime,
+            "req_nprocs": str(nprocs),
+            "req_memory": memory,
+            "req_options": options,
+        },
+    )
+
+
+c.ProfilesSpawner.profiles = [
+    profile("1 GPU (H200), 8 hours", "gpu1-8h", "interactive", "8:00:00", "#SBATCH --gres=gpu:1", 8, "64G"),
+    profile("2 GPUs (H200), 4 hours", "gpu2-4h", "interactive", "4:00:00", "#SBATCH --gres=gpu:2", 16, "128G"),
+    profile("About half a GPU (7 shards), 6 hours", "shard7-6h", "interactive", "6:00:00", "#SBATCH --gres=shard:7", 4, "32G"),
+    profile("CPU only, 8 hours", "cpu-8h", "cpu", "8:00:00", "", 4, "16G"),
+]
+# Preselected in the form: the cheapest choice that has a GPU.
+c.ProfilesSpawner.default_profile = "shard7-6h"

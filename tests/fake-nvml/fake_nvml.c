@@ -1,0 +1,459 @@
+/*
+ * fake_nvml.c: a small NVML-compatible shared library for gpuhub's tests.
+ *
+ * It implements exactly the NVML entry points gpuhub's telemetry calls through
+ * nvml-wrapper 0.13 (see /work/shared/REFERENCE.md "NVML and dcgm-exporter
+ * compatibility" and nvml-wrapper-sys `src/bindings.rs` for the struct layouts),
+ * so the agent runs the same code path it runs against the real driver.
+ *
+ * Build:  cc -shared -fPIC -O2 -o libnvidia-ml.so.1 fake_nvml.c   (tests/fake-nvml/build.sh)
+ *
+ * Script: a text file, re-read whenever it changes (compare inode, size and mtime), so a test
+ * can change values while the agent runs (write a temp file and rename it over the script).
+ * Where: $GPUHUB_FAKE_NVML_CONFIG, else `fake-nvml.conf` next to this library (found with
+ * dladdr), so parallel tests can each load their own copy with their own script.
+ * No readable script: nvmlInit_v2 returns NVML_ERROR_DRIVER_NOT_LOADED (like a node without
+ * a driver). Format, one item per line, `#` starts a comment, values may be "quoted":
+ *
+ *   driver version=550.54.15
+ *   gpu index=0 uuid=GPU-... name="NVIDIA H200" pci=00000000:19:00.0 mem_total=150754820096
+ *       mem_used=1073741824 util=37 mem_util=12 temp=41 power_mw=250000 energy_mj=1000
+ *       sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0 fail=temp,power unsupported=ecc
+ *   proc gpu=0 pid=1234 mem=1073741824 sm=30 mem_util=5
+ *
+ * (a `gpu` item is one line.) `fail=` fields return NVML_ERROR_UNKNOWN, `unsupported=` fields
+ * NVML_ERROR_NOT_SUPPORTED; field names: name uuid util mem temp power energy clock ecc pci
+ * procs proc_util. The energy counter grows at the scripted power from library init:
+ * energy = energy_mj + power_mw * seconds since nvmlInit.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+typedef int nvmlReturn_t;
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_DRIVER_NOT_LOADED 9
+#define NVML_ERROR_UNKNOWN 999
+
+#define MAX_GPUS 64
+#define MAX_PROCS 4096
+
+/* Layouts from nvml-wrapper-sys 0.10 src/bindings.rs. */
+typedef struct { unsigned int gpu; unsigned int memory; } nvmlUtilization_t;
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t; /* nvmlProcessInfo_v2_st: 24 bytes */
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+struct fake_gpu {
+    unsigned int index;
+    char uuid[96], name[96], pci[32];
+    unsigned long long mem_total, mem_used, energy_mj, ecc_sbe, ecc_dbe;
+    unsigned int util, mem_util, temp, power_mw, sm_clock, mem_clock;
+    char fail[256], unsupported[256];
+};
+struct fake_proc { unsigned int gpu, pid, sm, mem_util; unsigned long long mem; };
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int initialised;
+static struct timespec init_time;
+static char driver_version[80] = "550.54.15";
+static struct fake_gpu gpus[MAX_GPUS];
+static unsigned int gpu_count;
+static struct fake_proc procs[MAX_PROCS];
+static unsigned int proc_count;
+static struct stat loaded_stat;
+static int loaded;
+
+/* The device handle is a pointer to its slot; nvml-wrapper only passes it back. */
+typedef struct fake_gpu *nvmlDevice_t;
+
+static int config_path(char *out, size_t len) {
+    const char *env = getenv("GPUHUB_FAKE_NVML_CONFIG");
+    if (env && *env) {
+        snprintf(out, len, "%s", env);
+        return 0;
+    }
+    Dl_info info;
+    if (!dladdr((void *)config_path, &info) || !info.dli_fname) return -1;
+    snprintf(out, len, "%s", info.dli_fname);
+    char *slash = strrchr(out, '/');
+    if (!slash) return -1;
+    snprintf(slash + 1, len - (size_t)(slash + 1 - out), "fake-nvml.conf");
+    return 0;
+}
+
+/* Splits `key=value` tokens, honouring double quotes. Returns the next token or NULL. */
+static char *next_token(char **cursor) {
+    char *p = *cursor;
+    while (*p == ' ' || *p == '\t') p++;
+    if (!*p || *p == '\n' || *p == '#') return NULL;
+    char *start = p, *w = p;
+    int quoted = 0;
+    while (*p && (quoted || (*p != ' ' && *p != '\t' && *p != '\n'))) {
+        if (*p == '"') { quoted = !quoted; p++; continue; }
+        *w++ = *p++;
+    }
+    if (*p) p++;
+    *w = '\0';
+    *cursor = p;
+    return start;
+}
+
+static void parse_gpu(char *cur, struct fake_gpu *g) {
+    char *tok;
+    memset(g, 0, sizeof *g);
+    snprintf(g->name, sizeof g->name, "NVIDIA H200");
+    while ((tok = next_token(&cur))) {
+        char *eq = strchr(tok, '=');
+        if (!eq) continue;
+        *eq = '\0';
+        const char *k = tok, *v = eq + 1;
+        unsigned long long n = strtoull(v, NULL, 10);
+        if (!strcmp(k, "index")) g->index = (unsigned)n;
+        else if (!strcmp(k, "uuid")) snprintf(g->uuid, sizeof g->uuid, "%s", v);
+        else if (!strcmp(k, "name")) snprintf(g->name, sizeof g->name, "%s", v);
+        else if (!strcmp(k, "pci")) snprintf(g->pci, sizeof g->pci, "%s", v);
+        else if (!strcmp(k, "mem_total")) g->mem_total = n;
+        else if (!strcmp(k, "mem_used")) g->mem_used = n;
+        else if (!strcmp(k, "util")) g->util = (unsigned)n;
+        else if (!strcmp(k, "mem_util")) g->mem_util = (unsigned)n;
+        else if (!strcmp(k, "temp")) g->temp = (unsigned)n;
+        else if (!strcmp(k, "power_mw")) g->power_mw = (unsigned)n;
+        else if (!strcmp(k, "energy_mj")) g->energy_mj = n;
+        else if (!strcmp(k, "sm_clock")) g->sm_clock = (unsigned)n;
+        else if (!strcmp(k, "mem_clock")) g->mem_clock = (unsigned)n;
+        else if (!strcmp(k, "ecc_sbe")) g->ecc_sbe = n;
+        else if (!strcmp(k, "ecc_dbe")) g->ecc_dbe = n;
+        else if (!strcmp(k, "fail")) snprintf(g->fail, sizeof g->fail, ",%s,", v);
+        else if (!strcmp(k, "unsupported")) snprintf(g->unsupported, sizeof g->unsupported, ",%s,", v);
+    }
+}
+
+static void parse_proc(char *cur, struct fake_proc *p) {
+    char *tok;
+    memset(p, 0, sizeof *p);
+    while ((tok = next_token(&cur))) {
+        char *eq = strchr(tok, '=');
+        if (!eq) continue;
+        *eq = '\0';
+        unsigned long long n = strtoull(eq + 1, NULL, 10);
+        if (!strcmp(tok, "gpu")) p->gpu = (unsigned)n;
+        else if (!strcmp(tok, "pid")) p->pid = (unsigned)n;
+        else if (!strcmp(tok, "mem")) p->mem = n;
+        else if (!strcmp(tok, "sm")) p->sm = (unsigned)n;
+        else if (!strcmp(tok, "mem_util")) p->mem_util = (unsigned)n;
+    }
+}
+
+/* (Re)loads the script when it changed. Caller holds `lock`. Returns 0 when a script is loaded. */
+static int reload(void) {
+    char path[4096];
+    struct stat st;
+    if (config_path(path, sizeof path) || stat(path, &st)) return loaded ? 0 : -1;
+    if (loaded && st.st_ino == loaded_stat.st_ino && st.st_size == loaded_stat.st_size &&
+        st.st_mtim.tv_sec == loaded_stat.st_mtim.tv_sec && st.st_mtim.tv_nsec == loaded_stat.st_mtim.tv_nsec)
+        return 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return loaded ? 0 : -1;
+    gpu_count = 0;
+    proc_count = 0;
+    char line[4096];
+    while (fgets(line, sizeof line, f)) {
+        char *cur = line, *kind = next_token(&cur);
+        if (!kind) continue;
+        if (!strcmp(kind, "gpu") && gpu_count < MAX_GPUS) parse_gpu(cur, &gpus[gpu_count++]);
+        else if (!strcmp(kind, "proc") && proc_count < MAX_PROCS) parse_proc(cur, &procs[proc_count++]);
+        else if (!strcmp(kind, "driver")) {
+            char *tok;
+            while ((tok = next_token(&cur)))
+                if (!strncmp(tok, "version=", 8)) snprintf(driver_version, sizeof driver_version, "%s", tok + 8);
+        }
+    }
+    fclose(f);
+    loaded_stat = st;
+    loaded = 1;
+    return 0;
+}
+
+static int has(const char *list, const char *field) {
+    char needle[64];
+    snprintf(needle, sizeof needle, ",%s,", field);
+    return strstr(list, needle) != NULL;
+}
+
+/* The common prologue of a device query: checks init and the handle, applies fail=/unsupported=. */
+static nvmlReturn_t enter(nvmlDevice_t d, const char *field) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!d || d < gpus || d >= gpus + gpu_count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (field && has(d->fail, field)) return NVML_ERROR_UNKNOWN;
+    if (field && has(d->unsupported, field)) return NVML_ERROR_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+#define LOCKED(expr) do { pthread_mutex_lock(&lock); nvmlReturn_t r_ = (expr); pthread_mutex_unlock(&lock); return r_; } while (0)
+
+static nvmlReturn_t do_init(void) {
+    if (reload()) return NVML_ERROR_DRIVER_NOT_LOADED;
+    if (!initialised) clock_gettime(CLOCK_MONOTONIC, &init_time);
+    initialised++;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlInit_v2(void) { LOCKED(do_init()); }
+nvmlReturn_t nvmlInit(void) { LOCKED(do_init()); }
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; LOCKED(do_init()); }
+
+static nvmlReturn_t do_shutdown(void) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    initialised--;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlShutdown(void) { LOCKED(do_shutdown()); }
+
+const char *nvmlErrorString(nvmlReturn_t r) {
+    switch (r) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    default: return "Unknown Error";
+    }
+}
+
+static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src) {
+    if (!dst) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, strlen(src) + 1);
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t do_driver(char *v, unsigned int len) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    return copy_str(v, len, driver_version);
+}
+nvmlReturn_t nvmlSystemGetDriverVersion(char *v, unsigned int len) { LOCKED(do_driver(v, len)); }
+
+static nvmlReturn_t do_count(unsigned int *count) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    reload();
+    *count = gpu_count;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) { LOCKED(do_count(count)); }
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { LOCKED(do_count(count)); }
+
+static nvmlReturn_t do_handle(unsigned int index, nvmlDevice_t *dev) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!dev) return NVML_ERROR_INVALID_ARGUMENT;
+    reload();
+    for (unsigned int i = 0; i < gpu_count; i++)
+        if (gpus[i].index == index) { *dev = &gpus[i]; return NVML_SUCCESS; }
+    return NVML_ERROR_INVALID_ARGUMENT;
+}
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev) { LOCKED(do_handle(index, dev)); }
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *dev) { LOCKED(do_handle(index, dev)); }
+
+static nvmlReturn_t do_index(nvmlDevice_t d, unsigned int *index) {
+    nvmlReturn_t r = enter(d, NULL);
+    if (r) return r;
+    *index = d->index;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index) { LOCKED(do_index(d, index)); }
+
+static nvmlReturn_t do_name(nvmlDevice_t d, char *name, unsigned int len) {
+    nvmlReturn_t r = enter(d, "name");
+    return r ? r : copy_str(name, len, d->name);
+}
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len) { LOCKED(do_name(d, name, len)); }
+
+static nvmlReturn_t do_uuid(nvmlDevice_t d, char *uuid, unsigned int len) {
+    nvmlReturn_t r = enter(d, "uuid");
+    return r ? r : copy_str(uuid, len, d->uuid);
+}
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int len) { LOCKED(do_uuid(d, uuid, len)); }
+
+static nvmlReturn_t do_pci(nvmlDevice_t d, nvmlPciInfo_t *pci) {
+    nvmlReturn_t r = enter(d, "pci");
+    if (r) return r;
+    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    snprintf(pci->busId, sizeof pci->busId, "%s", d->pci[0] ? d->pci : "00000000:00:00.0");
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%.15s", pci->busId + 4);
+    pci->bus = 0x19 + d->index;
+    pci->pciDeviceId = 0x233510de;
+    pci->pciSubSystemId = 0x18be10de;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci) { LOCKED(do_pci(d, pci)); }
+
+static nvmlReturn_t do_util(nvmlDevice_t d, nvmlUtilization_t *u) {
+    nvmlReturn_t r = enter(d, "util");
+    if (r) return r;
+    u->gpu = d->util;
+    u->memory = d->mem_util;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u) { LOCKED(do_util(d, u)); }
+
+static nvmlReturn_t do_mem2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
+    nvmlReturn_t r = enter(d, "mem");
+    if (r) return r;
+    if (!m || m->version != (unsigned)(sizeof(nvmlMemory_v2_t) | (2u << 24))) return NVML_ERROR_INVALID_ARGUMENT;
+    m->total = d->mem_total;
+    m->reserved = 0;
+    m->used = d->mem_used;
+    m->free = d->mem_total > d->mem_used ? d->mem_total - d->mem_used : 0;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m) { LOCKED(do_mem2(d, m)); }
+
+static nvmlReturn_t do_mem(nvmlDevice_t d, nvmlMemory_t *m) {
+    nvmlReturn_t r = enter(d, "mem");
+    if (r) return r;
+    m->total = d->mem_total;
+    m->used = d->mem_used;
+    m->free = d->mem_total > d->mem_used ? d->mem_total - d->mem_used : 0;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) { LOCKED(do_mem(d, m)); }
+
+static nvmlReturn_t do_temp(nvmlDevice_t d, int sensor, unsigned int *t) {
+    nvmlReturn_t r = enter(d, "temp");
+    if (r) return r;
+    if (sensor != 0) return NVML_ERROR_NOT_SUPPORTED;
+    *t = d->temp;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t d, int sensor, unsigned int *t) { LOCKED(do_temp(d, sensor, t)); }
+
+static nvmlReturn_t do_power(nvmlDevice_t d, unsigned int *mw) {
+    nvmlReturn_t r = enter(d, "power");
+    if (r) return r;
+    *mw = d->power_mw;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *mw) { LOCKED(do_power(d, mw)); }
+
+static nvmlReturn_t do_energy(nvmlDevice_t d, unsigned long long *mj) {
+    nvmlReturn_t r = enter(d, "energy");
+    if (r) return r;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double secs = (double)(now.tv_sec - init_time.tv_sec) + (double)(now.tv_nsec - init_time.tv_nsec) / 1e9;
+    *mj = d->energy_mj + (unsigned long long)((double)d->power_mw * secs);
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t d, unsigned long long *mj) { LOCKED(do_energy(d, mj)); }
+
+static nvmlReturn_t do_clock(nvmlDevice_t d, int type, unsigned int *mhz) {
+    nvmlReturn_t r = enter(d, "clock");
+    if (r) return r;
+    switch (type) {
+    case 0: case 1: *mhz = d->sm_clock; return NVML_SUCCESS; /* graphics, SM */
+    case 2: *mhz = d->mem_clock; return NVML_SUCCESS;        /* memory */
+    default: return NVML_ERROR_NOT_SUPPORTED;
+    }
+}
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t d, int type, unsigned int *mhz) { LOCKED(do_clock(d, type, mhz)); }
+
+static nvmlReturn_t do_ecc(nvmlDevice_t d, int error_type, int counter_type, unsigned long long *n) {
+    nvmlReturn_t r = enter(d, "ecc");
+    if (r) return r;
+    (void)counter_type;
+    *n = error_type == 0 ? d->ecc_sbe : d->ecc_dbe;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t d, int e, int c, unsigned long long *n) { LOCKED(do_ecc(d, e, c, n)); }
+
+/* NVML semantics: with *count too small (0 on the first call) return INSUFFICIENT_SIZE and the count. */
+static nvmlReturn_t do_procs(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    nvmlReturn_t r = enter(d, "procs");
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = 0;
+    for (unsigned int i = 0; i < proc_count; i++)
+        if (procs[i].gpu == d->index) n++;
+    if (*count < n || !infos) {
+        *count = n;
+        return n == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    unsigned int k = 0;
+    for (unsigned int i = 0; i < proc_count; i++) {
+        if (procs[i].gpu != d->index) continue;
+        infos[k].pid = procs[i].pid;
+        infos[k].usedGpuMemory = procs[i].mem;
+        infos[k].gpuInstanceId = 0xFFFFFFFFu;
+        infos[k].computeInstanceId = 0xFFFFFFFFu;
+        k++;
+    }
+    *count = k;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    LOCKED(do_procs(d, count, infos));
+}
+
+/* One sample per scripted process, stamped now (microseconds), newer than lastSeen. */
+static nvmlReturn_t do_proc_util(nvmlDevice_t d, nvmlProcessUtilizationSample_t *s, unsigned int *count,
+                                 unsigned long long last_seen) {
+    nvmlReturn_t r = enter(d, "proc_util");
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    unsigned long long ts = (unsigned long long)now.tv_sec * 1000000ull + (unsigned long long)now.tv_nsec / 1000ull;
+    unsigned int n = 0;
+    for (unsigned int i = 0; i < proc_count; i++)
+        if (procs[i].gpu == d->index) n++;
+    if (n == 0 || ts <= last_seen) return NVML_ERROR_NOT_FOUND;
+    if (!s || *count < n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    unsigned int k = 0;
+    for (unsigned int i = 0; i < proc_count; i++) {
+        if (procs[i].gpu != d->index) continue;
+        s[k].pid = procs[i].pid;
+        s[k].timeStamp = ts;
+        s[k].smUtil = procs[i].sm;
+        s[k].memUtil = procs[i].mem_util;
+        s[k].encUtil = 0;
+        s[k].decUtil = 0;
+        k++;
+    }
+    *count = k;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *s, unsigned int *count,
+                                             unsigned long long last_seen) {
+    LOCKED(do_proc_util(d, s, count, last_seen));
+}

@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# Bring up the gpuhub lab on one machine, as root: a real single-node Slurm 22.05 with fake
+# H200 GPUs (gpu:h200:2, shard:h200:28; partitions gpu, interactive, cpu), the freshly built
+# SPANK plugin, and the gpuhub agent on its embedded defaults (SQLite).
+# Idempotent: installs what is missing, rebuilds, restarts only what changed, waits until all
+# is ready, and fails within GPUHUB_LAB_TIMEOUT seconds with the relevant log lines otherwise.
+#
+# Environment:
+#   GPUHUB_LAB_AGENT=0       do not start the agent (plugin-only lab)
+#   GPUHUB_LAB_BUILD=0       do not run cargo build (use target/release as it is)
+#   GPUHUB_LAB_TIMEOUT=60    seconds to wait for the node and for the agent
+#   GPUHUB_LAB_RESTART=1     restart slurmctld/slurmd even if nothing changed
+#   GPUHUB_LAB_ACCOUNTING=1  also MariaDB + slurmdbd (sacct works)
+#   GPUHUB_LAB_SMOKE=0       skip the final srun smoke test
+#   GPUHUB_DEPS_PYTHON=0     (tests/setup/deps.sh) skip the Python venv with mlflow/openai
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+HERE="$REPO/tests/lab"
+NODE=gpu01
+ACCOUNTING="${GPUHUB_LAB_ACCOUNTING:-0}"
+TIMEOUT="${GPUHUB_LAB_TIMEOUT:-60}"
+SMOKE="${GPUHUB_LAB_SMOKE:-1}"
+RESTART="${GPUHUB_LAB_RESTART:-0}"
+AGENT="${GPUHUB_LAB_AGENT:-1}"
+BUILD="${GPUHUB_LAB_BUILD:-1}"
+STATE_DIR=/run/gpuhub-lab
+export PATH="$PATH:/root/.cargo/bin:/usr/sbin:/sbin"
+
+# shellcheck source=../lib/lab.sh
+. "$REPO/tests/lib/lab.sh"
+
+log() { echo "[lab] $*"; }
+die() {
+    echo "[lab] ERROR: $*" >&2
+    for f in /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log /var/log/slurm/slurmdbd.log "$LAB_AGENT_LOG"; do
+        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 20 "$f" >&2; }
+    done
+    exit 1
+}
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (it installs packages and starts Slurm daemons)"
+mkdir -p "$STATE_DIR"
+
+# ---------------------------------------------------------------- packages, build
+log "checking packages (tests/setup/deps.sh)"
+"$REPO/tests/setup/deps.sh" || die "tests/setup/deps.sh failed"
+if [ "$ACCOUNTING" = 1 ]; then
+    for p in slurmdbd mariadb-server; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' && continue
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmdbd mariadb-server >/dev/null \
+            || die "apt-get install slurmdbd mariadb-server failed"
+        break
+    done
+fi
+if [ "$BUILD" = 1 ]; then
+    command -v cargo >/dev/null || die "cargo not found; install Rust (https://rustup.rs) or set GPUHUB_LAB_BUILD=0"
+    log "cargo build --release (workspace)"
+    (cd "$REPO" && cargo build --release --workspace 2>&1 | tail -n 3) || die "cargo build --release failed"
+fi
+SO="$REPO/target/release/libgpuhub_spank.so"
+[ -f "$SO" ] || die "$SO missing: run 'cargo build --release' in $REPO"
+# The repo's TEST model worker, which the lab catalog (tests/lab/agent.toml) starts through Slurm.
+WORKER_SRC="$REPO/target/release/gpuhub-test-worker"
+WORKER_DST=/usr/local/libexec/gpuhub/gpuhub-test-worker
+[ -f "$WORKER_SRC" ] || die "$WORKER_SRC missing: run 'cargo build --release -p gpuhub-test-worker' in $REPO"
+if ! cmp -s "$WORKER_SRC" "$WORKER_DST"; then
+    mkdir -p "$(dirname "$WORKER_DST")"
+    install -m 755 "$WORKER_SRC" "$WORKER_DST.new.$$" && mv -f "$WORKER_DST.new.$$" "$WORKER_DST"
+    log "installed the test model worker $WORKER_DST"
+fi
+
+# ---------------------------------------------------------------- helpers
+pid_alive() {
+    local pid
+    [ -s "$1" ] || return 1
+    pid="$(cat "$1")"
+    [ -d "/proc/$pid" ] && grep -q "^$2" "/proc/$pid/comm" 2>/dev/null
+}
+stop_pid() {
+    local pid
+    pid_alive "$1" "$2" || return 0
+    pid="$(cat "$1")"
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
+    if [ -d "/proc/$pid" ]; then kill -9 "$pid" 2>/dev/null || true; fi
+    rm -f "$1"
+}
+# install_conf SRC DST MODE: copy if different; marks a daemon restart as pending
+install_conf() {
+    if ! cmp -s "$1" "$2"; then
+        if [ -f "$2" ] && ! grep -q 'slurm-lab\|gpuhub lab' "$2" && [ ! -e "$2.pre-gpuhub-lab" ]; then
+            cp -p "$2" "$2.pre-gpuhub-lab"
+        fi
+        install -m "$3" "$1" "$2"
+        touch "$STATE_DIR/restart-pending"
+    fi
+}
+
+# ---------------------------------------------------------------- slurm files
+mkdir -p /etc/slurm /var/lib/slurm/slurmd /var/lib/slurm/slurmctld /var/log/slurm
+install_conf "$HERE/slurm.conf" /etc/slurm/slurm.conf 644
+install_conf "$HERE/gres.conf" /etc/slurm/gres.conf 644
+if [ "$ACCOUNTING" = 1 ]; then
+    install_conf "$HERE/accounting-slurmdbd.conf" /etc/slurm/lab-accounting.conf 644
+    install_conf "$HERE/slurmdbd.conf" /etc/slurm/slurmdbd.conf 600
+else
+    install_conf "$HERE/accounting-none.conf" /etc/slurm/lab-accounting.conf 644
+fi
+[ -f /etc/slurm/plugstack.conf ] || echo 'include /etc/slurm/plugstack.conf.d/*.conf' > /etc/slurm/plugstack.conf
+grep -q 'plugstack.conf.d' /etc/slurm/plugstack.conf \
+    || die "/etc/slurm/plugstack.conf does not include /etc/slurm/plugstack.conf.d/*.conf; add: include /etc/slurm/plugstack.conf.d/*.conf"
+mkdir -p /etc/slurm/plugstack.conf.d
+
+# The plugin: copy to a temp name and rename, so running slurmstepds keep their mapped copy.
+PLUGIN="$(lab_plugin_path)"
+mkdir -p "$(dirname "$PLUGIN")"
+if ! cmp -s "$SO" "$PLUGIN"; then
+    [ -e "$PLUGIN" ] || touch "$STATE_DIR/restart-pending"   # new prolog/epilog hooks: slurmd must restart
+    install -m 755 "$SO" "$PLUGIN.new.$$" && mv -f "$PLUGIN.new.$$" "$PLUGIN"
+    log "installed plugin $PLUGIN"
+fi
+sed "s|@PLUGIN@|$PLUGIN|" "$HERE/plugstack-gpuhub.conf" > "$STATE_DIR/gpuhub.conf"
+install_conf "$STATE_DIR/gpuhub.conf" "$LAB_PLUGSTACK" 644
+
+# Fake GPU device nodes (only where none exist). Slurm only stat()s them.
+spare=(/dev/null /dev/zero)
+for i in 0 1; do
+    d="/dev/nvidia$i"
+    [ -e "$d" ] && continue
+    if mknod -m 666 "$d" c 195 "$i" 2>/dev/null; then
+        log "created fake GPU device $d (char 195:$i)"
+    elif ln -s "${spare[$i]}" "$d" 2>/dev/null; then
+        log "mknod not permitted: $d -> ${spare[$i]} (symlink fallback)"
+    else
+        die "cannot create $d (need mknod or write access to /dev)"
+    fi
+    echo "$d" >> "$STATE_DIR/fake-devices"
+done
+
+# ---------------------------------------------------------------- munge
+if [ ! -s /etc/munge/munge.key ]; then
+    log "creating munge key"
+    mungekey --create --keyfile=/etc/munge/munge.key
+    chown munge:munge /etc/munge/munge.key
+    chmod 600 /etc/munge/munge.key
+fi
+mkdir -p /run/munge /var/lib/munge /var/log/munge
+chown munge:munge /run/munge /var/lib/munge /var/log/munge
+chmod 755 /run/munge
+if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
+    stop_pid /run/munge/munged.pid munged
+    log "starting munged"
+    runuser -u munge -- /usr/sbin/munged --force || die "munged failed to start (see /var/log/munge/munged.log)"
+    for _ in $(seq 50); do munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+    munge -n </dev/null | unmunge >/dev/null 2>&1 || die "munge credential round trip fails"
+fi
+
+# ---------------------------------------------------------------- accounting
+if [ "$ACCOUNTING" = 1 ]; then
+    if ! mysqladmin ping >/dev/null 2>&1; then
+        log "starting MariaDB"
+        /etc/init.d/mariadb start >/dev/null || die "MariaDB failed to start"
+        touch "$STATE_DIR/mariadb-started"
+    fi
+    mysql -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+              CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmlab';
+              ALTER USER 'slurm'@'localhost' IDENTIFIED BY 'slurmlab';
+              GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;" \
+        || die "cannot create the accounting database"
+    [ -e "$STATE_DIR/restart-pending" ] && stop_pid /run/slurmdbd.pid slurmdbd
+    if ! pid_alive /run/slurmdbd.pid slurmdbd; then
+        log "starting slurmdbd"
+        slurmdbd || die "slurmdbd failed to start"
+    fi
+    for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/6819) 2>/dev/null && break; sleep 0.2; done
+    (exec 3<>/dev/tcp/127.0.0.1/6819) 2>/dev/null || die "slurmdbd is not listening on 6819"
+else
+    stop_pid /run/slurmdbd.pid slurmdbd
+fi
+
+# ---------------------------------------------------------------- slurm daemons
+if [ -e "$STATE_DIR/restart-pending" ] || [ "$RESTART" = 1 ]; then
+    # gres.conf and plugins with job_prolog/job_epilog hooks are only read at daemon start.
+    log "restarting slurmctld and slurmd (configuration or plugin set changed)"
+    stop_pid /run/slurmd.pid slurmd
+    stop_pid /run/slurmctld.pid slurmctld
+fi
+if ! pid_alive /run/slurmctld.pid slurmctld; then
+    log "starting slurmctld"
+    slurmctld || die "slurmctld failed to start"
+fi
+if ! pid_alive /run/slurmd.pid slurmd; then
+    log "starting slurmd -N $NODE"
+    slurmd -N "$NODE" || die "slurmd failed to start"
+fi
+rm -f "$STATE_DIR/restart-pending"
+
+resumed=0
+state=""
+deadline=$((SECONDS + TIMEOUT))
+while [ "$SECONDS" -lt "$deadline" ]; do
+    pid_alive /run/slurmctld.pid slurmctld || die "slurmctld exited (see /var/log/slurm/slurmctld.log)"
+    pid_alive /run/slurmd.pid slurmd || die "slurmd exited (see /var/log/slurm/slurmd.log)"
+    state="$(sinfo -h -n "$NODE" -o '%T' 2>/dev/null | head -n1 || true)"
+    case "$state" in
+        idle|mixed|allocated) break ;;
+        *drain*|down*)
+            if [ "$resumed" = 0 ]; then
+                log "node is '$state' ($(sinfo -h -n "$NODE" -o '%E' | head -n1)); resuming it"
+                scontrol update nodename="$NODE" state=resume 2>/dev/null || true
+                resumed=1
+            fi ;;
+    esac
+    sleep 0.5
+done
+case "$state" in
+    idle|mixed|allocated) ;;
+    *) die "node $NODE is '${state:-unknown}' instead of idle after ${TIMEOUT}s (reason: $(sinfo -h -n "$NODE" -o '%E' 2>/dev/null | head -n1))" ;;
+esac
+
+# ---------------------------------------------------------------- agent
+if [ "$AGENT" = 1 ]; then
+    agent_start "$TIMEOUT" || die "gpuhub-agent did not answer http://127.0.0.1:8400/healthz within ${TIMEOUT}s"
+else
+    log "GPUHUB_LAB_AGENT=0: not starting gpuhub-agent"
+fi
+
+if [ "$SMOKE" = 1 ]; then
+    out="$(cd /tmp && timeout 60 srun -N1 -t 1 --gres=gpu:1 printenv CUDA_VISIBLE_DEVICES GPUHUB_URL 2>"$STATE_DIR/smoke.err")" \
+        || die "smoke test 'srun --gres=gpu:1' failed: $(cat "$STATE_DIR/smoke.err")"
+    case "$(echo "$out" | head -n1)" in 0|1) ;; *) die "smoke test: unexpected CUDA_VISIBLE_DEVICES '$out'" ;; esac
+    echo "$out" | grep -q '^http://' || die "smoke test: the plugin injected no GPUHUB_URL (is $LAB_PLUGSTACK loaded? see slurmd.log)"
+fi
+
+log "up: node $NODE is $state; partitions: $(sinfo -h -o '%P' | tr '\n' ' ')"
+[ "$AGENT" = 1 ] && log "agent: http://127.0.0.1:8400 (log $LAB_AGENT_LOG, pid $(cat "$LAB_AGENT_PID" 2>/dev/null))"
+cat <<TRY
+[lab] try next:
+  srun --gres=gpu:1 env | grep -E 'GPUHUB|OPENAI|MLFLOW|_MODEL|CUDA'
+  srun --gres=shard:7 --mlflow-experiment=demo printenv MLFLOW_EXPERIMENT_NAME SLURM_SHARDS_ON_NODE
+  sbatch --gres=gpu:2 --wrap 'env | grep GPUHUB'     # output in ./slurm-<id>.out
+  srun --help | grep -A1 gpuhub                       # the plugin's options
+  ls /var/spool/gpuhub/records /run/gpuhub/dcgm-job-map
+  $REPO/tests/run-all.sh                              # every test
+  $REPO/tests/lab/down.sh                             # stop (add --purge to wipe state)
+TRY

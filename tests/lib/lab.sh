@@ -1,0 +1,216 @@
+# Shared helpers for the lab (tests/lab/up.sh, down.sh) and the system tests
+# (tests/system/*.sh). Source it; it defines functions and LAB_* variables only.
+#
+#   lab_require             exit 1 unless root and the lab is up (node idle/mixed, plugin installed)
+#   lab_fail MSG...         print MSG, the last slurmd.log lines, exit 1
+#   lab_run CMD...          run CMD, print it with its output and exit status; sets LAB_OUT, LAB_RC
+#   plugstack_set ARGS...   replace the gpuhub plugstack line's arguments (srun, slurmstepd and the
+#                           prolog/epilog reread plugstack.conf for every job); plugstack_restore undoes it
+#   lab_cleanup_add CMD     run CMD at exit (in reverse order), with plugstack_restore always last
+#   lab_records DIR JOB     the records of job JOB under DIR/records, one JSON object per line
+#   lab_wait_record DIR JOB KIND [SECS]   wait until a record of KIND exists (default 20 s)
+#   lab_jq_any FILTER       true if FILTER yields `true` for any JSON line on stdin
+#   lab_wait_job JOB [SECS] / lab_cancel JOB...   wait until a job left the queue / scancel and wait
+#   lab_node_ok             fail if the node is drained or down
+#   lab_user                create the unprivileged account $LAB_USER (gpuhublab) if missing
+#   spank_fixture [MLFLOW_URL] [ARGS...]   private spool/snapshot/key for SPANK tests (see below)
+#   agent_start [SECS] / agent_stop / agent_running / agent_healthy   the lab's gpuhub-agent
+
+LAB_REPO="${LAB_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+LAB_NODE=gpu01
+LAB_PLUGSTACK=/etc/slurm/plugstack.conf.d/gpuhub.conf
+LAB_AGENT_PID=/run/gpuhub/agent.pid
+LAB_AGENT_LOG=/var/log/gpuhub/agent.log
+LAB_AGENT_BIN="$LAB_REPO/target/release/gpuhub-agent"
+LAB_AGENT_CONFIG="${GPUHUB_LAB_AGENT_CONFIG:-$LAB_REPO/tests/lab/agent.toml}"
+LAB_SLURMD_LOG=/var/log/slurm/slurmd.log
+export PATH="$PATH:/usr/sbin:/sbin"
+
+# Where this distribution keeps Slurm plugins (PluginDir).
+lab_plugin_path() {
+    local d
+    for d in /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/lib64/slurm /usr/lib/slurm; do
+        if [ -d "$d" ]; then echo "$d/spank_gpuhub.so"; return 0; fi
+    done
+    echo /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_gpuhub.so
+}
+
+lab_fail() {
+    echo "FAIL: $*" >&2
+    if [ -f "$LAB_SLURMD_LOG" ]; then
+        echo "--- last lines of $LAB_SLURMD_LOG" >&2
+        tail -n 25 "$LAB_SLURMD_LOG" >&2
+    fi
+    exit 1
+}
+
+lab_require() {
+    [ "$(id -u)" -eq 0 ] || { echo "FAIL: run as root" >&2; exit 1; }
+    local state
+    state="$(sinfo -h -n "$LAB_NODE" -o '%T' 2>/dev/null | head -n1 || true)"
+    case "$state" in
+        idle|mixed|allocated) ;;
+        *) echo "FAIL: the lab is not up (node $LAB_NODE is '${state:-unreachable}'); run tests/lab/up.sh" >&2; exit 1 ;;
+    esac
+    [ -f "$LAB_PLUGSTACK" ] || { echo "FAIL: $LAB_PLUGSTACK missing; run tests/lab/up.sh" >&2; exit 1; }
+}
+
+lab_run() {
+    echo "+ $*"
+    set +e
+    LAB_OUT="$("$@" 2>&1)"
+    LAB_RC=$?
+    set -e
+    printf '%s\n' "$LAB_OUT" | sed 's/^/  | /'
+    echo "  (exit $LAB_RC)"
+}
+
+_LAB_CLEANUP=()
+_LAB_PLUGSTACK_SAVED=""
+_lab_on_exit() {
+    local rc=$? i
+    for ((i = ${#_LAB_CLEANUP[@]} - 1; i >= 0; i--)); do eval "${_LAB_CLEANUP[$i]}" || true; done
+    plugstack_restore
+    return $rc
+}
+trap _lab_on_exit EXIT
+lab_cleanup_add() { _LAB_CLEANUP+=("$1"); }
+
+plugstack_set() {
+    if [ -z "$_LAB_PLUGSTACK_SAVED" ]; then
+        _LAB_PLUGSTACK_SAVED="$(mktemp /tmp/gpuhub-plugstack.XXXXXX)"
+        cp -p "$LAB_PLUGSTACK" "$_LAB_PLUGSTACK_SAVED"
+    fi
+    local line
+    line="$(grep -E '^(optional|required)[[:space:]]' "$_LAB_PLUGSTACK_SAVED" | head -n1 | awk '{print $1, $2}')"
+    [ -n "$line" ] || lab_fail "no plugin line in $LAB_PLUGSTACK"
+    printf '# temporary (tests/system): %s\n%s %s\n' "$0" "$line" "$*" > "$LAB_PLUGSTACK.tmp.$$"
+    mv -f "$LAB_PLUGSTACK.tmp.$$" "$LAB_PLUGSTACK"
+    echo "+ plugstack: $line $*"
+}
+
+plugstack_restore() {
+    if [ -n "$_LAB_PLUGSTACK_SAVED" ] && [ -f "$_LAB_PLUGSTACK_SAVED" ]; then
+        mv -f "$_LAB_PLUGSTACK_SAVED" "$LAB_PLUGSTACK"
+        _LAB_PLUGSTACK_SAVED=""
+    fi
+}
+
+lab_records() {
+    local dir="$1" job="$2" f
+    [ -d "$dir/records" ] || return 0
+    for f in "$dir"/records/*.json; do
+        [ -e "$f" ] || continue
+        jq -c --argjson j "$job" 'select(.job_id == $j)' "$f" 2>/dev/null || true
+    done
+}
+
+lab_wait_record() {
+    local dir="$1" job="$2" kind="$3" secs="${4:-20}" i
+    for ((i = 0; i <= secs * 5; i++)); do
+        [ "$i" = 0 ] || sleep 0.2
+        lab_records "$dir" "$job" | jq -c --arg k "$kind" 'select(.kind == $k)' 2>/dev/null | grep . >/dev/null && return 0
+    done
+    return 1
+}
+
+# lab_jq_any FILTER: true if FILTER yields `true` for any JSON line on stdin (jq -e only
+# looks at the last input).
+lab_jq_any() { jq -c "$@" 2>/dev/null | grep -x true >/dev/null; }
+
+agent_running() {
+    [ -s "$LAB_AGENT_PID" ] && kill -0 "$(cat "$LAB_AGENT_PID")" 2>/dev/null \
+        && grep -q gpuhub "/proc/$(cat "$LAB_AGENT_PID")/comm" 2>/dev/null
+}
+
+agent_healthy() { curl -sf --max-time 2 http://127.0.0.1:8400/healthz >/dev/null 2>&1; }
+
+agent_start() {
+    local secs="${1:-60}" i
+    if agent_running && agent_healthy; then return 0; fi
+    [ -x "$LAB_AGENT_BIN" ] || { echo "[lab] $LAB_AGENT_BIN missing: cargo build --release" >&2; return 1; }
+    [ -f "$LAB_AGENT_CONFIG" ] || { echo "[lab] $LAB_AGENT_CONFIG missing" >&2; return 1; }
+    if ! agent_running; then
+        mkdir -p "$(dirname "$LAB_AGENT_PID")" "$(dirname "$LAB_AGENT_LOG")"
+        echo "[lab] starting gpuhub-agent --config $LAB_AGENT_CONFIG run (log $LAB_AGENT_LOG)"
+        setsid "$LAB_AGENT_BIN" --config "$LAB_AGENT_CONFIG" run >>"$LAB_AGENT_LOG" 2>&1 </dev/null &
+        echo $! > "$LAB_AGENT_PID"
+    fi
+    for ((i = 0; i < secs * 4; i++)); do
+        agent_healthy && return 0
+        agent_running || { echo "[lab] gpuhub-agent exited; last log lines:" >&2; tail -n 20 "$LAB_AGENT_LOG" >&2; return 1; }
+        sleep 0.25
+    done
+    echo "[lab] gpuhub-agent not healthy after ${secs}s; last log lines:" >&2
+    tail -n 20 "$LAB_AGENT_LOG" >&2
+    return 1
+}
+
+agent_stop() {
+    agent_running || { rm -f "$LAB_AGENT_PID"; return 0; }
+    local pid i
+    pid="$(cat "$LAB_AGENT_PID")"
+    kill "$pid" 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$pid" 2>/dev/null && { echo "[lab] gpuhub-agent (pid $pid) ignored SIGTERM for 15 s; SIGKILL" >&2; kill -9 "$pid" 2>/dev/null || true; }
+    rm -f "$LAB_AGENT_PID"
+}
+
+# ---------------------------------------------------------------- SPANK test fixtures
+# spank_fixture: a private spool, snapshot and job key under a fresh temp dir, and the plugstack
+# line pointed at them (restored at exit). Sets T (the dir), T_SPOOL, T_SNAP, T_KEY, T_MAP.
+# The snapshot names two GPUs with UUIDs, role ocr=dots.ocr, role tts with no model, and
+# MLflow at $1 (default http://127.0.0.1:5000). Extra plugstack arguments follow.
+spank_fixture() {
+    local mlflow="${1:-http://127.0.0.1:5000}"
+    shift || true
+    T="$(mktemp -d /tmp/gpuhub-spank-test.XXXXXX)"
+    chmod 755 "$T"
+    lab_cleanup_add "rm -rf '$T' 2>/dev/null || { sleep 1; rm -rf '$T'; }"
+    T_SPOOL="$T/spool"
+    T_SNAP="$T/snapshot.json"
+    T_KEY="$T/job-token.key"
+    T_MAP="$T/dcgm-job-map"
+    mkdir -p "$T_SPOOL"
+    cat > "$T_SNAP" <<JSON
+{"version":1,"generated_at":1,"gateway_url":"http://127.0.0.1:8400","mlflow_tracking_uri":"$mlflow",
+ "mlflow_experiment":"lab-default","roles":{"ocr":"dots.ocr","tts":null},
+ "gpus":{"0":"GPU-00000000-test-0000-0000-000000000000","1":"GPU-11111111-test-1111-1111-111111111111"}}
+JSON
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$T_KEY"
+    chmod 600 "$T_KEY"
+    plugstack_set "spool_dir=$T_SPOOL" "snapshot=$T_SNAP" "job_key=$T_KEY" "dcgm_job_map_dir=$T_MAP" "$@"
+}
+
+# lab_user: make sure the unprivileged lab account exists (jobs as a real user).
+LAB_USER=gpuhublab
+lab_user() {
+    id -u "$LAB_USER" >/dev/null 2>&1 || useradd -m -s /bin/bash "$LAB_USER" || lab_fail "cannot create user $LAB_USER"
+}
+
+# lab_node_ok: the node is not drained or down (a plugin fault must never drain it).
+lab_node_ok() {
+    local st
+    st="$(sinfo -h -n "$LAB_NODE" -o '%T' 2>/dev/null | head -n1)"
+    case "$st" in
+        *drain*|down*|fail*) lab_fail "node $LAB_NODE is '$st' (reason: $(sinfo -h -n "$LAB_NODE" -o '%E'))" ;;
+    esac
+}
+
+# lab_cancel JOB...: scancel and wait (30 s) until each left the queue, so that its epilog
+# has finished with the test's plugstack line (use in lab_cleanup_add).
+lab_cancel() {
+    local j
+    scancel "$@" 2>/dev/null || true
+    for j in "$@"; do lab_wait_job "$j" 30 || true; done
+}
+
+# lab_wait_job JOB [SECS]: wait until the job left the queue (default 60 s).
+lab_wait_job() {
+    local job="$1" secs="${2:-60}" i
+    for ((i = 0; i < secs * 5; i++)); do
+        [ -z "$(squeue -h -j "$job" 2>/dev/null)" ] && return 0
+        sleep 0.2
+    done
+    return 1
+}

@@ -1,0 +1,46 @@
+# A real MLflow tracking server for tests, from the repo's venv (tests/setup/deps.sh).
+# Source it, then:
+#   mlflow_start [PORT]   start `mlflow server` on 127.0.0.1:PORT (default 5000, the lab agent's
+#                         tracking URI) unless one already answers there; waits up to 120 s
+#   mlflow_stop           stop the server this helper started (pid file), if any
+#   MLFLOW_URL            http://127.0.0.1:PORT after mlflow_start
+# State (SQLite store, artifacts, log) lives in /var/tmp/gpuhub-mlflow-PORT; loopback only,
+# because MLflow has no authentication.
+
+MLFLOW_REPO="${MLFLOW_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+MLFLOW_BIN="$MLFLOW_REPO/.venv/bin/mlflow"
+
+mlflow_start() {
+    local port="${1:-5000}" dir i pid
+    MLFLOW_URL="http://127.0.0.1:$port"
+    dir="/var/tmp/gpuhub-mlflow-$port"
+    if curl -sf --max-time 2 "$MLFLOW_URL/health" >/dev/null 2>&1; then return 0; fi
+    [ -x "$MLFLOW_BIN" ] || { echo "[mlflow] $MLFLOW_BIN missing: run tests/setup/deps.sh" >&2; return 1; }
+    mkdir -p "$dir/artifacts"
+    echo "[mlflow] starting mlflow server on $MLFLOW_URL (log $dir/server.log)"
+    # --workers 1: the default spawns several gunicorn/uvicorn workers (~1.5 GB) on a 2-core box.
+    setsid "$MLFLOW_BIN" server --host 127.0.0.1 --port "$port" --workers 1 \
+        --backend-store-uri "sqlite:///$dir/mlflow.db" --default-artifact-root "$dir/artifacts" \
+        >>"$dir/server.log" 2>&1 </dev/null &
+    pid=$!
+    echo "$pid" > "$dir/server.pid"
+    for ((i = 0; i < 480; i++)); do
+        curl -sf --max-time 2 "$MLFLOW_URL/health" >/dev/null 2>&1 && return 0
+        kill -0 "$pid" 2>/dev/null || { echo "[mlflow] server exited; log:" >&2; tail -n 20 "$dir/server.log" >&2; return 1; }
+        sleep 0.25
+    done
+    echo "[mlflow] not ready after 120 s; log:" >&2
+    tail -n 20 "$dir/server.log" >&2
+    return 1
+}
+
+mlflow_stop() {
+    local port="${1:-5000}" f pid i
+    f="/var/tmp/gpuhub-mlflow-$port/server.pid"
+    [ -s "$f" ] || return 0
+    pid="$(cat "$f")"
+    # The server is a process group (gunicorn/uvicorn children): stop the group we started.
+    kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+    for ((i = 0; i < 100; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    rm -f "$f"
+}

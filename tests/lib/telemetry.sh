@@ -1,0 +1,78 @@
+# Shared helpers for tests/system/telemetry-*.sh. Source it after `set -euo pipefail`.
+#
+#   tel_init                 temp dir $T (removed at exit), fake NVML built into $T/nvml
+#   tel_free_port            print a free loopback TCP port
+#   tel_gpu_line IDX USED UTIL   one `gpu` line of the fake NVML script (UUID GPU-tel-...IDX)
+#   tel_start_agent [SLURM]  write $T/agent.toml (fake NVML, 200 ms sampling, private paths and
+#                            ports; SLURM=true|false) and start the real gpuhub-agent; sets
+#                            TEL_METRICS_ADDR (host:port), TEL_METRICS_URL, TEL_AGENT_PID; stopped at exit
+#   tel_fail MSG             print MSG and the agent log tail, exit 1
+TEL_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+TEL_AGENT="$TEL_REPO/target/release/gpuhub-agent"
+TEL_CLEANUP=()
+TEL_AGENT_PID=""
+
+tel_cleanup() {
+    local i
+    for ((i = ${#TEL_CLEANUP[@]} - 1; i >= 0; i--)); do eval "${TEL_CLEANUP[$i]}" || true; done
+}
+trap tel_cleanup EXIT
+
+tel_fail() {
+    echo "FAIL: $*" >&2
+    if [ -n "${T:-}" ] && [ -f "$T/agent.log" ]; then
+        echo "--- last lines of the agent log ($T/agent.log)" >&2
+        tail -n 25 "$T/agent.log" >&2
+    fi
+    exit 1
+}
+
+tel_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+tel_init() {
+    T="$(mktemp -d /tmp/gpuhub-telemetry-test.XXXXXX)"
+    chmod 755 "$T"
+    TEL_CLEANUP+=("rm -rf '$T'")
+    [ -x "$TEL_AGENT" ] || tel_fail "$TEL_AGENT missing; run cargo build --release"
+    "$TEL_REPO/tests/fake-nvml/build.sh" "$T/nvml" >/dev/null || tel_fail "cannot build the fake NVML library"
+}
+
+tel_gpu_line() {
+    printf 'gpu index=%d uuid=GPU-tel00000-0000-0000-0000-%012d name="NVIDIA H200" pci=00000000:%02X:00.0 mem_total=150754820096 mem_used=%s util=%s mem_util=20 temp=45 power_mw=400000 energy_mj=1000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0\n' \
+        "$1" "$1" $((0x19 + $1)) "$2" "$3"
+}
+
+tel_start_agent() {
+    local slurm="${1:-false}" mp gp i
+    mp="$(tel_free_port)"; gp="$(tel_free_port)"
+    mkdir -p "$T/state" "$T/spool" "$T/run"
+    cat > "$T/agent.toml" <<TOML
+[paths]
+state_dir = "$T/state"
+spool_dir = "$T/spool"
+runtime_dir = "$T/run"
+[gateway]
+listen = "127.0.0.1:$gp"
+[metrics]
+listen = "127.0.0.1:$mp"
+[telemetry]
+nvml_library = "$T/nvml/libnvidia-ml.so.1"
+interval_ms = 200
+slurm_interval_ms = 1000
+hostname = "gpu01"
+enable_slurm = $slurm
+job_map_dir = "$T/run/dcgm-job-map"
+TOML
+    echo "+ $TEL_AGENT --config $T/agent.toml run   (log $T/agent.log)"
+    "$TEL_AGENT" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 &
+    TEL_AGENT_PID=$!
+    TEL_CLEANUP+=("kill $TEL_AGENT_PID 2>/dev/null; wait $TEL_AGENT_PID 2>/dev/null")
+    TEL_METRICS_ADDR="127.0.0.1:$mp"
+    TEL_METRICS_URL="http://$TEL_METRICS_ADDR/metrics"
+    for ((i = 0; i < 120; i++)); do
+        curl -fsS -o /dev/null "$TEL_METRICS_URL" 2>/dev/null && return 0
+        kill -0 "$TEL_AGENT_PID" 2>/dev/null || tel_fail "gpuhub-agent exited during startup"
+        sleep 0.25
+    done
+    tel_fail "gpuhub-agent did not serve $TEL_METRICS_URL within 30 s"
+}

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# MLflow-driven versions on the real Slurm lab with a real `mlflow server` (tests/lib/mlflow.sh):
+#   - the worker serves the version `@production` points at when it starts;
+#   - `gpuhub models promote` is eval-gated: a version below the catalog's threshold is refused
+#     with the reason (exit 1), a passing one moves the alias (exit 0);
+#   - the running worker keeps its version; the next start serves the promoted one, with no
+#     agent restart, also when the alias is moved in MLflow directly;
+#   - registered models tagged served_by=gateway are discovered (`gpuhub models registry`).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+. "$REPO/tests/lib/lab.sh"
+. "$REPO/tests/lib/models.sh"
+. "$REPO/tests/lib/mlflow.sh"
+lab_require
+mlflow_start 5000 || { echo "FAIL: cannot start mlflow server" >&2; exit 1; }
+PY="$REPO/.venv/bin/python"
+NAME="gpuhub-test-mt-$(date +%s)-$$"
+
+echo "== registering $NAME: v1 accuracy 0.9, v2 0.5, v3 0.95; @production -> 1"
+"$PY" - "$MLFLOW_URL" "$NAME" <<'PYEOF' || { echo "FAIL: registering test versions in MLflow failed" >&2; exit 1; }
+import sys, mlflow
+from mlflow import MlflowClient
+uri, name = sys.argv[1], sys.argv[2]
+mlflow.set_tracking_uri(uri)
+mlflow.set_experiment("gpuhub-models-test")
+c = MlflowClient()
+c.create_registered_model(name, tags={"served_by": "gateway"})
+for acc in (0.9, 0.5, 0.95):
+    with mlflow.start_run() as r:
+        mlflow.log_metric("accuracy", acc)
+    mv = c.create_model_version(name, source=f"runs:/{r.info.run_id}/model", run_id=r.info.run_id)
+    print("version", mv.version, "accuracy", acc)
+c.set_registered_model_alias(name, "production", "1")
+PYEOF
+
+alias_version() {
+    curl -s --max-time 5 -G "$MLFLOW_URL/api/2.0/mlflow/registered-models/alias" --data-urlencode "name=$NAME" \
+        --data-urlencode alias=production | jq -r .model_version.version
+}
+
+models_setup "
+[[models]]
+name = \"mt-reg\"
+launcher = \"slurm\"
+command = \"@WORKER@ --model {model} --version {version} --host {host} --port {port} --api-key {api_key}\"
+resources = { shards = 1, vram_gib = 1.0 }
+mlflow_model = \"$NAME\"
+eval_metric = \"accuracy\"
+eval_threshold = 0.8
+idle_timeout_s = 600
+load_timeout_s = 60
+" "[mlflow]
+tracking_uri = \"$MLFLOW_URL\""
+CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
+
+expect_version() {
+    models_call mt-reg "$2"
+    [ "$MC_STATUS" = 200 ] || models_fail "$2: expected 200, got $MC_STATUS: $MC_BODY"
+    echo "$MC_BODY" | grep -q "mt-reg version $1:" || models_fail "$2: expected version $1, got: $(echo "$MC_BODY" | jq -r '.choices[0].message.content')"
+    echo "   ok: $2 served by version $1"
+}
+
+echo "== the first start serves @production"
+expect_version 1 "first start"
+
+echo "== promote a version that fails the eval gate"
+lab_run "${CLI[@]}" models promote mt-reg 2
+[ "$LAB_RC" = 1 ] || models_fail "promoting v2 (accuracy 0.5 < 0.8) should exit 1, got $LAB_RC"
+echo "$LAB_OUT" | grep -q 'accuracy = 0.5, below the threshold 0.8' || models_fail "the refusal should say why: $LAB_OUT"
+[ "$(alias_version)" = 1 ] || models_fail "a refused promotion moved the alias to $(alias_version)"
+
+echo "== promote a version that passes"
+lab_run "${CLI[@]}" models promote mt-reg 3
+[ "$LAB_RC" = 0 ] || models_fail "promoting v3 (accuracy 0.95) should succeed, got exit $LAB_RC"
+[ "$(alias_version)" = 3 ] || models_fail "the alias should point at 3, points at $(alias_version)"
+expect_version 1 "the running worker keeps its version"
+lab_run "${CLI[@]}" models unload mt-reg
+expect_version 3 "the next start"
+
+echo "== the alias moved in MLflow directly is picked up at the next start too"
+curl -sf --max-time 5 -X POST -H 'content-type: application/json' \
+    -d "{\"name\": \"$NAME\", \"alias\": \"production\", \"version\": \"1\"}" "$MLFLOW_URL/api/2.0/mlflow/registered-models/alias" >/dev/null
+lab_run "${CLI[@]}" models unload mt-reg
+expect_version 1 "a start after the alias moved back"
+
+echo "== discovery: served_by=gateway"
+lab_run "${CLI[@]}" models registry --json
+echo "$LAB_OUT" | jq -e --arg n "$NAME" '.registered[] | select(.name == $n and .production == "1" and (.served_as | index("mt-reg")))' >/dev/null \
+    || models_fail "gpuhub models registry should list $NAME (production 1, served as mt-reg)"
+echo "PASS models-mlflow"

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Backup and restore of the store, exactly as the admin guide documents them (SQLite, the
+# default store): the daily unit's command (`gpuhub backup --keep 7`, run as root against the
+# agent's control socket), then a restore after later changes: stop the agent, put the backup
+# in place of gpuhub.db (dropping -wal/-shm), start it, and see the state of the backup.
+# Also: retention (--keep) prunes old backups, and a non-admin is refused.
+# Runs the real agent and CLI (target/release) on temp dirs and free loopback ports; as root.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$REPO"
+[ "$(id -u)" -eq 0 ] || { echo "FAIL: run as root (the agent treats root as admin)"; exit 1; }
+echo "+ cargo build --release -p gpuhub-agent"
+cargo build --release --quiet -p gpuhub-agent
+AGENT="$REPO/target/release/gpuhub-agent"
+CLI="$REPO/target/release/gpuhub"
+work="$(mktemp -d)"
+chmod 755 "$work"
+agent_pid=""
+stop_agent() {
+    if [ -n "$agent_pid" ] && kill -0 "$agent_pid" 2>/dev/null; then
+        kill "$agent_pid"
+        for _ in $(seq 100); do kill -0 "$agent_pid" 2>/dev/null || break; sleep 0.1; done
+        kill -0 "$agent_pid" 2>/dev/null && { echo "FAIL: agent did not stop on SIGTERM within 10 s"; kill -9 "$agent_pid"; }
+        wait "$agent_pid" 2>/dev/null || true
+    fi
+    agent_pid=""
+}
+trap 'stop_agent; rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; echo "--- agent log"; tail -n 30 "$work/agent.log" || true; exit 1; }
+
+read -r gw_port m_port < <(python3 -c 'import socket
+s=[socket.socket() for _ in range(2)]
+[x.bind(("127.0.0.1",0)) for x in s]
+print(*[x.getsockname()[1] for x in s])')
+mkdir -p "$work/state" "$work/spool" "$work/run"
+cat > "$work/agent.toml" <<TOML
+[paths]
+state_dir = "$work/state"
+spool_dir = "$work/spool"
+runtime_dir = "$work/run"
+[gateway]
+listen = "127.0.0.1:$gw_port"
+[metrics]
+listen = "127.0.0.1:$m_port"
+[telemetry]
+enable_nvml = false
+enable_slurm = false
+TOML
+export GPUHUB_SOCKET="$work/run/agent.sock"
+start_agent() {
+    env -u GPUHUB_STORE_URL "$AGENT" run --config "$work/agent.toml" >> "$work/agent.log" 2>&1 &
+    agent_pid=$!
+    for _ in $(seq 100); do
+        "$CLI" whoami > /dev/null 2>&1 && return 0
+        kill -0 "$agent_pid" 2>/dev/null || fail "gpuhub-agent exited at start"
+        sleep 0.1
+    done
+    fail "the agent's control socket did not answer within 10 s"
+}
+keys() { "$CLI" keys list --json | python3 -c 'import json,sys; v=json.load(sys.stdin); v=v.get("keys", v) if isinstance(v, dict) else v; print(" ".join(sorted(k["app"] for k in v)))'; }
+
+start_agent
+echo "+ gpuhub keys create --user alice --app before-backup"
+"$CLI" keys create --user alice --app before-backup > /dev/null
+echo "+ gpuhub backup --keep 7   (the command of gpuhub-backup.service, dir: <state_dir>/backups)"
+"$CLI" backup --keep 7 | tee "$work/backup.out"
+backup="$(sed -n 's/^backup written: //p' "$work/backup.out")"
+[ -f "$backup" ] || fail "gpuhub backup printed '$(cat "$work/backup.out")'; expected 'backup written: <file>' naming an existing file"
+case "$backup" in "$work/state/backups/"gpuhub-*.db) ;; *) fail "backup at $backup, expected $work/state/backups/gpuhub-*.db" ;; esac
+echo "+ gpuhub keys create --user bob --app after-backup"
+"$CLI" keys create --user bob --app after-backup > /dev/null
+[ "$(keys)" = "after-backup before-backup" ] || fail "before restore: keys '$(keys)', expected 'after-backup before-backup'"
+
+echo "+ restore: systemctl stop gpuhub-agent; cp BACKUP gpuhub.db; rm gpuhub.db-wal gpuhub.db-shm; systemctl start gpuhub-agent"
+stop_agent
+cp "$backup" "$work/state/gpuhub.db"
+rm -f "$work/state/gpuhub.db-wal" "$work/state/gpuhub.db-shm"
+start_agent
+got="$(keys)"
+echo "keys after restore: $got"
+[ "$got" = "before-backup" ] || fail "after restore: keys '$got', expected only 'before-backup' (the state at backup time)"
+
+echo "+ retention: 3 more backups with --keep 2 leave 2 files"
+for _ in 1 2 3; do "$CLI" backup --keep 2 > /dev/null; done
+n="$(find "$work/state/backups" -name 'gpuhub-*.db' | wc -l)"
+[ "$n" -eq 2 ] || fail "$n backups left after --keep 2, expected 2"
+
+echo "+ a non-admin user is refused"
+if id nobody >/dev/null 2>&1; then
+    chmod 755 "$work/run"
+    if runuser -u nobody -- env GPUHUB_SOCKET="$GPUHUB_SOCKET" "$CLI" backup > "$work/nobody.out" 2>&1; then
+        fail "user nobody could write a backup: $(cat "$work/nobody.out")"
+    fi
+    grep -qi "admin" "$work/nobody.out" || fail "refusal for nobody does not say why: $(cat "$work/nobody.out")"
+    echo "refused: $(cat "$work/nobody.out")"
+fi
+echo "PASS rpm-backup"

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# What the RPM ships in /usr/share/gpuhub, checked against real tools and the real agent:
+# promtool (config, rules, and unit tests of the names alerts in tests/rpm/alerts-test.yml),
+# the Grafana dashboards (fresh from rpm/grafana/make-dashboards.py, every query parsed by
+# promtool, every metric exported by a running gpuhub-agent) and the JupyterHub example
+# (tests/rpm/check_share.py). A mutated alert rule proves the alert tests can fail.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$REPO"
+command -v promtool >/dev/null || { echo "FAIL: promtool not found (apt-get install prometheus)"; exit 1; }
+work="$(mktemp -d)"
+agent_pid=""
+cleanup() {
+    if [ -n "$agent_pid" ] && kill -0 "$agent_pid" 2>/dev/null; then
+        kill "$agent_pid"; wait "$agent_pid" 2>/dev/null || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+echo "+ promtool check rules rpm/share/prometheus/gpuhub-alerts.yml"
+promtool check rules rpm/share/prometheus/gpuhub-alerts.yml
+echo "+ promtool check config (rule_files pointed at the repository copy)"
+sed "s|/usr/share/gpuhub/prometheus/gpuhub-alerts.yml|$REPO/rpm/share/prometheus/gpuhub-alerts.yml|" \
+    rpm/share/prometheus/gpuhub.yml > "$work/prometheus.yml"
+promtool check config "$work/prometheus.yml"
+echo "+ promtool test rules tests/rpm/alerts-test.yml"
+(cd tests/rpm && promtool test rules alerts-test.yml)
+echo "+ self-test: the alert tests fail when GpuhubRetiredModelNameCalled watches the wrong state"
+sed 's/state="retired"}\[15m\]/state="active"}[15m]/' rpm/share/prometheus/gpuhub-alerts.yml > "$work/mutated-alerts.yml"
+sed "s|../../rpm/share/prometheus/gpuhub-alerts.yml|$work/mutated-alerts.yml|" tests/rpm/alerts-test.yml > "$work/mutated-test.yml"
+if promtool test rules "$work/mutated-test.yml" > "$work/mutated.out" 2>&1; then
+    echo "FAIL: the alert unit tests passed against a broken rule"; exit 1
+fi
+echo "failed as expected"
+
+echo "+ cargo build --release -p gpuhub-agent; start it on free loopback ports with temp dirs"
+cargo build --release --quiet -p gpuhub-agent
+read -r gw_port m_port < <(python3 -c 'import socket
+s=[socket.socket() for _ in range(2)]
+[x.bind(("127.0.0.1",0)) for x in s]
+print(*[x.getsockname()[1] for x in s])')
+mkdir -p "$work/state" "$work/spool" "$work/run"
+cat > "$work/agent.toml" <<TOML
+[paths]
+state_dir = "$work/state"
+spool_dir = "$work/spool"
+runtime_dir = "$work/run"
+[gateway]
+listen = "127.0.0.1:$gw_port"
+[metrics]
+listen = "127.0.0.1:$m_port"
+[telemetry]
+enable_nvml = false
+enable_slurm = false
+TOML
+env -u GPUHUB_STORE_URL target/release/gpuhub-agent run --config "$work/agent.toml" > "$work/agent.log" 2>&1 &
+agent_pid=$!
+for _ in $(seq 100); do
+    curl -fsS "http://127.0.0.1:$m_port/metrics" > "$work/metrics.txt" 2>/dev/null && break
+    kill -0 "$agent_pid" 2>/dev/null || { cat "$work/agent.log"; echo "FAIL: gpuhub-agent exited"; exit 1; }
+    sleep 0.1
+done
+[ -s "$work/metrics.txt" ] || { tail -20 "$work/agent.log"; echo "FAIL: no /metrics from the agent within 10 s"; exit 1; }
+python3 tests/rpm/check_share.py "$REPO" "$work/metrics.txt" "$work"
+echo "PASS rpm-share"
