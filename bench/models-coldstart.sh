@@ -35,19 +35,21 @@ load_timeout_s = 60
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 now_us() { date +%s%6N; }
 
+BODY='{"model":"mt-bench","messages":[{"role":"user","content":"cold"}]}'
 printf '%-4s %10s %10s %10s %10s %10s %12s\n' run total_ms slurm_ms worker_ms before_ms after_ms overhead_ms
 : > "$MT_DIR/overheads"
 for i in $(seq "$COLD"); do
     "${CLI[@]}" models unload mt-bench >/dev/null
     t0="$(now_us)"
-    models_call mt-bench "cold $i"
+    status="$(curl -s --max-time 90 -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $MT_KEY" \
+        -H 'content-type: application/json' -d "$BODY" "http://$MT_GW/v1/chat/completions" || true)"
     t_end="$(now_us)"
-    [ "$MC_STATUS" = 200 ] || models_fail "cold call $i: $MC_STATUS $MC_BODY"
+    [ "$status" = 200 ] || models_fail "cold call $i: HTTP $status"
     job="$(models_field mt-bench worker_id)"
     log="$MT_DIR/workers/mt-bench.$job.log"
     launch="$(grep 'worker launched' "$MT_DIR/agent.log" | tail -n1 | sed -n 's/.*launch_us=\([0-9]*\).*/\1/p')"
     wstart="$(grep -m1 'TEST WORKER starting' "$log" | sed -n 's/.*at_us=\([0-9]*\).*/\1/p')"
-    wlisten="$(grep -m1 'listening on' "$log" | sed -n 's/.*at_us=\([0-9]*\).*/\1/p')"
+    wlisten="$(grep -m1 'at_us=.*listening on' "$log" | sed -n 's/.*at_us=\([0-9]*\).*/\1/p')"
     [ -n "$launch" ] && [ -n "$wstart" ] && [ -n "$wlisten" ] || models_fail "missing timestamps (launch '$launch', worker '$wstart' / '$wlisten')"
     awk -v r="$i" -v t0="$t0" -v te="$t_end" -v l="$launch" -v ws="$wstart" -v wl="$wlisten" 'BEGIN {
         before = (l - t0) / 1000; slurm = (ws - l) / 1000; worker = (wl - ws) / 1000; after = (te - wl) / 1000

@@ -61,6 +61,17 @@ for crate in gpuhub-spank gpuhub-agent; do
   (rpm/licenses.sh $crate --list shows which crate brings which license; update the spec)"
 done
 
+# ------------------------------------------------------------------ Rust minimum: spec >= Cargo.lock
+spec_rust="$(awk '$1=="BuildRequires:" && $2=="rust" && $3==">=" {print $4; exit}' "$SPEC")"
+need_rust="$(cd "$REPO" && cargo metadata --format-version 1 --locked --offline 2>/dev/null | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+v = [tuple(int(x) for x in p["rust_version"].split(".")[:2]) for p in d["packages"] if p.get("rust_version")]
+print("%d.%d" % max(v) if v else "0.0")')" || die "cargo metadata failed"
+if [ "$(printf '%s\n%s\n' "$need_rust" "$spec_rust" | sort -V | tail -n1)" != "$spec_rust" ]; then
+    die "Cargo.lock needs Rust >= $need_rust but rpm/gpuhub.spec says BuildRequires: rust >= $spec_rust; raise it (and cargo's) to $need_rust"
+fi
+
 # ------------------------------------------------------------------ vendored crates (cached)
 # cargo vendor copies from ~/.cargo/registry; --locked keeps Cargo.lock as is. Windows-only
 # crates are stubbed (their import libraries are ~170 MB and never compiled on Linux): files

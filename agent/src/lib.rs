@@ -18,6 +18,7 @@
 //!
 //! The binaries in `src/bin/` only parse arguments and call [`run`].
 
+pub mod accounting;
 pub mod cli;
 pub mod config;
 pub mod control;
@@ -104,6 +105,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let mut registry = Registry::default();
     let telemetry = Arc::new(telemetry::Telemetry::start(&config.file.telemetry, &mut registry));
 
+    let acct_metrics = accounting::AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
     let gateway = Arc::new(gateway::Gateway::start(&config, &store, registry.sub_registry_with_prefix("gpuhub")).await?);
 
     let catalog = Arc::new(Catalog::from_config(&config.file));
@@ -164,17 +166,32 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         let app = gateway::router(state.clone());
         let token = token.clone();
         tokio::spawn(async move {
-            axum::serve(listeners.gateway, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
+            // TCP_NODELAY: SSE chunks are small writes; with Nagle a chunk can wait ~40 ms for
+            // the client's delayed ACK of the previous one.
+            use axum::serve::ListenerExt;
+            let listener = listeners.gateway.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gateway connection");
+                }
+            });
+            axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
                 .with_graceful_shutdown(async move { token.cancelled().await })
                 .await
         })
     };
+    let ingest = tokio::spawn(
+        accounting::Ingestor::new(store.clone(), config.file.paths.spool_dir.clone(), state.telemetry.clone(), acct_metrics)
+            .run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()),
+    );
     let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, registry, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
 
     shutdown.await;
     tracing::info!("shutdown: no new connections; draining in-flight requests");
     token.cancel();
+    if ingest.await.is_err() {
+        tracing::error!("accounting: the ingest task failed");
+    }
     for (name, task) in [("gateway", gateway), ("metrics", metrics), ("control", control)] {
         match task.await {
             Ok(Ok(())) => {}

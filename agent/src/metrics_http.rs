@@ -17,12 +17,17 @@ pub fn router(registry: Arc<Registry>) -> Router {
     Router::new().route("/metrics", get(metrics)).with_state(registry)
 }
 
-async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
+async fn metrics(State(registry): State<Arc<Registry>>, headers: axum::http::HeaderMap) -> impl IntoResponse {
     let mut body = String::with_capacity(64 * 1024);
     if let Err(e) = prometheus_client::encoding::text::encode(&mut body, &registry) {
         tracing::error!(error = %e, "encoding metrics failed");
     }
-    ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body)
+    let accept = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok());
+    if crate::telemetry::exposition::wants_openmetrics(accept) {
+        ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body)
+    } else {
+        ([(CONTENT_TYPE, crate::telemetry::exposition::PROMETHEUS_TEXT_CONTENT_TYPE)], crate::telemetry::exposition::to_prometheus_text(&body))
+    }
 }
 
 pub async fn serve(listener: TcpListener, registry: Arc<Registry>, shutdown: CancellationToken) -> std::io::Result<()> {

@@ -91,7 +91,7 @@ mod tests {
     #[test]
     fn utc_stamps() {
         assert_eq!(utc_stamp(0), "19700101T000000Z");
-        assert_eq!(utc_stamp(1_798_675_199), "20261231T235959Z");
+        assert_eq!(utc_stamp(1_798_761_599), "20261231T235959Z");
     }
 
     #[test]

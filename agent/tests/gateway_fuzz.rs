@@ -7,7 +7,7 @@
 //! - rewriting the body for the upstream keeps it parseable, with the new model name;
 //! - every refusal is an OpenAI error with a 4xx status.
 //!
-//! `GPUHUB_FUZZ_ITERS` (default 100000) and `GPUHUB_FUZZ_SEED` (default: time) control a run;
+//! `GPUHUB_FUZZ_ITERS` (default 300000) and `GPUHUB_FUZZ_SEED` (default: time) control a run;
 //! the seed is printed so a finding can be replayed.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stdout)]
 
@@ -86,7 +86,7 @@ fn fuzz_request_parsing() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/parse");
     let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("seed corpus {}: {e}", dir.display())).map(|e| std::fs::read(e.unwrap().path()).unwrap()).collect();
     assert!(seeds.len() >= 5, "seed corpus too small");
-    let iters: u64 = std::env::var("GPUHUB_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let iters: u64 = std::env::var("GPUHUB_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300_000);
     let seed: u64 = std::env::var("GPUHUB_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| gpuhub_agent::util::now_us() as u64);
     println!("gateway fuzz: {iters} iterations, GPUHUB_FUZZ_SEED={seed}");
     let mut rng = StdRng::seed_from_u64(seed);

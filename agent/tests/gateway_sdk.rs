@@ -109,9 +109,9 @@ async fn stock_openai_sdk_works_unchanged() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && stdout.contains("SDK OK"), "python {} failed ({}):\n{stdout}\n{stderr}", script.display(), out.status);
-    let rows = a.rows(13).await;
+    let rows = a.rows(11).await;
     let ok = rows.iter().filter(|r| r["status"] == 200 && r["user_name"] == "alice").count();
-    assert!(ok >= 10, "{rows:#?}");
+    assert!(ok >= 8, "{rows:#?}");
     assert!(rows.iter().any(|r| r["streamed"] == 1 && r["completion_tokens"].as_i64().unwrap_or(0) > 0), "{rows:#?}");
     a.stop().await;
     let _ = child.kill().await;

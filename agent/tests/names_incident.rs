@@ -16,16 +16,21 @@ use axum::routing::post;
 use gpuhub_agent::control::client::{self, ClientError};
 use serde_json::{Value, json};
 
-/// A fake OpenAI upstream that answers every chat call with the model it was asked for.
+/// A fake OpenAI upstream that, like vLLM with `--served-model-name dots.ocr`, answers only
+/// to its own name: the gateway must send the resolved model, not the name the client used.
 async fn upstream() -> SocketAddr {
     let app = axum::Router::new().route(
         "/v1/chat/completions",
         post(|Json(body): Json<Value>| async move {
-            Json(json!({
+            if body["model"] != "dots.ocr" {
+                let msg = format!("The model `{}` does not exist (this worker serves `dots.ocr`).", body["model"].as_str().unwrap_or("?"));
+                return (axum::http::StatusCode::NOT_FOUND, Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": "model_not_found"}})));
+            }
+            (axum::http::StatusCode::OK, Json(json!({
                 "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "ocr text"}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-            }))
+            })))
         }),
     );
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -240,6 +245,7 @@ async fn every_step_shows_in_the_name_metrics() {
     assert_eq!(call(agent.gateway, &key, "svc-ocrr").await.0, 404);
     assert_eq!(call(agent.gateway, &key, "tts").await.0, 503);
     let text = agent.metrics_text().await;
+    assert!(!text.contains("gpuhub_name_sunset_timestamp_seconds{name=\"svc-ocr\""), "a retired name keeps no sunset series");
     let got = [("active", "svc-ocr"), ("deprecated", "svc-ocr"), ("retired", "svc-ocr"), ("unknown", "svc-ocrr"), ("unassigned", "tts")].map(|(st, n)| series(&text, st, n));
     assert_eq!(
         got,
@@ -248,7 +254,6 @@ async fn every_step_shows_in_the_name_metrics() {
          (it must call `state.names.count_row(&row)` once per call, e.g. in `gateway::proxy::Call::record`):\n{}",
         text.lines().filter(|l| l.contains("name_calls")).collect::<Vec<_>>().join("\n")
     );
-    assert!(!text.contains("gpuhub_name_sunset_timestamp_seconds{name=\"svc-ocr\""), "a retired name keeps no sunset series");
     agent.stop().await;
 }
 
@@ -305,6 +310,14 @@ async fn a_role_without_a_model_answers_503_and_role_changes_rewrite_the_snapsho
     assert_eq!(status, 200, "a role name serves the role's model");
     agent.api("POST", "/v1/roles/unset", Some(json!({"name": "tts"}))).await.unwrap();
     assert_eq!(agent.snapshot_roles()["tts"], Value::Null);
+    // A name nobody configured but a client calls shows in `names list` as unknown, with its
+    // calls: the silent 404 made visible.
+    let (status, _, body) = call(agent.gateway, &key, "svc-tts").await;
+    assert_eq!(status, 404, "{body}");
+    agent.callers_at_least("svc-tts", 1).await;
+    let list = agent.api("GET", "/v1/names", None).await.unwrap();
+    let e = list["names"].as_array().unwrap().iter().find(|n| n["name"] == "svc-tts").cloned().unwrap_or_default();
+    assert_eq!((e["state"].as_str(), e["calls"].as_i64(), e["refused"].as_i64()), (Some("unknown"), Some(1), Some(1)), "{list}");
     agent.stop().await;
 }
 

@@ -5,6 +5,7 @@
 //! plugin. Every function referenced here must exist in every Slurm release the plugin targets,
 //! or the plugin fails to load there.
 
+// Generated code keeps C's names and carries items we do not call; style lints do not apply.
 #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code, unreachable_pub)]
 #![allow(clippy::all)]
 

@@ -12,6 +12,7 @@
 #   lab_jq_any FILTER       true if FILTER yields `true` for any JSON line on stdin
 #   lab_wait_job JOB [SECS] / lab_cancel JOB...   wait until a job left the queue / scancel and wait
 #   lab_node_ok             fail if the node is drained or down
+#   lab_wait_gpus_free [SECS]   wait until no job holds GPUs/shards (e.g. idle model workers)
 #   lab_user                create the unprivileged account $LAB_USER (gpuhublab) if missing
 #   spank_fixture [MLFLOW_URL] [ARGS...]   private spool/snapshot/key for SPANK tests (see below)
 #   agent_start [SECS] / agent_stop / agent_running / agent_healthy   the lab's gpuhub-agent
@@ -180,12 +181,27 @@ JSON
     head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$T_KEY"
     chmod 600 "$T_KEY"
     plugstack_set "spool_dir=$T_SPOOL" "snapshot=$T_SNAP" "job_key=$T_KEY" "dcgm_job_map_dir=$T_MAP" "$@"
+    lab_wait_gpus_free 240
 }
 
 # lab_user: make sure the unprivileged lab account exists (jobs as a real user).
 LAB_USER=gpuhublab
 lab_user() {
     id -u "$LAB_USER" >/dev/null 2>&1 || useradd -m -s /bin/bash "$LAB_USER" || lab_fail "cannot create user $LAB_USER"
+}
+
+# lab_wait_gpus_free [SECS]: wait (default 240 s) until no job holds or waits for GPUs or
+# shards, e.g. model workers the agent started in an earlier test (they stay up to their
+# idle_timeout_s). Tests that request --gres=gpu:N need whole GPUs without shard users.
+lab_wait_gpus_free() {
+    local secs="${1:-240}" i busy=""
+    for ((i = 0; i <= secs * 2; i++)); do
+        busy="$(squeue -h -t PD,R,CG,S -o '%i %u %j %b' 2>/dev/null | grep -E 'gpu|shard' || true)"
+        [ -z "$busy" ] && return 0
+        [ "$i" = 0 ] && { echo "  waiting up to ${secs}s for GPU jobs to end:"; sed 's/^/    /' <<<"$busy"; }
+        sleep 0.5
+    done
+    lab_fail "GPUs still held after ${secs}s by: $busy"
 }
 
 # lab_node_ok: the node is not drained or down (a plugin fault must never drain it).

@@ -15,8 +15,9 @@
 MT_REPO="${MT_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 MT_AGENT="$MT_REPO/target/release/gpuhub-agent"
 MT_CLI="$MT_REPO/target/release/gpuhub"
-MT_WORKER=/usr/local/libexec/gpuhub/gpuhub-test-worker
-[ -x "$MT_WORKER" ] || MT_WORKER="$MT_REPO/target/release/gpuhub-test-worker"
+# The worker under test: the repo's build (the lab installs the same binary under /usr/local/libexec).
+MT_WORKER="$MT_REPO/target/release/gpuhub-test-worker"
+[ -x "$MT_WORKER" ] || MT_WORKER=/usr/local/libexec/gpuhub/gpuhub-test-worker
 MT_GW=127.0.0.1:18401
 MT_METRICS=127.0.0.1:19411
 

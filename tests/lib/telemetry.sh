@@ -8,7 +8,7 @@
 #                            TEL_METRICS_ADDR (host:port), TEL_METRICS_URL, TEL_AGENT_PID; stopped at exit
 #   tel_fail MSG             print MSG and the agent log tail, exit 1
 TEL_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-TEL_AGENT="$TEL_REPO/target/release/gpuhub-agent"
+TEL_AGENT="${GPUHUB_AGENT_BIN:-$TEL_REPO/target/release/gpuhub-agent}"
 TEL_CLEANUP=()
 TEL_AGENT_PID=""
 

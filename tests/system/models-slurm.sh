@@ -50,10 +50,12 @@ job="$(models_field mt-chat worker_id)"
 echo "   ok: answered by Slurm job $job"
 
 echo "== 2. 50 concurrent first calls -> one Slurm job"
+pids=()
 for i in $(seq 50); do
     ( models_call mt-ocr "call $i"; echo "$MC_STATUS" > "$MT_DIR/c.$i" ) &
+    pids+=($!)
 done
-wait
+wait "${pids[@]}"
 ok="$(cat "$MT_DIR"/c.* | grep -c '^200$' || true)"
 [ "$ok" = 50 ] || models_fail "50 first calls: expected 50 x 200, got $ok ($(sort "$MT_DIR"/c.* | uniq -c | tr '\n' ' '))"
 jobs="$(models_jobs mt-ocr | wc -l)"

@@ -33,7 +33,7 @@ call() { # call MODEL -> sets CODE, writes headers to $T/h and the body to $T/b
         -d "{\"model\":\"$1\",\"messages\":[{\"role\":\"user\",\"content\":\"scan\"}]}" || true)"
     echo "  HTTP $CODE $(head -c 300 "$T/b")"
 }
-job_ocr_model() { lab_run timeout 90 srun -N1 -t 2 bash -c 'echo "OCR_MODEL=${OCR_MODEL-<unset>}"'; sed -n 's/^OCR_MODEL=//p' <<<"$LAB_OUT" | head -n1; }
+job_ocr_model() { lab_run timeout 90 srun -N1 -t 2 bash -c 'echo "OCR_MODEL=${OCR_MODEL-<unset>}"' >&2; sed -n 's/^OCR_MODEL=//p' <<<"$LAB_OUT" | head -n1; }
 wait_callers() { # wait_callers NAME N: usage rows are written in batches
     local i
     for ((i = 0; i < 100; i++)); do

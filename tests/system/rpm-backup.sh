@@ -4,6 +4,9 @@
 # agent's control socket), then a restore after later changes: stop the agent, put the backup
 # in place of gpuhub.db (dropping -wal/-shm), start it, and see the state of the backup.
 # Also: retention (--keep) prunes old backups, and a non-admin is refused.
+# Then the same story on PostgreSQL (a real server: GPUHUB_TEST_PG_URL, else tests/lib/pg.sh;
+# a fresh database per run, dropped at the end unless GPUHUB_KEEP_DB=1): the backup is a
+# pg_dump file and the restore is the guide's `pg_restore --clean --if-exists --no-owner`.
 # Runs the real agent and CLI (target/release) on temp dirs and free loopback ports; as root.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -33,6 +36,7 @@ s=[socket.socket() for _ in range(2)]
 [x.bind(("127.0.0.1",0)) for x in s]
 print(*[x.getsockname()[1] for x in s])')
 mkdir -p "$work/state" "$work/spool" "$work/run"
+write_config() { # write_config [STORE_URL]
 cat > "$work/agent.toml" <<TOML
 [paths]
 state_dir = "$work/state"
@@ -46,6 +50,9 @@ listen = "127.0.0.1:$m_port"
 enable_nvml = false
 enable_slurm = false
 TOML
+if [ -n "${1:-}" ]; then printf '[store]\nurl = "%s"\n' "$1" >> "$work/agent.toml"; fi
+}
+write_config
 export GPUHUB_SOCKET="$work/run/agent.sock"
 start_agent() {
     env -u GPUHUB_STORE_URL "$AGENT" run --config "$work/agent.toml" >> "$work/agent.log" 2>&1 &
@@ -94,4 +101,36 @@ if id nobody >/dev/null 2>&1; then
     grep -qi "admin" "$work/nobody.out" || fail "refusal for nobody does not say why: $(cat "$work/nobody.out")"
     echo "refused: $(cat "$work/nobody.out")"
 fi
+
+# ------------------------------------------------------------------ PostgreSQL
+stop_agent
+base_url="${GPUHUB_TEST_PG_URL:-}"
+if [ -z "$base_url" ]; then
+    echo "+ tests/lib/pg.sh   (GPUHUB_TEST_PG_URL not set: start the test PostgreSQL)"
+    base_url="$(tests/lib/pg.sh)" || fail "cannot start PostgreSQL with tests/lib/pg.sh"
+fi
+db="gpuhub_rpm_backup_$$_$(date +%s)"
+server="${base_url%/*}"
+echo "+ psql: CREATE DATABASE $db"
+psql -q "$base_url" -c "CREATE DATABASE $db" || fail "cannot create database $db on $server"
+[ "${GPUHUB_KEEP_DB:-0}" = 1 ] || trap 'stop_agent; psql -q "$base_url" -c "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+pg_url="$server/$db"
+write_config "$pg_url"
+start_agent
+echo "+ [PostgreSQL] gpuhub keys create --user alice --app pg-before-backup"
+"$CLI" keys create --user alice --app pg-before-backup > /dev/null
+echo "+ [PostgreSQL] gpuhub backup --keep 7"
+"$CLI" backup --keep 7 | tee "$work/pg-backup.out"
+pg_backup="$(sed -n 's/^backup written: //p' "$work/pg-backup.out")"
+case "$pg_backup" in "$work/state/backups/"gpuhub-*.pgdump) ;; *) fail "PostgreSQL backup at '$pg_backup', expected $work/state/backups/gpuhub-*.pgdump" ;; esac
+[ -s "$pg_backup" ] || fail "$pg_backup is empty or missing"
+"$CLI" keys create --user bob --app pg-after-backup > /dev/null
+[ "$(keys)" = "pg-after-backup pg-before-backup" ] || fail "[PostgreSQL] before restore: keys '$(keys)'"
+echo "+ [PostgreSQL] restore: stop; pg_restore --clean --if-exists --no-owner -d URL BACKUP; start"
+stop_agent
+pg_restore --clean --if-exists --no-owner -d "$pg_url" "$pg_backup" || fail "pg_restore failed"
+start_agent
+got="$(keys)"
+echo "keys after restore: $got"
+[ "$got" = "pg-before-backup" ] || fail "[PostgreSQL] after restore: keys '$got', expected only 'pg-before-backup'"
 echo "PASS rpm-backup"

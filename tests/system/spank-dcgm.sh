@@ -9,7 +9,7 @@ spank_fixture
 cd "$T"
 
 echo "== gpu:2 job sees its id in both map files"
-lab_run timeout 60 srun -N1 -t 2 --gres=gpu:2 bash -c "echo JOB=\$SLURM_JOB_ID; for f in $T_MAP/0 $T_MAP/1; do echo \"\$f: \$(tr '\n' ' ' < \$f)\"; done"
+lab_run timeout 120 srun -N1 -t 2 --gres=gpu:2 bash -c "echo JOB=\$SLURM_JOB_ID; for f in $T_MAP/0 $T_MAP/1; do echo \"\$f: \$(tr '\n' ' ' < \$f)\"; done"
 [ "$LAB_RC" = 0 ] || lab_fail "srun failed"
 job="$(sed -n 's/^JOB=//p' <<<"$LAB_OUT")"
 for g in 0 1; do

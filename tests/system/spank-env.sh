@@ -17,7 +17,7 @@ val() { sed -n "s/^$1=//p" <<<"$LAB_OUT" | head -n1; }
 
 echo "== user-set values win"
 lab_run env MLFLOW_TRACKING_URI=http://user.example:1 OPENAI_API_KEY=sk-user OCR_MODEL=my-ocr \
-    timeout 60 srun -N1 -t 2 bash -c "$PRINT"
+    timeout 120 srun -N1 -t 2 bash -c "$PRINT"
 [ "$LAB_RC" = 0 ] || lab_fail "srun failed"
 [ "$(val MLFLOW_TRACKING_URI)" = "http://user.example:1" ] || lab_fail "user's MLFLOW_TRACKING_URI overwritten: $(val MLFLOW_TRACKING_URI)"
 [ "$(val OPENAI_API_KEY)" = "sk-user" ] || lab_fail "user's OPENAI_API_KEY overwritten"
@@ -39,7 +39,7 @@ PY
 echo "ok"
 
 echo "== --mlflow-experiment on srun overrides the site default"
-lab_run timeout 60 srun -N1 -t 2 --mlflow-experiment="exp one" bash -c "$PRINT"
+lab_run timeout 120 srun -N1 -t 2 --mlflow-experiment="exp one" bash -c "$PRINT"
 [ "$(val MLFLOW_EXPERIMENT_NAME)" = "exp one" ] || lab_fail "MLFLOW_EXPERIMENT_NAME=$(val MLFLOW_EXPERIMENT_NAME), expected 'exp one'"
 echo "ok"
 
@@ -61,7 +61,7 @@ grep -q "STEP_JOB=slurm.job_id\":\"$job\"" "$T/job.out" || lab_fail "step inside
 echo "ok"
 
 echo "== invalid --mlflow-experiment is a clear user error"
-lab_run timeout 60 srun -N1 -t 2 --mlflow-experiment="$(printf 'bad\tname')" true
+lab_run timeout 120 srun -N1 -t 2 --mlflow-experiment="$(printf 'bad\tname')" true
 [ "$LAB_RC" != 0 ] || lab_fail "srun accepted a control character in --mlflow-experiment"
 grep -q "mlflow-experiment" <<<"$LAB_OUT" || lab_fail "the error does not name --mlflow-experiment"
 echo "ok"
@@ -69,9 +69,9 @@ echo "ok"
 echo "== --gpuhub-no-inject and GPUHUB_NO_INJECT=1 opt out; records are still written"
 for how in "--gpuhub-no-inject" "env"; do
     if [ "$how" = env ]; then
-        lab_run env GPUHUB_NO_INJECT=1 timeout 60 srun -N1 -t 2 bash -c "$PRINT"
+        lab_run env GPUHUB_NO_INJECT=1 timeout 120 srun -N1 -t 2 bash -c "$PRINT"
     else
-        lab_run timeout 60 srun -N1 -t 2 --gpuhub-no-inject bash -c "$PRINT"
+        lab_run timeout 120 srun -N1 -t 2 --gpuhub-no-inject bash -c "$PRINT"
     fi
     [ "$LAB_RC" = 0 ] || lab_fail "$how: srun failed"
     if grep -qE '^(GPUHUB_URL|GPUHUB_TOKEN|MLFLOW_TRACKING_URI|OCR_MODEL)=' <<<"$LAB_OUT"; then lab_fail "$how: variables injected despite the opt-out"; fi
@@ -83,7 +83,7 @@ echo "ok"
 
 echo "== no snapshot: plugstack role.* fallback; no key: no token, job runs"
 plugstack_set "spool_dir=$T_SPOOL" "snapshot=$T/missing.json" "job_key=$T/missing.key" "role.ocr=static-ocr" "mlflow_uri=http://127.0.0.1:5999"
-lab_run timeout 60 srun -N1 -t 2 bash -c "$PRINT"
+lab_run timeout 120 srun -N1 -t 2 bash -c "$PRINT"
 [ "$LAB_RC" = 0 ] || lab_fail "srun failed without snapshot and key"
 [ "$(val OCR_MODEL)" = "static-ocr" ] || lab_fail "OCR_MODEL=$(val OCR_MODEL), expected the static fallback"
 [ "$(val MLFLOW_TRACKING_URI)" = "http://127.0.0.1:5999" ] || lab_fail "mlflow_uri fallback not used"
@@ -94,7 +94,7 @@ echo "ok"
 
 echo "== neither snapshot nor role.*: no <ROLE>_MODEL and one log line"
 plugstack_set "spool_dir=$T_SPOOL" "snapshot=$T/missing.json" "job_key=$T_KEY"
-lab_run timeout 60 srun -N1 -t 2 bash -c "$PRINT"
+lab_run timeout 120 srun -N1 -t 2 bash -c "$PRINT"
 [ "$LAB_RC" = 0 ] || lab_fail "srun failed"
 if grep -q '_MODEL=' <<<"$LAB_OUT"; then lab_fail "role variables injected without snapshot or fallback"; fi
 job="$(val JOB)"

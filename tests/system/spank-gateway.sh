@@ -10,7 +10,7 @@ agent_healthy || lab_fail "gpuhub-agent is not answering http://127.0.0.1:8400/h
 [ -s /run/gpuhub/snapshot.json ] || lab_fail "the agent wrote no /run/gpuhub/snapshot.json"
 cd /tmp
 
-lab_run timeout 60 srun -N1 -t 2 --gres=shard:2 bash -c '
+lab_run timeout 120 srun -N1 -t 2 --gres=shard:2 bash -c '
     echo "JOB=$SLURM_JOB_ID"
     echo "URL=$OPENAI_BASE_URL"
     echo "ROLES=$(env | grep -E "^[A-Z_]+_MODEL=" | sort | tr "\n" " ")"

@@ -62,7 +62,7 @@ check_records() {
 srun_case() {
     local name="$1" ngpus="$2" shards="$3"; shift 3
     echo "== $name"
-    lab_run timeout 60 srun -N1 -t 2 "$@" bash -c 'echo JOB=$SLURM_JOB_ID; env | grep -E "^(GPUHUB|OPENAI|MLFLOW|[A-Z_]+_MODEL)" | sort'
+    lab_run timeout 120 srun -N1 -t 2 "$@" bash -c 'echo JOB=$SLURM_JOB_ID; env | grep -E "^(GPUHUB|OPENAI|MLFLOW|[A-Z_]+_MODEL)" | sort'
     [ "$LAB_RC" = 0 ] || lab_fail "$name: srun failed"
     local job
     job="$(sed -n 's/^JOB=//p' <<<"$LAB_OUT")"
@@ -87,7 +87,7 @@ sed 's/^/  | /' <<<"$out"
 check_env "$out" "$job"
 check_records "$job" 2 null 4294967291
 echo "== salloc without a step (PrologFlags=Alloc): job records only"
-lab_run timeout 60 salloc -N1 -t 2 --gres=gpu:1 bash -c 'echo JOB=$SLURM_JOB_ID'
+lab_run timeout 120 salloc -N1 -t 2 --gres=gpu:1 bash -c 'echo JOB=$SLURM_JOB_ID'
 [ "$LAB_RC" = 0 ] || lab_fail "salloc failed"
 job="$(sed -n 's/^JOB=//p' <<<"$LAB_OUT")"
 lab_wait_record "$T_SPOOL" "$job" job_end 30 || lab_fail "salloc job $job: no job_end record"
@@ -100,7 +100,7 @@ echo "ok: salloc (job $job)"
 echo "== a non-root user: srun and sbatch as $LAB_USER (uid, name and token are the user's)"
 lab_user
 mkdir -p "$T/u" && chown "$LAB_USER" "$T/u"
-lab_run runuser -u "$LAB_USER" -- bash -c "cd $T/u && timeout 60 srun -N1 -t 2 --gres=shard:7 bash -c 'echo JOB=\$SLURM_JOB_ID; env | grep -E \"^(GPUHUB_TOKEN|MLFLOW_RUN_CONTEXT)=\"'"
+lab_run runuser -u "$LAB_USER" -- bash -c "cd $T/u && timeout 120 srun -N1 -t 2 --gres=shard:7 bash -c 'echo JOB=\$SLURM_JOB_ID; env | grep -E \"^(GPUHUB_TOKEN|MLFLOW_RUN_CONTEXT)=\"'"
 [ "$LAB_RC" = 0 ] || lab_fail "srun as $LAB_USER failed"
 job="$(sed -n 's/^JOB=//p' <<<"$LAB_OUT")"
 uid="$(id -u "$LAB_USER")"

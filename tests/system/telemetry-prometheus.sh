@@ -18,6 +18,12 @@ if [ "$(id -u)" -eq 0 ] && timeout 5 sinfo -h -n gpu01 -o %T 2>/dev/null | grep 
 declare -A PID JOB USR
 if [ "$mode" = slurm ]; then
     run_user=nobody
+    # Shards and whole GPUs must be free (model workers of earlier tests can hold them).
+    for ((i = 0; i < 480; i++)); do
+        [ -z "$(squeue -h -t PD,R,CG,S -o '%b' 2>/dev/null | grep -E 'gpu|shard' || true)" ] && break
+        [ "$i" = 0 ] && echo "  waiting up to 240 s for GPU jobs to end"
+        sleep 0.5
+    done
     for name in a b c; do
         case "$name" in c) gres=gpu:1 ;; *) gres=shard:7 ;; esac
         out="$T/$name.info"

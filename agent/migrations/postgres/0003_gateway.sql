@@ -41,7 +41,6 @@ CREATE TABLE usage_log (
     overhead_us BIGINT NOT NULL
 );
 CREATE INDEX usage_log_time ON usage_log (time_us);
-CREATE INDEX usage_log_user_time ON usage_log (user_name, time_us);
 CREATE INDEX usage_log_name_time ON usage_log (requested_name, time_us);
 
 -- Hourly rollup that `gpuhub usage --calls` reads (never the raw log).

@@ -128,16 +128,18 @@ async fn fold(
             gpus = g;
             // The end was ingested first (records out of order): the start is here now.
             remove_anomaly(&mut row.anomalies, Anomaly::EndWithoutStart.as_str());
-            if let Some(end) = row.end_us {
-                if end < t {
-                    anomalies.push(Anomaly::ClockBackwards);
-                }
+            if let Some(end) = row.end_us
+                && end < t
+            {
+                anomalies.push(Anomaly::ClockBackwards);
             }
         }
         Record::JobEnd { gpus: g, exit_code, .. } => {
             row.end_us = Some(t);
             row.exit_code = exit_code.map(i64::from);
             row.end_reason = Some("ended".into());
+            // A job closed as lost in a reboot whose real end record turns up after all.
+            remove_anomaly(&mut row.anomalies, Anomaly::NeverEnded.as_str());
             gpus = g;
             match row.start_us {
                 Some(start) if t < start => anomalies.push(Anomaly::ClockBackwards),
@@ -166,9 +168,8 @@ async fn fold(
             }
         }
     }
-    for a in &anomalies {
-        add_anomaly(&mut row.anomalies, a.as_str());
-    }
+    // Report each anomaly once per job (both records of a job may name the same unknown GPU).
+    anomalies.retain(|a| add_anomaly(&mut row.anomalies, a.as_str()));
     upsert_job(tx, &row).await?;
     for g in gpus {
         sqlx::query(
@@ -204,13 +205,16 @@ fn remove_anomaly(list: &mut String, a: &str) {
     *list = list.split(',').filter(|x| !x.is_empty() && *x != a).collect::<Vec<_>>().join(",");
 }
 
-fn add_anomaly(list: &mut String, a: &str) {
-    if !list.split(',').any(|x| x == a) {
-        if !list.is_empty() {
-            list.push(',');
-        }
-        list.push_str(a);
+/// Adds `a` to the comma list; `false` when it was already there.
+fn add_anomaly(list: &mut String, a: &str) -> bool {
+    if list.split(',').any(|x| x == a) {
+        return false;
     }
+    if !list.is_empty() {
+        list.push(',');
+    }
+    list.push_str(a);
+    true
 }
 
 async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<(), sqlx::Error> {

@@ -184,10 +184,10 @@ impl Ingestor {
         };
         self.remember_node(&rec.job().node).await;
         // Only now, after the commit: a crash before this line re-reads the file as a duplicate.
-        if let Err(e) = std::fs::remove_file(path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!("accounting: ingested {} but cannot remove it: {e}; it will be skipped as a duplicate", path.display());
-            }
+        if let Err(e) = std::fs::remove_file(path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!("accounting: ingested {} but cannot remove it: {e}; it will be skipped as a duplicate", path.display());
         }
         Ok(outcome)
     }

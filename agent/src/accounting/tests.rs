@@ -250,7 +250,7 @@ async fn story_postgres() {
     story(store.clone()).await;
     store.close().await;
     if std::env::var("GPUHUB_TEST_KEEP_DB").as_deref() != Ok("1") {
-        sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await.unwrap();
+        sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await.unwrap();
     } else {
         eprintln!("kept database {name}");
     }

@@ -71,10 +71,19 @@ pub enum Command {
         /// How far back, e.g. 30d, 12h.
         #[arg(long, default_value = "30d", value_name = "DURATION")]
         since: String,
+        /// Group GPU-hours by.
+        #[arg(long, value_enum, default_value = "user")]
+        by: crate::accounting::UsageBy,
         /// Only this user (admins; users always see their own).
         #[arg(long, value_name = "USER")]
         user: Option<String>,
         /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One job's summary: GPUs, shards, GPU-seconds, and what NVML measured per GPU.
+    Job {
+        job_id: u32,
         #[arg(long)]
         json: bool,
     },
@@ -104,8 +113,9 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Names { cmd } => names::names(&cli.socket, cmd).await,
         Command::Roles { cmd, json } => names::roles(&cli.socket, cmd.unwrap_or(names::RolesCmd::List { json })).await,
         Command::Keys { cmd } => keys::run(&cli.socket, cmd).await,
-        Command::Usage { calls: true, since, user, json } => calls::run(&cli.socket, &since, user.as_deref(), json).await,
-        Command::Usage { calls: false, .. } => Err(anyhow::anyhow!("`gpuhub usage` needs --calls in this build (GPU-hours come with the accounting module)")),
+        Command::Usage { calls: true, since, user, json, .. } => calls::run(&cli.socket, &since, user.as_deref(), json).await,
+        Command::Usage { calls: false, since, by, json, .. } => crate::accounting::cli::usage(&cli.socket, &since, by, json).await,
+        Command::Job { job_id, json } => crate::accounting::cli::job(&cli.socket, job_id, json).await,
         Command::Doctor { json } => doctor::run(&cli.socket, json).await,
         Command::Backup { dir, keep } => backup(&cli.socket, dir, keep).await,
     };

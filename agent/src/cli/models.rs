@@ -130,6 +130,7 @@ async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use crate::cli::Cli;
     use clap::Parser;

@@ -214,6 +214,9 @@ async fn list(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
         })
         .unwrap_or_default();
     output::table(&["NAME", "STATE", "KIND", "SERVED BY", "REPLACEMENT", "SUNSET", "LAST CALL (UTC)", "CALLS"], &rows);
+    if let Some(n) = v["more_unknown"].as_u64().filter(|n| *n > 0) {
+        output::line(&format!("... and {n} more unknown names that clients called (older ones; see --json for the listed ones)"));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -226,13 +229,14 @@ async fn callers(socket: &Path, name: &str, since_s: i64, limit: usize, json: bo
     let r = &v["report"];
     let since = r["since_us"].as_i64().map(|u| crate::names::civil_from_days(u.div_euclid(86_400_000_000))).unwrap_or_default();
     output::line(&format!(
-        "`{}` ({}{}): {} calls ({} refused) from {} callers since {since}{}",
+        "`{}` ({}{}): {} calls ({} refused) from {} caller{} since {since}{}",
         crate::util::sanitize(name),
         s(&v["state"]),
         v["serves"].as_str().map(|m| format!(", served by `{m}`")).unwrap_or_default(),
         s(&r["calls"]),
         s(&r["refused"]),
         s(&r["total_callers"]),
+        if r["total_callers"].as_u64() == Some(1) { "" } else { "s" },
         if v["own_calls_only"].as_bool() == Some(true) { " (your calls only; admins see everyone's)" } else { "" },
     ));
     print_callers(r);

@@ -45,6 +45,23 @@ impl Default for WorkersConfig {
     }
 }
 
+impl WorkersConfig {
+    pub(super) fn validate(&self) -> Result<(), (String, String)> {
+        if self.host.trim().is_empty() {
+            return Err(("workers.host".into(), "must be an address workers bind, e.g. \"127.0.0.1\"".into()));
+        }
+        if let Some(v) = self.vram_gib
+            && !(v.is_finite() && v > 0.0)
+        {
+            return Err(("workers.vram_gib".into(), format!("{v} is not a positive number of GiB; remove it to use NVML's free memory")));
+        }
+        if self.max_restarts == 0 {
+            return Err(("workers.max_restarts".into(), "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
 /// GPUs or shards a worker needs (Slurm `--gres`).
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -186,10 +203,10 @@ pub(super) fn validate(models: &[ModelConfig], roles: &BTreeMap<String, String>,
         if !m.health_path.starts_with('/') {
             return Err((format!("{key}.health_path"), format!("`{}` must start with /", m.health_path)));
         }
-        if let Some(role) = &m.role {
-            if gpuhub_wire::snapshot::role_env_var(role).is_none() {
-                return Err((format!("{key}.role"), format!("role `{role}` must be letters, digits, - or _, starting with a letter")));
-            }
+        if let Some(role) = &m.role
+            && gpuhub_wire::snapshot::role_env_var(role).is_none()
+        {
+            return Err((format!("{key}.role"), format!("role `{role}` must be letters, digits, - or _, starting with a letter")));
         }
     }
     for (role, model) in roles {
@@ -204,11 +221,30 @@ pub(super) fn validate(models: &[ModelConfig], roles: &BTreeMap<String, String>,
         if seen.contains(&h.name) {
             return Err((format!("names.history[{i}].name"), format!("`{}` is also a current catalog name; a renamed name cannot be served twice", h.name)));
         }
-        if let Some(r) = &h.replacement {
-            if !seen.contains(r) {
-                return Err((format!("names.history[{i}].replacement"), format!("`{r}` is not a model in the catalog")));
-            }
+        if let Some(r) = &h.replacement
+            && !seen.contains(r)
+        {
+            return Err((format!("names.history[{i}].replacement"), format!("`{r}` is not a model in the catalog")));
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::config::Config;
+
+    #[test]
+    fn workers_and_worker_models_are_checked_with_key_paths() {
+        let e = Config::from_toml("[workers]\nvram_gib = -1").unwrap_err().to_string();
+        assert!(e.contains("workers.vram_gib") && e.contains("positive"), "{e}");
+        let e = Config::from_toml("[workers]\nvram_gb = 1").unwrap_err().to_string();
+        assert!(e.contains("unknown field `vram_gb`"), "{e}");
+        let ok = Config::from_toml("[workers]\nvram_gib = 80\n[[models]]\nname = \"m\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port}\"\n").unwrap();
+        assert_eq!(ok.file.workers.vram_gib, Some(80.0));
+        assert_eq!(ok.file.workers.host, "127.0.0.1", "workers listen on loopback by default");
+        let e = Config::from_toml("[[models]]\nname = \"m\"\nlauncher = \"local\"\ncommand = \"srv\"\n").unwrap_err().to_string();
+        assert!(e.contains("models[0].command") && e.contains("{port}"), "{e}");
+    }
 }

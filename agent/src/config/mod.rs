@@ -228,6 +228,7 @@ impl ConfigFile {
             return Err(invalid("accounting.shards_per_gpu", "must be at least 1 (the `Count=` of one GPU's shard line in gres.conf)".into()));
         }
         catalog::validate(&self.models, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
+        self.workers.validate().map_err(|(k, m)| invalid(&k, m))?;
 
         let store_url = match (self.store.url.clone(), env_store_url) {
             (Some(_), Some(_)) => {

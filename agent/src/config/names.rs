@@ -81,16 +81,16 @@ impl NamesConfig {
                 None => {}
             }
             for (k, d) in [("since", &h.since), ("sunset", &h.sunset)] {
-                if let Some(d) = d {
-                    if !is_date(d) || crate::names::days_from_civil(d).is_none() {
-                        return Err((format!("{key}.{k}"), format!("`{d}` is not a date; use YYYY-MM-DD")));
-                    }
+                if let Some(d) = d
+                    && (!is_date(d) || crate::names::days_from_civil(d).is_none())
+                {
+                    return Err((format!("{key}.{k}"), format!("`{d}` is not a date; use YYYY-MM-DD")));
                 }
             }
-            if let (Some(since), Some(sunset)) = (&h.since, &h.sunset) {
-                if sunset < since {
-                    return Err((format!("{key}.sunset"), format!("{sunset} is before since = {since}; a name stops being served after it was renamed")));
-                }
+            if let (Some(since), Some(sunset)) = (&h.since, &h.sunset)
+                && sunset < since
+            {
+                return Err((format!("{key}.sunset"), format!("{sunset} is before since = {since}; a name stops being served after it was renamed")));
             }
         }
         Ok(())

@@ -15,6 +15,7 @@ use crate::AppState;
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/whoami", get(whoami))
+        .merge(crate::accounting::api::routes())
         .route("/v1/env", get(env))
         .merge(crate::names::api::routes())
         .merge(crate::gateway::api::routes())

@@ -97,9 +97,12 @@ impl RequestMeta {
     }
 }
 
-/// A fresh request id (128 random bits, hex).
+/// A fresh request id: 32 hex digits, the arrival time in microseconds (14 digits) then 72
+/// random bits. Time first, so the usage log's primary key grows at its end (random keys
+/// scatter inserts over the whole index).
 pub fn new_request_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    let r: u128 = rand::random::<u128>() & ((1u128 << 72) - 1);
+    format!("{:014x}{:018x}", crate::util::now_us().max(0) as u64 & 0x00ff_ffff_ffff_ffff, r)
 }
 
 /// Microseconds since `t`.

@@ -12,6 +12,24 @@ use super::error::GatewayError;
 /// Longest model name accepted (catalog names are at most 128 characters).
 pub const MAX_MODEL_NAME: usize = 256;
 
+/// The routing fields of a JSON body; every other field is skipped without being stored.
+#[derive(serde::Deserialize)]
+struct Head {
+    model: Option<Value>,
+    stream: Option<Value>,
+    stream_options: Option<Value>,
+}
+
+impl Head {
+    fn get(&self, k: &str) -> Option<&Value> {
+        match k {
+            "model" => self.model.as_ref(),
+            "stream" => self.stream.as_ref(),
+            _ => self.stream_options.as_ref(),
+        }
+    }
+}
+
 /// What the gateway needs to know about a request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
@@ -34,10 +52,17 @@ pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Parsed, GatewayE
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Err(GatewayError::MissingModel);
     }
-    let value: Value = serde_json::from_slice(body).map_err(|e| GatewayError::MalformedJson(e.to_string()))?;
-    let Value::Object(map) = value else {
+    // serde_json does not check the UTF-8 of strings it skips; the whole body must be UTF-8.
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(GatewayError::MalformedJson(format!("invalid UTF-8 at byte {}", e.valid_up_to())));
+    }
+    // Only the routing fields are decoded; the rest is checked for syntax and skipped (the
+    // whole object is decoded only when the body must be rewritten, see `upstream_body`).
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        serde_json::from_slice::<serde::de::IgnoredAny>(body).map_err(|e| GatewayError::MalformedJson(e.to_string()))?;
         return Err(GatewayError::BadRequest("the request body must be a JSON object such as {\"model\": \"NAME\", ...}".into()));
-    };
+    }
+    let map: Head = serde_json::from_slice(body).map_err(|e| GatewayError::MalformedJson(e.to_string()))?;
     let model = match map.get("model") {
         None | Some(Value::Null) => return Err(GatewayError::MissingModel),
         Some(Value::String(s)) => check_name(s)?,
@@ -57,7 +82,7 @@ pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Parsed, GatewayE
         },
         Some(_) => return Err(GatewayError::WrongType { field: "stream_options", expected: "an object" }),
     };
-    Ok(Parsed { model, stream, client_wants_usage, json: Some(map), model_span: None })
+    Ok(Parsed { model, stream, client_wants_usage, json: None, model_span: None })
 }
 
 fn check_name(s: &str) -> Result<String, GatewayError> {
@@ -90,7 +115,13 @@ pub fn upstream_body(p: &Parsed, original: &[u8], model: &str) -> Option<Vec<u8>
     if !rename && !want_usage {
         return None;
     }
-    let mut map = p.json.clone()?;
+    let mut map = match &p.json {
+        Some(m) => m.clone(),
+        None => match serde_json::from_slice::<Value>(original).ok()? {
+            Value::Object(m) => m,
+            _ => return None,
+        },
+    };
     if rename {
         map.insert("model".into(), Value::String(model.to_string()));
     }
@@ -177,9 +208,12 @@ fn split<'a>(mut hay: &'a [u8], delim: &[u8]) -> Vec<&'a [u8]> {
 /// Token counts from an OpenAI `usage` object inside a JSON body or stream chunk; `None` if
 /// the body has no usage (cheap check first: most stream chunks carry none).
 pub fn usage_of(body: &[u8]) -> Option<(i64, i64)> {
+    #[derive(serde::Deserialize)]
+    struct WithUsage {
+        usage: Option<Map<String, Value>>,
+    }
     find(body, b"\"usage\"")?;
-    let v: Value = serde_json::from_slice(body).ok()?;
-    let u = v.get("usage")?.as_object()?;
+    let u = serde_json::from_slice::<WithUsage>(body).ok()?.usage?;
     let n = |k: &str| u.get(k).and_then(Value::as_i64).unwrap_or(0);
     // Embeddings report only prompt tokens; audio APIs may report input/output tokens.
     Some((n("prompt_tokens").max(n("input_tokens")), n("completion_tokens").max(n("output_tokens"))))
@@ -211,6 +245,8 @@ mod tests {
         assert_eq!(code(b"{\"model\": 3}"), "invalid_type");
         assert_eq!(code(b"{\"model\": \"m\", \"stream\": \"yes\"}"), "invalid_type");
         assert_eq!(code(b"[1]"), "invalid_request");
+        assert_eq!(code(b"{\"model\": \"m\", \"messages\": \"\xff\"}"), "invalid_json");
+        assert_eq!(code(b"{\"model\": \"m\", \"model\": \"n\"}"), "invalid_json");
         let long = format!("{{\"model\": \"{}\"}}", "x".repeat(300));
         assert_eq!(code(long.as_bytes()), "invalid_request");
     }

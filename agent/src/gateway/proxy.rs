@@ -36,6 +36,7 @@ impl Call {
     pub fn record(mut self, state: &AppState) {
         self.row.latency_us = us_since(self.started);
         self.row.overhead_us = (self.row.latency_us - self.wait_us - self.upstream_us).max(0);
+        state.names.count_row(&self.row);
         state.gateway.finish(self.row);
     }
 

@@ -101,8 +101,10 @@ pub struct UsageLog {
     writer: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
-/// Rows per transaction.
+/// Rows per transaction (a drain takes up to 8 of them).
 const BATCH: usize = 500;
+/// How long the writer lets rows gather after the first one of a batch.
+const LINGER: Duration = Duration::from_millis(50);
 /// How often the journal segment is rotated (and a partial batch written).
 const TICK: Duration = Duration::from_millis(250);
 const ROTATE_AFTER: Duration = Duration::from_secs(1);
@@ -319,11 +321,19 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
     let mut closing = false;
     loop {
         match tokio::time::timeout(TICK, rx.recv()).await {
-            Ok(Some(m)) => take(m, &mut batch, &mut waiters, &mut closing),
+            Ok(Some(m)) => {
+                let first_row = matches!(m, Msg::Row(_));
+                take(m, &mut batch, &mut waiters, &mut closing);
+                if first_row && !closing && waiters.is_empty() {
+                    // Let a batch gather: one transaction per LINGER instead of one per row
+                    // (and one wake-up instead of one per row).
+                    tokio::time::sleep(LINGER).await;
+                }
+            }
             Ok(None) => closing = true,
             Err(_) => {}
         }
-        while batch.len() < BATCH {
+        while batch.len() < BATCH * 8 {
             match rx.try_recv() {
                 Ok(m) => take(m, &mut batch, &mut waiters, &mut closing),
                 Err(_) => break,
@@ -335,7 +345,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
         }
         let rotate = {
             let seg = lock(&inner.segment);
-            seg.rows > 0 && (closing || !waiters.is_empty() || seg.opened.elapsed() >= ROTATE_AFTER)
+            closing || (seg.rows > 0 && (!waiters.is_empty() || seg.opened.elapsed() >= ROTATE_AFTER))
         };
         if rotate {
             let last = closing;

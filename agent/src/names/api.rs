@@ -40,6 +40,8 @@ pub fn routes() -> Router<AppState> {
 
 /// Most callers listed in one answer (the totals count them all).
 const MAX_CALLERS: usize = 1000;
+/// Most never-known names `list` shows (most recently called first).
+const MAX_UNKNOWN_LISTED: usize = 100;
 
 fn err(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({"error": message.into()}))).into_response()
@@ -56,10 +58,10 @@ fn lifecycle_err(e: LifecycleError) -> Response {
 }
 
 /// `since_s` (seconds back from now) -> the start of the UTC day it falls in.
-fn window_start(since_s: Option<i64>, default_days: u32) -> Result<i64, Response> {
+fn window_start(since_s: Option<i64>, default_days: u32) -> Result<i64, String> {
     let s = since_s.unwrap_or(i64::from(default_days) * 86_400);
     if s <= 0 || s > 3650 * 86_400 {
-        return Err(err(StatusCode::UNPROCESSABLE_ENTITY, format!("--since must be between 1s and 3650d (got {s}s)")));
+        return Err(format!("--since must be between 1s and 3650d (got {s}s)"));
     }
     Ok(day_of(crate::util::now_us() - s * 1_000_000))
 }
@@ -79,15 +81,19 @@ async fn list(State(state): State<AppState>) -> Response {
         v["last_call_us"] = json!(t.map(|t| t.last_us));
         out.push(v);
     }
-    // Names nobody configured but clients call: the 404s an admin must see.
-    for t in totals.iter().filter(|t| !entries.iter().any(|e| e.name == t.name)) {
+    // Names nobody configured but clients call: the 404s an admin must see (the most recent
+    // ones: client input is unbounded).
+    let mut unknown: Vec<_> = totals.iter().filter(|t| !entries.iter().any(|e| e.name == t.name)).collect();
+    unknown.sort_by_key(|t| std::cmp::Reverse(t.last_us));
+    let more_unknown = unknown.len().saturating_sub(MAX_UNKNOWN_LISTED);
+    for t in unknown.into_iter().take(MAX_UNKNOWN_LISTED) {
         out.push(json!({
             "name": t.name, "state": "unknown", "kind": "unknown", "serves": null, "replacement": null,
             "since": null, "sunset": null, "changed_by": null, "changed_us": null,
             "calls": t.calls, "refused": t.refused, "last_call_us": t.last_us,
         }));
     }
-    Json(json!({"names": out, "today": super::today()})).into_response()
+    Json(json!({"names": out, "today": super::today(), "more_unknown": more_unknown})).into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -101,7 +107,7 @@ struct CallersReq {
 async fn callers(State(state): State<AppState>, caller: Caller, Json(req): Json<CallersReq>) -> Response {
     let since_us = match window_start(req.since_s.or(Some(30 * 86_400)), 30) {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(m) => return err(StatusCode::UNPROCESSABLE_ENTITY, m),
     };
     let mut rows = match state.store.name_callers(&req.name, since_us).await {
         Ok(r) => r,
@@ -176,7 +182,7 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
     let inner = names.view();
     let since_us = match window_start(req.since_s, names.recent_caller_days().max(1)) {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(m) => return err(StatusCode::UNPROCESSABLE_ENTITY, m),
     };
     let report = match kind {
         Change::RoleSet | Change::RoleUnset => CallersReport::build(&req.name, since_us, Vec::new(), 0),
@@ -203,10 +209,10 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
     let refused = !plan.needs_force.is_empty() && !req.force;
     let applied = !req.dry_run && !refused;
     if applied {
-        if !plan.needs_force.is_empty() {
-            if let Some(h) = plan.history.first_mut() {
-                h.note = format!("forced: {}", plan.needs_force.join("; "));
-            }
+        if !plan.needs_force.is_empty()
+            && let Some(h) = plan.history.first_mut()
+        {
+            h.note = format!("forced: {}", plan.needs_force.join("; "));
         }
         if let Err(e) = state.store.apply_name_changes(&plan.ops, &plan.history).await {
             return store_err(e);
@@ -215,11 +221,11 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
             return store_err(e);
         }
         tracing::info!(action = plan.action, name = %plan.name, by = %caller.user, from = %plan.from_state, to = %plan.to_state, target = ?plan.to_target, "name registry changed");
-        if !plan.roles_changed.is_empty() {
-            if let Err(e) = crate::snapshot::write(&state) {
-                tracing::error!(error = %e, "cannot rewrite the snapshot after a role change");
-                plan.warnings.push(format!("the snapshot {} could not be rewritten ({e}); new jobs get the old roles until it is (restart the agent)", state.config.snapshot_path.display()));
-            }
+        if !plan.roles_changed.is_empty()
+            && let Err(e) = crate::snapshot::write(&state)
+        {
+            tracing::error!(error = %e, "cannot rewrite the snapshot after a role change");
+            plan.warnings.push(format!("the snapshot {} could not be rewritten ({e}); new jobs get the old roles until it is (restart the agent)", state.config.snapshot_path.display()));
         }
     }
     Json(json!({"applied": applied, "dry_run": req.dry_run, "refused": refused, "plan": plan, "callers": report})).into_response()

@@ -309,12 +309,12 @@ pub fn plan_rename(ctx: &Ctx<'_>, old: &str, new: &str, sunset: Option<&str>, ac
             }
         }
         Current::Registry(_) | Current::Model | Current::Alias { .. } => {
-            if let Some(old_model) = served_model(ctx.catalog, ctx.inner, old) {
-                if old_model != new_model {
-                    plan.needs_force.push(format!(
-                        "`{new}` already exists and serves model `{new_model}`, but `{old}` serves `{old_model}`: a rename keeps the model and changes its name; with --force, callers of `{old}` get `{new_model}` instead"
-                    ));
-                }
+            if let Some(old_model) = served_model(ctx.catalog, ctx.inner, old)
+                && old_model != new_model
+            {
+                plan.needs_force.push(format!(
+                    "`{new}` already exists and serves model `{new_model}`, but `{old}` serves `{old_model}`: a rename keeps the model and changes its name; with --force, callers of `{old}` get `{new_model}` instead"
+                ));
             }
         }
     }
@@ -421,10 +421,10 @@ pub fn plan_retire(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
             replacement.as_ref().map(|r| format!("`{r}`")).unwrap_or_else(|| "another model".into())
         ));
     }
-    if let Some(s) = &sunset {
-        if days_from_civil(s) > days_from_civil(ctx.today) {
-            plan.needs_force.push(format!("the announced sunset of `{name}` is {s}; retiring it before then breaks the promise its Sunset header made (--force to retire early)"));
-        }
+    if let Some(s) = &sunset
+        && days_from_civil(s) > days_from_civil(ctx.today)
+    {
+        plan.needs_force.push(format!("the announced sunset of `{name}` is {s}; retiring it before then breaks the promise its Sunset header made (--force to retire early)"));
     }
     if matches!(cur, Current::Model) {
         plan.warnings.push(format!("`{name}` is a catalog model's own name: the model stays configured but cannot be called as `{name}`"));

@@ -569,7 +569,6 @@ pub(crate) fn entries_in(catalog: &Catalog, inner: &Inner) -> Vec<NameEntry> {
         if model.is_none() {
             e.state = "unassigned";
         }
-        e.replacement = model.clone();
         out.insert(role.clone(), e);
     }
     for (name, rec) in &inner.names {
@@ -694,6 +693,24 @@ sunset = "2026-12-31"
         let r = registry();
         let msg = r.refusal("x\x1b[2J", &r.resolve("x\x1b[2J")).unwrap().message;
         assert!(!msg.contains('\x1b'), "{msg:?}");
+    }
+
+    #[test]
+    fn usage_rows_count_by_state_and_rows_without_a_name_do_not() {
+        let r = registry();
+        let row = |name: &str, state: &str| crate::gateway::usage_log::UsageRow {
+            user: "alice".into(),
+            app: "ocr-app".into(),
+            requested_name: name.into(),
+            name_state: state.into(),
+            ..Default::default()
+        };
+        r.count_row(&row("svc-ocr", "deprecated"));
+        r.count_row(&row("svc-ocr", "deprecated"));
+        r.count_row(&row("", ""));
+        r.count_row(&row("x", ""));
+        assert_eq!(r.metrics().calls("deprecated", "svc-ocr", "alice", "ocr-app"), 2);
+        assert_eq!(r.metrics().calls("", "x", "alice", "ocr-app"), 0);
     }
 
     #[test]

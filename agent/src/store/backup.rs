@@ -71,7 +71,7 @@ mod tests {
             let url = match store.backend() {
                 super::Backend::Sqlite => String::new(),
                 super::Backend::Postgres => {
-                    let row: (String,) = sqlx::query_as("SELECT current_database()").fetch_one(store.pool()).await.unwrap();
+                    let row: (String,) = sqlx::query_as("SELECT CAST(current_database() AS TEXT)").fetch_one(store.pool()).await.unwrap();
                     let base = std::env::var("GPUHUB_TEST_PG_URL").unwrap();
                     format!("{}/{}", base.rsplit_once('/').unwrap().0, row.0)
                 }

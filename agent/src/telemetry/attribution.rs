@@ -48,10 +48,10 @@ impl Attributor {
     pub fn attribute(&mut self, pid: u32) -> Option<JobRef> {
         let dir = self.proc_root.join(pid.to_string());
         let start = start_time(&dir)?;
-        if let Some((cached_start, job)) = self.cache.get(&pid) {
-            if *cached_start == start {
-                return job.clone();
-            }
+        if let Some((cached_start, job)) = self.cache.get(&pid)
+            && *cached_start == start
+        {
+            return job.clone();
         }
         let (env_job, env_seen) = from_environ(&dir);
         let job = env_job.or_else(|| from_cgroup(&dir));
@@ -148,6 +148,7 @@ pub fn user_name(uid: u32) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]

@@ -111,25 +111,25 @@ impl TelemetryConfig {
         if !(100..=600_000).contains(&self.slurm_timeout_ms) {
             bad("slurm_timeout_ms", format!("{} is out of range; use 100..=600000 (default 10000)", self.slurm_timeout_ms));
         }
-        if let Some(lib) = &self.nvml_library {
-            if !lib.is_absolute() {
-                bad("nvml_library", format!("{} is not an absolute path; give the full path or remove the key", lib.display()));
-            }
+        if let Some(lib) = &self.nvml_library
+            && !lib.is_absolute()
+        {
+            bad("nvml_library", format!("{} is not an absolute path; give the full path or remove the key", lib.display()));
         }
-        if let Some(dir) = &self.slurm_bin_dir {
-            if !dir.is_absolute() {
-                bad("slurm_bin_dir", format!("{} is not an absolute path; e.g. \"/usr/bin\"", dir.display()));
-            }
+        if let Some(dir) = &self.slurm_bin_dir
+            && !dir.is_absolute()
+        {
+            bad("slurm_bin_dir", format!("{} is not an absolute path; e.g. \"/usr/bin\"", dir.display()));
         }
-        if let Some(h) = &self.hostname {
-            if h.is_empty() || h.chars().any(|c| c.is_control() || c.is_whitespace()) {
-                bad("hostname", format!("{h:?} is not a host name; remove the key to use this machine's name"));
-            }
+        if let Some(h) = &self.hostname
+            && (h.is_empty() || h.chars().any(|c| c.is_control() || c.is_whitespace()))
+        {
+            bad("hostname", format!("{h:?} is not a host name; remove the key to use this machine's name"));
         }
-        if let Some(n) = &self.slurm_node_name {
-            if n.is_empty() || n.chars().any(|c| c.is_control() || c.is_whitespace() || c == ',') {
-                bad("slurm_node_name", format!("{n:?} is not a Slurm node name (e.g. \"gpu01\")"));
-            }
+        if let Some(n) = &self.slurm_node_name
+            && (n.is_empty() || n.chars().any(|c| c.is_control() || c.is_whitespace() || c == ','))
+        {
+            bad("slurm_node_name", format!("{n:?} is not a Slurm node name (e.g. \"gpu01\")"));
         }
         if self.job_stats_retention_s > 30 * 24 * 3600 {
             bad("job_stats_retention_s", format!("{} is longer than 30 days; accounting reads stats at job end", self.job_stats_retention_s));

@@ -10,6 +10,7 @@
 //! - energy: the GPU energy counter's delta since the previous sample, whole when the job is
 //!   alone, otherwise split by utilisation share (equal shares when all are idle). Processes
 //!   that belong to no job take their share too, so jobs are not charged for them.
+//!
 //! A counter that goes backwards (driver reload) contributes nothing for that interval.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -52,6 +53,7 @@ impl JobStatsStore {
         Self { retention, accs: HashMap::new() }
     }
 
+    #[allow(clippy::too_many_arguments)] // one flat call per (job, GPU) sample; a struct adds nothing
     fn record(&mut self, job: u32, uuid: &str, gpu_index: u32, util: f64, vram: u64, energy_j: f64, now: i64) {
         let key = (job, uuid.to_string());
         let acc = self.accs.entry(key).or_insert_with(|| Acc {

@@ -80,13 +80,18 @@ pub fn parse_squeue(text: &str) -> (Vec<SqueueJob>, Vec<ParseError>) {
             continue;
         }
         let (gpus, shards) = parse_gres_counts(f[6]);
+        // Slurm prints `(null)` for an unset field (the account without slurmdbd).
+        let field = |i: usize| match f[i].trim() {
+            "(null)" => String::new(),
+            v => v.to_string(),
+        };
         jobs.push(SqueueJob {
             job_id: if id.contains('[') { None } else { job_id },
-            state: f[1].trim().to_string(),
-            partition: f[2].trim().to_string(),
-            user: f[3].trim().to_string(),
-            account: f[4].trim().to_string(),
-            reason: f[5].trim().to_string(),
+            state: field(1),
+            partition: field(2),
+            user: field(3),
+            account: field(4),
+            reason: field(5),
             gpus,
             shards,
             nodes: f[7].trim().to_string(),
@@ -400,6 +405,7 @@ impl SlurmSampler {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -422,7 +428,7 @@ mod tests {
 12|RUNNING|gpu|alice|physics|None|gres:gpu:2|gpu01
 13|RUNNING|gpu|bob|bio|None|gres:shard:7|gpu01
 14|PENDING|gpu|bob|bio|Resources|gres:gpu:2|
-15_[1-3]|PENDING|cpu|carol|chem|Priority|N/A|
+15_[1-3]|PENDING|cpu|carol|(null)|Priority|N/A|
 garbage line
 x|RUNNING|gpu|a|b|None||gpu01
 ";
@@ -436,6 +442,7 @@ x|RUNNING|gpu|a|b|None||gpu01
         assert_eq!((jobs[1].gpus, jobs[1].shards), (0, 7));
         assert_eq!(jobs[2].reason, "Resources");
         assert_eq!(jobs[3].job_id, None);
+        assert_eq!(jobs[3].account, "", "(null) is no account");
     }
 
     #[test]

@@ -180,12 +180,12 @@ async fn guard(State(w): State<Shared>, req: Request, next: Next) -> Response {
         }
     }
     let n = w.calls.fetch_add(1, Ordering::AcqRel);
-    if let Some(limit) = w.args.crash_after {
-        if n >= limit {
-            w.crashing.store(true, Ordering::Release);
-            log(&format!("CRASH: simulated crash after {limit} calls (--crash-after)"));
-            std::process::exit(3);
-        }
+    if let Some(limit) = w.args.crash_after
+        && n >= limit
+    {
+        w.crashing.store(true, Ordering::Release);
+        log(&format!("CRASH: simulated crash after {limit} calls (--crash-after)"));
+        std::process::exit(3);
     }
     next.run(req).await
 }
@@ -212,6 +212,7 @@ fn now_s() -> u64 {
 }
 
 /// Parses the JSON body and checks `model`, with vLLM-like errors.
+#[allow(clippy::result_large_err)] // a test server: the error is the response to send
 fn parse(w: &Worker, body: &Bytes) -> Result<Value, Response> {
     let v: Value = serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_json", &format!("invalid JSON body: {e}")))?;
     let model = v.get("model").and_then(Value::as_str).unwrap_or("");
@@ -419,4 +420,18 @@ fn split_bytes<'a>(mut hay: &'a [u8], delim: &[u8]) -> Vec<&'a [u8]> {
     }
     out.push(hay);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent_and_stable() {
+        Args::command().debug_assert();
+        let a = Args::try_parse_from(["w", "--model", "m", "--version", "3", "--port", "0", "--api-key", "k", "--crash-after", "2"]).unwrap_or_else(|e| unreachable!("{e}"));
+        assert_eq!((a.model.as_str(), a.version.as_str(), a.port, a.crash_after), ("m", "3", 0, Some(2)));
+        assert!(Args::try_parse_from(["w"]).is_err(), "--model is required");
+    }
 }

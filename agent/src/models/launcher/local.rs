@@ -85,12 +85,10 @@ fn signal_group(pid: i32, sig: i32) {
 fn pid_alive(pid: &str) -> bool {
     let Ok(pid) = pid.parse::<i32>() else { return false };
     // Zombies count as gone.
-    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        if let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.trim_start()) {
-            if rest.starts_with('Z') {
-                return false;
-            }
-        }
+    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        && stat.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    {
+        return false;
     }
     // SAFETY: signal 0 only checks that the process exists.
     unsafe { libc::kill(pid, 0) == 0 }

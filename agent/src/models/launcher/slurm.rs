@@ -98,7 +98,7 @@ impl Slurm {
         let hb = spec.dir.join(HEARTBEAT_FILE);
         s.push_str(&format!("{} &\nW=$!\ntrap 'kill -TERM $W 2>/dev/null' TERM INT\n", spec.command));
         s.push_str(&format!(
-            "while kill -0 $W 2>/dev/null; do\n  sleep 1 & wait $!\n  age=$(( $(date +%s) - $(stat -c %Y \"{hb}\" 2>/dev/null || echo 0) ))\n  if [ \"$age\" -gt {orphan} ]; then\n    echo \"gpuhub: no agent heartbeat for ${{age}}s (more than {orphan}s); stopping the orphaned worker\" >&2\n    kill -TERM $W 2>/dev/null\n  fi\ndone\nwait $W\n",
+            "while kill -0 $W 2>/dev/null; do\n  sleep 1 & wait $!\n  age=$(( $(date +%s) - $(stat -c %Y \"{hb}\" 2>/dev/null || echo 0) ))\n  if [ \"$age\" -gt {orphan} ]; then\n    echo \"gpuhub: no agent heartbeat for ${{age}}s (more than {orphan}s); stopping the orphaned worker\" >&2\n    kill -TERM $W 2>/dev/null\n    break\n  fi\ndone\nwait $W\n",
             hb = hb.display(),
             orphan = spec.orphan_after_s,
         ));

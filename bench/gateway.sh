@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Gateway benchmark: wrk against a fast upstream (the repo's test worker) directly and through
+# the gateway, in one run, for plain and streaming chat calls. Prints, per mode:
+#   - added p50/p99 latency at ~RATE requests/s (wrk's delay() paces each connection),
+#   - the throughput ratio at saturation (gateway / direct),
+#   - the gateway's CPU-seconds per 1000 requests (utime+stime from /proc/<pid>/stat),
+# and the streamed-chunk forwarding delay (bench/gateway_chunks.py).
+#   bench/gateway.sh                 DURATION=10 RATE=2000 CONNS=20 by default
+# Needs: cargo build --release; wrk (apt). Results go to stdout; copy them to BENCHMARKS.md.
+set -euo pipefail
+source "$(dirname "$0")/../tests/lib/gateway.sh"
+command -v wrk >/dev/null || gw_fail "wrk not installed (apt-get install wrk)"
+DURATION="${DURATION:-10}"; RATE="${RATE:-2000}"; CONNS="${CONNS:-20}"
+gw_init
+gw_worker demo-chat
+gw_config
+gw_start
+KEY="$(gw_key bench wrk)"
+DIRECT="http://$GW_WORKER_ADDR"
+cat >"$GW_DIR/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.body = os.getenv("BODY")
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. os.getenv("AUTH")
+local d = tonumber(os.getenv("DELAY_MS") or "0")
+function delay() return d end
+LUA
+TICK="$(getconf CLK_TCK)"
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$GW_AGENT_PID/stat"; }
+to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n }'; }
+
+# run NAME URL AUTH BODY CONNS DELAY_MS -> sets P50 P99 RPS REQS
+run() {
+    local out
+    out="$(BODY="$4" AUTH="$3" DELAY_MS="$6" wrk -t2 -c"$5" -d"${DURATION}s" --latency -s "$GW_DIR/post.lua" "$2/v1/chat/completions")"
+    echo "$out" >"$GW_DIR/wrk-$1.txt"
+    P50="$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")"
+    P99="$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")"
+    RPS="$(echo "$out" | awk '/Requests\/sec/ {print $2}')"
+    REQS="$(echo "$out" | awk '/requests in/ {print $1}')"
+    local non2xx; non2xx="$(echo "$out" | awk '/Non-2xx/ {print $NF}')"
+    [ -z "$non2xx" ] || gw_fail "$1: $non2xx non-2xx answers (see $GW_DIR/wrk-$1.txt)"
+}
+
+echo "gateway benchmark: $(nproc) cores, wrk -t2, ${DURATION}s per run, paced runs: $CONNS connections at ~$RATE req/s"
+echo "upstream: gpuhub-test-worker at $DIRECT; gateway: $GW_URL (pid $GW_AGENT_PID)"
+DELAY=$(( CONNS * 1000 / RATE ))
+for mode in plain stream; do
+    if [ "$mode" = plain ]; then
+        BODY='{"model":"demo-chat","messages":[{"role":"user","content":"hello"}]}'
+    else
+        BODY='{"model":"demo-chat","stream":true,"messages":[{"role":"user","content":"hello"}]}'
+    fi
+    run "$mode-direct-paced" "$DIRECT" worker-key "$BODY" "$CONNS" "$DELAY"; D50=$P50; D99=$P99; DRPS=$RPS
+    C0="$(cpu_ticks)"
+    run "$mode-gateway-paced" "$GW_URL" "$KEY" "$BODY" "$CONNS" "$DELAY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
+    C1="$(cpu_ticks)"
+    run "$mode-direct-max" "$DIRECT" worker-key "$BODY" 32 0; DMAX=$RPS
+    run "$mode-gateway-max" "$GW_URL" "$KEY" "$BODY" 32 0; GMAX=$RPS
+    awk -v m="$mode" -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v drps="$DRPS" -v grps="$GRPS" \
+        -v dmax="$DMAX" -v gmax="$GMAX" -v c="$((C1 - C0))" -v tick="$TICK" -v reqs="$GREQS" 'BEGIN {
+        printf "%-6s paced: direct %.0f req/s p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", m, drps, d50, d99, grps, g50, g99, g50 - d50, g99 - d99
+        printf "%-6s max:   direct %.0f req/s, gateway %.0f req/s, ratio %.2f\n", m, dmax, gmax, gmax / dmax
+        printf "%-6s cpu:   gateway %.3f CPU-s per 1000 requests (%d ticks over %d paced requests)\n", m, (c / tick) / (reqs / 1000), c, reqs
+    }'
+done
+gw_stop
+# Streamed chunks: a worker that waits 100 ms between chunks (longer than a delayed ACK, so
+# the test worker's Nagle does not blur the numbers), read directly and through the gateway.
+kill "${GW_PIDS[0]}" 2>/dev/null || true
+gw_worker demo-chat --token-delay-ms 100
+gw_config
+gw_start
+KEY="$(gw_key bench chunks)"
+echo "stream chunk forwarding (worker sends a chunk every 100 ms): $(python3 "$GW_REPO/bench/gateway_chunks.py" "http://$GW_WORKER_ADDR" worker-key "$GW_URL" "$KEY" 15)"
+gw_stop
