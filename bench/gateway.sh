@@ -64,6 +64,13 @@ for mode in plain stream; do
         printf "%-6s cpu:   gateway %.3f CPU-s per 1000 requests (%d ticks over %d paced requests)\n", m, (c / tick) / (reqs / 1000), c, reqs
     }'
 done
+# The gateway's own account of its overhead (latency minus time waiting for the upstream), from
+# the usage rows of every call above.
+pct() { gw_rows "SELECT $1 FROM usage_log WHERE status = 200 AND streamed = $2 ORDER BY $1 LIMIT 1 OFFSET (SELECT COUNT(*) * $3 / 100 FROM usage_log WHERE status = 200 AND streamed = $2)"; }
+sleep 1
+for s in 0 1; do
+    echo "usage rows (streamed=$s): overhead_us p50 $(pct overhead_us $s 50) p99 $(pct overhead_us $s 99); upstream_ttfb_us p50 $(pct upstream_ttfb_us $s 50)"
+done
 gw_stop
 # Streamed chunks: a worker that waits 100 ms between chunks (longer than a delayed ACK, so
 # the test worker's Nagle does not blur the numbers), read directly and through the gateway.

@@ -30,7 +30,7 @@ export GPUHUB_TEST_PG_URL
 
 if [ "${GPUHUB_SKIP_CARGO:-0}" != 1 ]; then
     log "cargo test (SQLite and PostgreSQL)"
-    cargo test --release --workspace --locked || die "cargo test failed"
+    cargo test --release --workspace --locked --no-fail-fast || die "cargo test failed"
     log "plugin dependency contract"
     if cargo tree -p gpuhub-spank -e normal | grep -E 'tokio|axum|sqlx'; then
         die "the SPANK plugin must not depend on tokio, axum or sqlx"

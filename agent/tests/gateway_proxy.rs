@@ -195,6 +195,8 @@ async fn bad_input_gets_openai_shaped_errors() {
     assert_eq!((s, e["code"].as_str()), (404, Some("unknown_route")));
     let (s, _) = error_of(client().get(a.url("/v1/files")).bearer_auth(&key).send().await.unwrap()).await;
     assert_eq!(s, 404);
+    let (s, e) = error_of(client().delete(a.url("/v1/models")).bearer_auth(&key).send().await.unwrap()).await;
+    assert_eq!((s, e["code"].as_str()), (404, Some("unknown_route")));
     let (s, _) = error_of(client().get(a.url("/v2/whatever")).send().await.unwrap()).await;
     assert_eq!(s, 401);
     // A slow client: headers, then a body that never completes.
@@ -329,4 +331,29 @@ async fn shutdown_writes_every_row_and_leaves_no_journal() {
     assert_eq!(gateway_support::read_rows(&db).await.len(), 50);
     let journal: Vec<_> = std::fs::read_dir(dir.path().join("state/usage-journal")).unwrap().collect();
     assert!(journal.is_empty(), "{journal:?}");
+}
+
+#[tokio::test]
+async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
+    let worker = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
+    assert!(worker.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker`", worker.display());
+    let extra = format!(
+        "[gateway]\nkeepalive_s = 1\n[[models]]\nname = \"slowload\"\nlauncher = \"local\"\nload_timeout_s = 30\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key {{api_key}} --startup-delay-ms 2500\"\n",
+        worker.display()
+    );
+    let a = start(&extra).await;
+    let (key, _) = a.key("alice", "app", &[]).await;
+    let t = Instant::now();
+    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "slowload", "stream": true, "messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(r.status(), 200);
+    assert!(t.elapsed() < Duration::from_secs(2), "the stream must start (with comments) while the model loads");
+    let ev = events(r).await;
+    assert!(ev[0].starts_with(": gpuhub: model `slowload` is loading"), "{ev:?}");
+    assert!(ev.iter().filter(|e| e.starts_with(": gpuhub:")).count() >= 2, "{ev:?}");
+    assert!(ev.iter().any(|e| e.contains("\"content\":\"hi\"")), "{ev:?}");
+    assert_eq!(ev.last().unwrap(), "data: [DONE]");
+    let rows = a.rows(1).await;
+    assert!(rows[0]["completion_tokens"].as_i64().unwrap() > 0 && rows[0]["status"] == 200, "{rows:#?}");
+    assert!(rows[0]["latency_us"].as_i64().unwrap() - rows[0]["overhead_us"].as_i64().unwrap() >= 2_000_000, "loading time is not gateway overhead: {rows:#?}");
+    a.stop().await;
 }

@@ -200,11 +200,12 @@ resumed=0
 state=""
 deadline=$((SECONDS + TIMEOUT))
 while [ "$SECONDS" -lt "$deadline" ]; do
-    pid_alive /run/slurmctld.pid slurmctld || die "slurmctld exited (see /var/log/slurm/slurmctld.log)"
-    pid_alive /run/slurmd.pid slurmd || die "slurmd exited (see /var/log/slurm/slurmd.log)"
+    # A daemon writes its pid file a moment after it forks: fall back to the process table.
+    pid_alive /run/slurmctld.pid slurmctld || pgrep -x slurmctld >/dev/null || die "slurmctld exited (see /var/log/slurm/slurmctld.log)"
+    pid_alive /run/slurmd.pid slurmd || pgrep -x slurmd >/dev/null || die "slurmd exited (see /var/log/slurm/slurmd.log)"
     state="$(sinfo -h -n "$NODE" -o '%T' 2>/dev/null | head -n1 || true)"
     case "$state" in
-        idle|mixed|allocated) break ;;
+        idle|mixed|allocated|planned|completing) break ;;
         *drain*|down*)
             if [ "$resumed" = 0 ]; then
                 log "node is '$state' ($(sinfo -h -n "$NODE" -o '%E' | head -n1)); resuming it"
@@ -215,12 +216,20 @@ while [ "$SECONDS" -lt "$deadline" ]; do
     sleep 0.5
 done
 case "$state" in
-    idle|mixed|allocated) ;;
+    idle|mixed|allocated|planned|completing) ;;
     *) die "node $NODE is '${state:-unknown}' instead of idle after ${TIMEOUT}s (reason: $(sinfo -h -n "$NODE" -o '%E' 2>/dev/null | head -n1))" ;;
 esac
 
 # ---------------------------------------------------------------- agent
 if [ "$AGENT" = 1 ]; then
+    # A running agent from an older build or config is replaced: the lab runs what was just built.
+    if agent_running; then
+        apid="$(cat "$LAB_AGENT_PID")"
+        if readlink "/proc/$apid/exe" 2>/dev/null | grep -q '(deleted)' || [ "$LAB_AGENT_CONFIG" -nt "$LAB_AGENT_PID" ]; then
+            log "restarting gpuhub-agent (new binary or config)"
+            agent_stop
+        fi
+    fi
     agent_start "$TIMEOUT" || die "gpuhub-agent did not answer http://127.0.0.1:8400/healthz within ${TIMEOUT}s"
 else
     log "GPUHUB_LAB_AGENT=0: not starting gpuhub-agent"

@@ -47,11 +47,18 @@ lab_fail() {
 
 lab_require() {
     [ "$(id -u)" -eq 0 ] || { echo "FAIL: run as root" >&2; exit 1; }
-    local state
-    state="$(sinfo -h -n "$LAB_NODE" -o '%T' 2>/dev/null | head -n1 || true)"
+    local state="" i
+    # `completing` (a job's epilog still running) and the `+`/`*` suffixes are transient: wait.
+    for i in $(seq 40); do
+        state="$(sinfo -h -n "$LAB_NODE" -o '%T' 2>/dev/null | head -n1 || true)"
+        case "$state" in
+            idle|mixed|allocated|planned|completing) break ;;
+        esac
+        sleep 0.5
+    done
     case "$state" in
-        idle|mixed|allocated) ;;
-        *) echo "FAIL: the lab is not up (node $LAB_NODE is '${state:-unreachable}'); run tests/lab/up.sh" >&2; exit 1 ;;
+        idle|mixed|allocated|planned|completing) ;;
+        *) echo "FAIL: the lab is not up (node $LAB_NODE is '${state:-unreachable}' for 20 s); run tests/lab/up.sh" >&2; exit 1 ;;
     esac
     [ -f "$LAB_PLUGSTACK" ] || { echo "FAIL: $LAB_PLUGSTACK missing; run tests/lab/up.sh" >&2; exit 1; }
 }

@@ -25,11 +25,13 @@ pub async fn run(socket: &Path, since: &str, user: Option<&str>, json: bool) -> 
             a.iter()
                 .map(|c| {
                     let n = |k: &str| c[k].as_i64().unwrap_or(0).to_string();
+                    // "-": not known (e.g. a call refused before it named a user or model)
+                    let t = |k: &str| c[k].as_str().filter(|s| !s.is_empty()).unwrap_or("-").to_string();
                     vec![
-                        c["user"].as_str().unwrap_or("").to_string(),
-                        c["app"].as_str().unwrap_or("").to_string(),
-                        c["requested_name"].as_str().unwrap_or("").to_string(),
-                        c["model"].as_str().unwrap_or("").to_string(),
+                        t("user"),
+                        t("app"),
+                        t("requested_name"),
+                        t("model"),
                         n("calls"),
                         n("errors"),
                         n("prompt_tokens"),

@@ -57,10 +57,10 @@ impl GatewayConfig {
 
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         super::check_listen(&self.listen).map_err(|m| ("gateway.listen".to_string(), m))?;
-        if let Some(u) = &self.public_url {
-            if !(u.starts_with("http://") || u.starts_with("https://")) {
-                return Err(("gateway.public_url".into(), format!("`{u}` must start with http:// or https://")));
-            }
+        if let Some(u) = &self.public_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            return Err(("gateway.public_url".into(), format!("`{u}` must start with http:// or https://")));
         }
         if self.max_body_bytes < 1024 {
             return Err(("gateway.max_body_bytes".into(), "must be at least 1024".into()));

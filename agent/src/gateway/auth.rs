@@ -155,6 +155,7 @@ fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, Gatewa
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 

@@ -127,10 +127,10 @@ impl From<ModelError> for GatewayError {
 impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if let GatewayError::Overloaded { retry_after_s, .. } = &self {
-            if let Ok(v) = HeaderValue::from_str(&retry_after_s.max(&1).to_string()) {
-                resp.headers_mut().insert(header::RETRY_AFTER, v);
-            }
+        if let GatewayError::Overloaded { retry_after_s, .. } = &self
+            && let Ok(v) = HeaderValue::from_str(&retry_after_s.max(&1).to_string())
+        {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
         }
         if let GatewayError::Unauthenticated(_) = &self {
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -140,6 +140,7 @@ impl IntoResponse for GatewayError {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 

@@ -220,19 +220,23 @@ pub fn usage_of(body: &[u8]) -> Option<(i64, i64)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
     #[test]
     fn json_fields() {
-        let p = parse(Some("application/json"), br#"{"model":"m","stream":true}"#).unwrap();
+        let raw = br#"{"model":"m","stream":true,"messages":[{"content":"x"}]}"#;
+        let p = parse(Some("application/json"), raw).unwrap();
         assert_eq!((p.model.as_str(), p.stream, p.client_wants_usage), ("m", true, false));
-        let body: Value = serde_json::from_slice(&upstream_body(&p, b"", "m").unwrap()).unwrap();
+        let body: Value = serde_json::from_slice(&upstream_body(&p, raw, "m").unwrap()).unwrap();
         assert_eq!(body["stream_options"]["include_usage"], true);
-        let body: Value = serde_json::from_slice(&upstream_body(&p, b"", "new").unwrap()).unwrap();
+        assert_eq!(body["messages"][0]["content"], "x");
+        let body: Value = serde_json::from_slice(&upstream_body(&p, raw, "new").unwrap()).unwrap();
         assert_eq!(body["model"], "new");
-        let p = parse(None, br#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
-        assert!(p.client_wants_usage && upstream_body(&p, b"", "m").is_none());
+        let raw = br#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#;
+        let p = parse(None, raw).unwrap();
+        assert!(p.client_wants_usage && upstream_body(&p, raw, "m").is_none());
     }
 
     #[test]

@@ -21,8 +21,8 @@ use crate::AppState;
 /// The gateway's routes.
 pub fn router(state: AppState) -> Router {
     let authed = Router::new()
-        .route("/v1/models", get(models_list::list))
-        .route("/v1/models/{*name}", get(models_list::get))
+        .route("/v1/models", get(models_list::list).fallback(proxy::unknown_route))
+        .route("/v1/models/{*name}", get(models_list::get).fallback(proxy::unknown_route))
         .fallback(proxy::forward)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()

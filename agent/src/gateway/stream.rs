@@ -339,6 +339,7 @@ pub fn classify(event: &[u8], strip_usage: bool) -> Event {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 

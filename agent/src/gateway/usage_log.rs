@@ -72,7 +72,7 @@ pub struct UsageRow {
 }
 
 enum Msg {
-    Row(UsageRow),
+    Row(Box<UsageRow>),
     Flush(oneshot::Sender<()>),
     Close,
 }
@@ -164,7 +164,7 @@ impl UsageLog {
             None => false,
         };
         seg.rows += 1;
-        match self.tx.try_send(Msg::Row(row)) {
+        match self.tx.try_send(Msg::Row(Box::new(row))) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(Msg::Row(row))) | Err(mpsc::error::TrySendError::Closed(Msg::Row(row))) => {
                 seg.spilled = true;
@@ -192,10 +192,10 @@ impl UsageLog {
         *lock(&self.inner.close_requested) = Some(Instant::now());
         let _ = self.tx.send(Msg::Close).await;
         let handle = lock(&self.writer).take();
-        if let Some(h) = handle {
-            if let Err(e) = h.await {
-                tracing::error!(error = %e, "usage-log writer failed");
-            }
+        if let Some(h) = handle
+            && let Err(e) = h.await
+        {
+            tracing::error!(error = %e, "usage-log writer failed");
         }
     }
 }
@@ -363,7 +363,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
 
 fn take(m: Msg, batch: &mut Vec<UsageRow>, waiters: &mut Vec<oneshot::Sender<()>>, closing: &mut bool) {
     match m {
-        Msg::Row(r) => batch.push(r),
+        Msg::Row(r) => batch.push(*r),
         Msg::Flush(tx) => waiters.push(tx),
         Msg::Close => *closing = true,
     }
@@ -407,6 +407,7 @@ async fn rotate_segment(w: &mut Writer, rx: &mut mpsc::Receiver<Msg>, waiters: &
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
     use crate::store::testing;

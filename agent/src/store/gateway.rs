@@ -266,6 +266,7 @@ fn usage_insert_sql(rows: usize) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
     use crate::store::testing;

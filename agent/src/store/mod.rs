@@ -42,7 +42,7 @@ pub enum StoreError {
     Dir { path: String, source: std::io::Error },
     #[error("cannot open the store at {url}: {source} (check store.url and that the database is running)")]
     Connect { url: String, source: sqlx::Error },
-    #[error("store migration failed: {0} (a newer gpuhub may have migrated this database; upgrade the agent)")]
+    #[error("store migration failed: {}", explain_migrate(.0))]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("store query failed: {0}")]
     Query(#[from] sqlx::Error),
@@ -50,6 +50,18 @@ pub enum StoreError {
     NotFound(String),
     #[error("{0}")]
     Conflict(String),
+}
+
+/// Says what a migration failure means for an admin, and what to do.
+fn explain_migrate(e: &sqlx::migrate::MigrateError) -> String {
+    use sqlx::migrate::MigrateError as M;
+    match e {
+        M::VersionMissing(v) => format!("this database was migrated by a newer gpuhub (migration {v} is unknown to this agent); upgrade gpuhub-agent"),
+        M::VersionMismatch(v) => format!(
+            "migration {v} in this database differs from the one built into this agent (a development build changed an applied migration); restore a backup made with this version or start from an empty store"
+        ),
+        other => other.to_string(),
+    }
 }
 
 /// A cheap-to-clone handle to the store.
