@@ -31,6 +31,9 @@ export GPUHUB_TEST_PG_URL
 if [ "${GPUHUB_SKIP_CARGO:-0}" != 1 ]; then
     log "cargo test (SQLite and PostgreSQL)"
     cargo test --release --workspace --locked --no-fail-fast || die "cargo test failed"
+    log "cargo fmt --check, cargo clippy (lints deny unwrap/expect/panic/print outside tests)"
+    cargo fmt --all -- --check || die "cargo fmt --check: run cargo fmt --all"
+    cargo clippy --release --workspace --all-targets --locked -- -D warnings || die "cargo clippy reported problems"
     log "plugin dependency contract"
     if cargo tree -p gpuhub-spank -e normal | grep -E 'tokio|axum|sqlx'; then
         die "the SPANK plugin must not depend on tokio, axum or sqlx"

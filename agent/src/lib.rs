@@ -89,8 +89,9 @@ impl Listeners {
         let metrics = TcpListener::bind(&f.metrics.listen)
             .await
             .with_context(|| format!("cannot listen on metrics.listen = {} (in use? change metrics.listen)", f.metrics.listen))?;
-        let control = control::server::bind(&config.control_socket)
-            .with_context(|| format!("cannot create the control socket {} (set admin.socket or paths.runtime_dir)", config.control_socket.display()))?;
+        let control = control::server::bind(&config.control_socket).with_context(|| {
+            format!("cannot create the control socket {} (set admin.socket or paths.runtime_dir)", config.control_socket.display())
+        })?;
         Ok(Listeners { gateway, metrics, control })
     }
 }

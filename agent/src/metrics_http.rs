@@ -26,7 +26,10 @@ async fn metrics(State(registry): State<Arc<Registry>>, headers: axum::http::Hea
     if crate::telemetry::exposition::wants_openmetrics(accept) {
         ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body)
     } else {
-        ([(CONTENT_TYPE, crate::telemetry::exposition::PROMETHEUS_TEXT_CONTENT_TYPE)], crate::telemetry::exposition::to_prometheus_text(&body))
+        (
+            [(CONTENT_TYPE, crate::telemetry::exposition::PROMETHEUS_TEXT_CONTENT_TYPE)],
+            crate::telemetry::exposition::to_prometheus_text(&body),
+        )
     }
 }
 

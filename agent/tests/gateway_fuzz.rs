@@ -16,8 +16,41 @@ use gpuhub_agent::gateway::stream::{classify, event_end};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const INTERESTING: &[&[u8]] = &[b"\"", b"\\", b"{", b"}", b"[", b"]", b":", b",", b"null", b"true", b"\xff", b"\xc3", b"\x00", b"\r\n", b"\r\n\r\n", b"--XyZ", b"\"model\"", b"\"stream\"", b"data: ", b"[DONE]", b"\"usage\":{\"prompt_tokens\":1}", b"1e999", b"-0", b"\\ud800"];
-const CONTENT_TYPES: &[Option<&str>] = &[None, Some("application/json"), Some("multipart/form-data; boundary=XyZ"), Some("multipart/form-data; boundary=\"XyZ\""), Some("multipart/form-data"), Some("MULTIPART/FORM-DATA; BOUNDARY=XyZ"), Some("text/plain")];
+const INTERESTING: &[&[u8]] = &[
+    b"\"",
+    b"\\",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b":",
+    b",",
+    b"null",
+    b"true",
+    b"\xff",
+    b"\xc3",
+    b"\x00",
+    b"\r\n",
+    b"\r\n\r\n",
+    b"--XyZ",
+    b"\"model\"",
+    b"\"stream\"",
+    b"data: ",
+    b"[DONE]",
+    b"\"usage\":{\"prompt_tokens\":1}",
+    b"1e999",
+    b"-0",
+    b"\\ud800",
+];
+const CONTENT_TYPES: &[Option<&str>] = &[
+    None,
+    Some("application/json"),
+    Some("multipart/form-data; boundary=XyZ"),
+    Some("multipart/form-data; boundary=\"XyZ\""),
+    Some("multipart/form-data"),
+    Some("MULTIPART/FORM-DATA; BOUNDARY=XyZ"),
+    Some("text/plain"),
+];
 
 fn mutate(rng: &mut StdRng, seeds: &[Vec<u8>], input: &mut Vec<u8>) {
     for _ in 0..rng.gen_range(1..6) {
@@ -62,7 +95,8 @@ fn check(body: &[u8]) {
             Ok(p) => {
                 assert!(!p.model.is_empty() && p.model.len() <= MAX_MODEL_NAME, "accepted a bad model name {:?}", p.model);
                 if let Some(new) = upstream_body(&p, body, "renamed-model") {
-                    let again = parse(*ct, &new).unwrap_or_else(|e| panic!("rewritten body no longer parses ({e}): {:?}", String::from_utf8_lossy(&new)));
+                    let again = parse(*ct, &new)
+                        .unwrap_or_else(|e| panic!("rewritten body no longer parses ({e}): {:?}", String::from_utf8_lossy(&new)));
                     assert_eq!(again.model, "renamed-model", "content type {ct:?}, body {:?}", String::from_utf8_lossy(body));
                 }
             }
@@ -84,10 +118,14 @@ fn check(body: &[u8]) {
 #[test]
 fn fuzz_request_parsing() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/parse");
-    let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("seed corpus {}: {e}", dir.display())).map(|e| std::fs::read(e.unwrap().path()).unwrap()).collect();
+    let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("seed corpus {}: {e}", dir.display()))
+        .map(|e| std::fs::read(e.unwrap().path()).unwrap())
+        .collect();
     assert!(seeds.len() >= 5, "seed corpus too small");
     let iters: u64 = std::env::var("GPUHUB_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300_000);
-    let seed: u64 = std::env::var("GPUHUB_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| gpuhub_agent::util::now_us() as u64);
+    let seed: u64 =
+        std::env::var("GPUHUB_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| gpuhub_agent::util::now_us() as u64);
     println!("gateway fuzz: {iters} iterations, GPUHUB_FUZZ_SEED={seed}");
     let mut rng = StdRng::seed_from_u64(seed);
     let mut accepted = 0u64;

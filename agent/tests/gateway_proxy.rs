@@ -23,7 +23,10 @@ async fn error_of(r: reqwest::Response) -> (u16, Value) {
     let status = r.status().as_u16();
     let body: Value = r.json().await.unwrap_or_else(|e| panic!("status {status}: body is not JSON: {e}"));
     let err = body["error"].clone();
-    assert!(err["message"].is_string() && err.get("type").is_some() && err.get("param").is_some() && err.get("code").is_some(), "not OpenAI-shaped: {body}");
+    assert!(
+        err["message"].is_string() && err.get("type").is_some() && err.get("param").is_some() && err.get("code").is_some(),
+        "not OpenAI-shaped: {body}"
+    );
     (status, err)
 }
 
@@ -35,7 +38,14 @@ fn find<'a>(rows: &'a [Value], request_id: &str) -> &'a Value {
 async fn plain_call_is_forwarded_with_the_workers_key_and_leaves_one_row() {
     let a = start("").await;
     let (key, _) = a.key("alice", "ocr-service", &[]).await;
-    let r = client().post(a.url("/v1/chat/completions")).bearer_auth(&key).header("user-agent", "app/1.0").json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]})).send().await.unwrap();
+    let r = client()
+        .post(a.url("/v1/chat/completions"))
+        .bearer_auth(&key)
+        .header("user-agent", "app/1.0")
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let rid = r.headers()["x-request-id"].to_str().unwrap().to_string();
     let body: Value = r.json().await.unwrap();
@@ -47,8 +57,14 @@ async fn plain_call_is_forwarded_with_the_workers_key_and_leaves_one_row() {
     let row = find(&rows, &rid);
     assert_eq!((row["user_name"].as_str(), row["app"].as_str(), row["status"].as_i64()), (Some("alice"), Some("ocr-service"), Some(200)));
     assert_eq!((row["prompt_tokens"].as_i64(), row["completion_tokens"].as_i64()), (Some(5), Some(7)));
-    assert_eq!((row["requested_name"].as_str(), row["resolved_model"].as_str(), row["name_state"].as_str()), (Some("chat"), Some("chat"), Some("active")));
-    assert_eq!((row["route"].as_str(), row["user_agent"].as_str(), row["client_addr"].as_str()), (Some("/v1/chat/completions"), Some("app/1.0"), Some("127.0.0.1")));
+    assert_eq!(
+        (row["requested_name"].as_str(), row["resolved_model"].as_str(), row["name_state"].as_str()),
+        (Some("chat"), Some("chat"), Some("active"))
+    );
+    assert_eq!(
+        (row["route"].as_str(), row["user_agent"].as_str(), row["client_addr"].as_str()),
+        (Some("/v1/chat/completions"), Some("app/1.0"), Some("127.0.0.1"))
+    );
     assert_eq!(row["streamed"].as_i64(), Some(0));
     assert!(row["latency_us"].as_i64().unwrap() >= row["overhead_us"].as_i64().unwrap());
     assert!(row["upstream_ttfb_us"].as_i64().unwrap() > 0);
@@ -75,7 +91,10 @@ async fn deprecated_names_are_served_renamed_with_headers() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["echo"]["model"], "chat", "the worker must be asked for its own name");
     let rows = a.rows(1).await;
-    assert_eq!((rows[0]["requested_name"].as_str(), rows[0]["resolved_model"].as_str(), rows[0]["name_state"].as_str()), (Some("svc-chat"), Some("chat"), Some("deprecated")));
+    assert_eq!(
+        (rows[0]["requested_name"].as_str(), rows[0]["resolved_model"].as_str(), rows[0]["name_state"].as_str()),
+        (Some("svc-chat"), Some("chat"), Some("deprecated"))
+    );
     a.stop().await;
 }
 
@@ -99,9 +118,13 @@ async fn streams_pass_through_and_usage_is_captured_but_stripped_unless_asked() 
     let asked: Value = serde_json::from_slice(&a.upstream.seen.lock().unwrap().body).unwrap();
     assert_eq!(asked["stream_options"]["include_usage"], true, "the gateway asks the upstream for usage");
     let rows = a.rows(1).await;
-    assert_eq!((rows[0]["prompt_tokens"].as_i64(), rows[0]["completion_tokens"].as_i64(), rows[0]["streamed"].as_i64()), (Some(4), Some(3), Some(1)));
+    assert_eq!(
+        (rows[0]["prompt_tokens"].as_i64(), rows[0]["completion_tokens"].as_i64(), rows[0]["streamed"].as_i64()),
+        (Some(4), Some(3), Some(1))
+    );
 
-    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "chat", "stream": true, "stream_options": {"include_usage": true}})).await;
+    let r =
+        post(&a, &key, "/v1/chat/completions", json!({"model": "chat", "stream": true, "stream_options": {"include_usage": true}})).await;
     let ev = events(r).await;
     assert_eq!(ev.len(), 5, "{ev:?}");
     assert!(ev[3].contains("\"prompt_tokens\":4"), "{ev:?}");
@@ -155,7 +178,12 @@ async fn upstream_failures_name_the_model_and_what_happened() {
     assert_eq!(s, 502);
     let rows = a.rows(7).await;
     let codes: Vec<&str> = rows.iter().map(|r| r["error_code"].as_str().unwrap()).collect();
-    assert!(codes.contains(&"upstream_timeout") && codes.contains(&"bad_param") && codes.iter().filter(|c| **c == "upstream_error").count() == 5, "{codes:?}");
+    assert!(
+        codes.contains(&"upstream_timeout")
+            && codes.contains(&"bad_param")
+            && codes.iter().filter(|c| **c == "upstream_error").count() == 5,
+        "{codes:?}"
+    );
     a.stop().await;
 }
 
@@ -201,10 +229,13 @@ async fn bad_input_gets_openai_shaped_errors() {
     assert_eq!(s, 401);
     // A slow client: headers, then a body that never completes.
     let mut sock = tokio::net::TcpStream::connect(a.gateway).await.unwrap();
-    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"model\"");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"model\""
+    );
     sock.write_all(head.as_bytes()).await.unwrap();
     let mut buf = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await.expect("the gateway must time out a slow body").unwrap();
+    let n =
+        tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await.expect("the gateway must time out a slow body").unwrap();
     let text = String::from_utf8_lossy(&buf[..n]);
     assert!(text.starts_with("HTTP/1.1 408") && text.contains("request_timeout"), "{text}");
     a.stop().await;
@@ -219,7 +250,8 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     assert_eq!((s, e["code"].as_str()), (401, Some("invalid_api_key")));
     let (s, _) = error_of(post(&a, "ghk_0000", "/v1/chat/completions", body.clone()).await).await;
     assert_eq!(s, 401);
-    let (s, e) = error_of(client().post(a.url("/v1/chat/completions")).header("x-forwarded-user", "root").json(&body).send().await.unwrap()).await;
+    let (s, e) =
+        error_of(client().post(a.url("/v1/chat/completions")).header("x-forwarded-user", "root").json(&body).send().await.unwrap()).await;
     assert_eq!(s, 401);
     assert!(e["message"].as_str().unwrap().contains("only accepted from the site's proxy"), "{e}");
     // The same header from the trusted proxy address.
@@ -241,7 +273,8 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     assert_eq!(models["data"].as_array().unwrap().len(), 1);
     // Job tokens, minted with the node's key like the SPANK plugin does.
     let job_key = std::fs::read_to_string(a.dir.path().join("state/job-token.key")).unwrap();
-    let claims = gpuhub_wire::token::JobClaims { uid: 1000, user: "frank".into(), job_id: 4242, expires: gpuhub_agent::util::now_s() + 600 };
+    let claims =
+        gpuhub_wire::token::JobClaims { uid: 1000, user: "frank".into(), job_id: 4242, expires: gpuhub_agent::util::now_s() + 600 };
     let token = gpuhub_wire::token::mint(job_key.trim().as_bytes(), &claims).unwrap();
     assert_eq!(post(&a, &token, "/v1/chat/completions", body.clone()).await.status(), 200);
     let forged = token.replace(".4242.", ".4243.");
@@ -281,7 +314,9 @@ async fn overload_gets_429_with_retry_after_and_metrics_count_everything() {
         let m = a.scrape().await;
         let ok = m.contains("gpuhub_gateway_unknown_model_requests_total{name=\"nosuch-model\"} 1")
             && m.contains("gpuhub_gateway_requests_total{model=\"chat\",requested=\"chat\",user=\"alice\",app=\"app\"} 1")
-            && m.contains("gpuhub_gateway_errors_total{model=\"one\",requested=\"one\",user=\"alice\",app=\"app\",code=\"model_overloaded\"} 1")
+            && m.contains(
+                "gpuhub_gateway_errors_total{model=\"one\",requested=\"one\",user=\"alice\",app=\"app\",code=\"model_overloaded\"} 1",
+            )
             && m.contains("gpuhub_gateway_tokens_total{model=\"chat\",user=\"alice\",app=\"app\",kind=\"completion\"} 7")
             && m.contains("gpuhub_gateway_request_duration_seconds_bucket")
             && m.contains("gpuhub_gateway_overhead_seconds_bucket")
@@ -306,15 +341,31 @@ async fn multipart_uploads_are_routed_by_their_model_field() {
     let a = start("").await;
     let (key, _) = a.key("alice", "asr", &[]).await;
     let mut body = Vec::new();
-    body.extend_from_slice(b"--BOUND\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n");
+    body.extend_from_slice(
+        b"--BOUND\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n",
+    );
     body.extend_from_slice(&[0u8, 159, 146, 150, 13, 10, 45, 45]); // binary, even "\r\n--"
     body.extend_from_slice(b"\r\n--BOUND\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nsvc-chat\r\n--BOUND--\r\n");
-    let r = client().post(a.url("/v1/audio/transcriptions")).bearer_auth(&key).header("content-type", "multipart/form-data; boundary=BOUND").body(body.clone()).send().await.unwrap();
+    let r = client()
+        .post(a.url("/v1/audio/transcriptions"))
+        .bearer_auth(&key)
+        .header("content-type", "multipart/form-data; boundary=BOUND")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let seen = a.upstream.seen.lock().unwrap().clone();
     assert!(String::from_utf8_lossy(&seen.body).contains("\r\n\r\nchat\r\n--BOUND--"), "renamed to the model's own name");
     assert_eq!(seen.body.len(), body.len() - 4);
-    let r = client().post(a.url("/v1/audio/transcriptions")).bearer_auth(&key).header("content-type", "multipart/form-data; boundary=BOUND").body(&b"--BOUND\r\n\r\n--BOUND--"[..]).send().await.unwrap();
+    let r = client()
+        .post(a.url("/v1/audio/transcriptions"))
+        .bearer_auth(&key)
+        .header("content-type", "multipart/form-data; boundary=BOUND")
+        .body(&b"--BOUND\r\n\r\n--BOUND--"[..])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(error_of(r).await.1["code"], "missing_model");
     a.stop().await;
 }
@@ -344,7 +395,13 @@ async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
     let a = start(&extra).await;
     let (key, _) = a.key("alice", "app", &[]).await;
     let t = Instant::now();
-    let r = post(&a, &key, "/v1/chat/completions", json!({"model": "slowload", "stream": true, "messages": [{"role": "user", "content": "hi"}]})).await;
+    let r = post(
+        &a,
+        &key,
+        "/v1/chat/completions",
+        json!({"model": "slowload", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     assert!(t.elapsed() < Duration::from_secs(2), "the stream must start (with comments) while the model loads");
     let ev = events(r).await;
@@ -354,6 +411,9 @@ async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
     assert_eq!(ev.last().unwrap(), "data: [DONE]");
     let rows = a.rows(1).await;
     assert!(rows[0]["completion_tokens"].as_i64().unwrap() > 0 && rows[0]["status"] == 200, "{rows:#?}");
-    assert!(rows[0]["latency_us"].as_i64().unwrap() - rows[0]["overhead_us"].as_i64().unwrap() >= 2_000_000, "loading time is not gateway overhead: {rows:#?}");
+    assert!(
+        rows[0]["latency_us"].as_i64().unwrap() - rows[0]["overhead_us"].as_i64().unwrap() >= 2_000_000,
+        "loading time is not gateway overhead: {rows:#?}"
+    );
     a.stop().await;
 }

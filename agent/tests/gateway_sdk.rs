@@ -105,7 +105,13 @@ async fn stock_openai_sdk_works_unchanged() {
     let (key, _) = a.key("alice", "sdk-test", &[]).await;
     let script = a.dir.path().join("sdk.py");
     std::fs::write(&script, SDK_SCRIPT).unwrap();
-    let out = tokio::process::Command::new(&python).arg(&script).env("GW", format!("http://{}", a.gateway)).env("KEY", &key).output().await.unwrap();
+    let out = tokio::process::Command::new(&python)
+        .arg(&script)
+        .env("GW", format!("http://{}", a.gateway))
+        .env("KEY", &key)
+        .output()
+        .await
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && stdout.contains("SDK OK"), "python {} failed ({}):\n{stdout}\n{stderr}", script.display(), out.status);

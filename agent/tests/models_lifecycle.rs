@@ -49,7 +49,14 @@ impl Env {
         let mut registry = Registry::default();
         let (token, tasks) = (CancellationToken::new(), TaskTracker::new());
         let catalog = Arc::new(Catalog::from_config(&config.file));
-        let deps = ManagerDeps { config: &config, store: Some(self.store.clone()), registry: &mut registry, gpus: Box::new(Vec::new), tasks: tasks.clone(), shutdown: token.clone() };
+        let deps = ManagerDeps {
+            config: &config,
+            store: Some(self.store.clone()),
+            registry: &mut registry,
+            gpus: Box::new(Vec::new),
+            tasks: tasks.clone(),
+            shutdown: token.clone(),
+        };
         let m = ModelManager::start(catalog, deps).await;
         (m, registry, token, tasks)
     }
@@ -92,11 +99,13 @@ async fn fifty_first_calls_start_one_worker_that_answers_with_its_own_key() {
     let env = Env::new().await;
     let (m, reg, _t, _tasks) = env.manager("", &env.model("a", "--startup-delay-ms 300", "")).await;
     let m = Arc::new(m);
-    let calls: Vec<_> = (0..50).map(|_| {
-        let m = m.clone();
-        // Each call ends right away (max_concurrency 16 < 50: held leases would queue the rest).
-        tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
-    }).collect();
+    let calls: Vec<_> = (0..50)
+        .map(|_| {
+            let m = m.clone();
+            // Each call ends right away (max_concurrency 16 < 50: held leases would queue the rest).
+            tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
+        })
+        .collect();
     let mut urls = std::collections::BTreeSet::new();
     for c in calls {
         urls.insert(c.await.unwrap().expect("every first call gets the model"));
@@ -127,7 +136,11 @@ async fn readiness_is_noticed_within_a_few_ms_of_the_worker_listening() {
     let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--startup-delay-ms 400", "")).await;
     let lease = m.acquire("a").await.unwrap();
     let got_us = gpuhub_agent::util::now_us();
-    let log = std::fs::read_dir(env.dir.path().join("workers")).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|x| x == "log")).unwrap();
+    let log = std::fs::read_dir(env.dir.path().join("workers"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "log"))
+        .unwrap();
     let text = std::fs::read_to_string(&log).unwrap();
     let line = text.lines().find(|l| l.contains("listening on") && l.contains("at_us=")).expect("worker logged its address");
     let listen_us: i64 = line.split("at_us=").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
@@ -143,15 +156,17 @@ async fn a_full_queue_gets_overloaded_with_retry_after_and_other_models_are_not_
     let models = env.model("slow", "--startup-delay-ms 1500", "max_concurrency = 1\nqueue_len = 2") + &env.model("fast", "", "");
     let (m, _reg, _t, _tasks) = env.manager("", &models).await;
     let m = Arc::new(m);
-    let calls: Vec<_> = (0..5).map(|_| {
-        let m = m.clone();
-        tokio::spawn(async move {
-            let lease = m.acquire("slow").await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            drop(lease);
-            Ok::<(), ModelError>(())
+    let calls: Vec<_> = (0..5)
+        .map(|_| {
+            let m = m.clone();
+            tokio::spawn(async move {
+                let lease = m.acquire("slow").await?;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                drop(lease);
+                Ok::<(), ModelError>(())
+            })
         })
-    }).collect();
+        .collect();
     // While `slow` loads, `fast` loads and answers.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t = Instant::now();
@@ -204,20 +219,36 @@ async fn a_crash_restarts_on_the_next_call_and_repeated_crashes_surface_as_faile
     let lease = m.acquire("a").await.unwrap();
     let key = lease.api_key.clone();
     let first = m.status("a").unwrap().worker_id.unwrap();
-    assert!(reqwest::Client::new().post(format!("{}/v1/chat/completions", lease.base_url)).bearer_auth(key.unwrap()).json(&serde_json::json!({"model": "a"})).send().await.is_err(), "the in-flight call gets an error");
+    assert!(
+        reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", lease.base_url))
+            .bearer_auth(key.unwrap())
+            .json(&serde_json::json!({"model": "a"}))
+            .send()
+            .await
+            .is_err(),
+        "the in-flight call gets an error"
+    );
     drop(lease);
     wait_state(&m, "a", "unloaded", Duration::from_secs(3)).await;
     assert!(m.status("a").unwrap().detail.unwrap().contains("crashed"));
     let lease = m.acquire("a").await.unwrap();
     assert_ne!(m.status("a").unwrap().worker_id.unwrap(), first, "restarted");
-    let crash = reqwest::Client::new().post(format!("{}/v1/chat/completions", lease.base_url)).bearer_auth(lease.api_key.clone().unwrap()).json(&serde_json::json!({"model": "a"})).send().await;
+    let crash = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", lease.base_url))
+        .bearer_auth(lease.api_key.clone().unwrap())
+        .json(&serde_json::json!({"model": "a"}))
+        .send()
+        .await;
     assert!(crash.is_err(), "the restarted worker crashes on its first call too");
     drop(lease);
     wait_state(&m, "a", "failed", Duration::from_secs(3)).await;
     let st = m.status("a").unwrap();
     assert!(st.log_tail.iter().any(|l| l.contains("CRASH")), "failed shows the log: {:?}", st.log_tail);
     match m.acquire("a").await {
-        Err(ModelError::Unavailable { reason, .. }) => assert!(reason.contains("crashed 2 times") && reason.contains("retries in"), "{reason}"),
+        Err(ModelError::Unavailable { reason, .. }) => {
+            assert!(reason.contains("crashed 2 times") && reason.contains("retries in"), "{reason}")
+        }
         other => panic!("expected a back-off refusal, got {other:?}"),
     }
     assert!(metrics_text(&reg).contains(r#"gpuhub_model_state{model="a",state="failed"} 1"#));
@@ -254,7 +285,10 @@ async fn a_worker_that_never_gets_healthy_times_out_and_is_stopped() {
 async fn placement_evicts_idle_models_lru_first_then_refuses_naming_the_holder() {
     let env = Env::new().await;
     let vram = |g: f64| format!("resources = {{ vram_gib = {g} }}");
-    let models = env.model("a", "", &vram(4.0)) + &env.model("b", "", &vram(4.0)) + &env.model("c", "", &vram(5.0)) + &env.model("big", "", &vram(9.0));
+    let models = env.model("a", "", &vram(4.0))
+        + &env.model("b", "", &vram(4.0))
+        + &env.model("c", "", &vram(5.0))
+        + &env.model("big", "", &vram(9.0));
     let (m, reg, _t, _tasks) = env.manager("vram_gib = 10", &models).await;
     drop(m.acquire("a").await.unwrap());
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -297,7 +331,11 @@ async fn a_restarted_agent_adopts_running_workers_instead_of_starting_new_ones()
     let (m2, _reg, _t, _tasks) = env.manager("", &model).await;
     assert_ne!(m2.status("a").unwrap().state, "unloaded", "adoption is decided before the first call");
     let lease = m2.acquire("a").await.unwrap();
-    assert_eq!((lease.base_url.as_str(), m2.status("a").unwrap().worker_id.unwrap()), (url.as_str(), pid.clone()), "the same worker, adopted");
+    assert_eq!(
+        (lease.base_url.as_str(), m2.status("a").unwrap().worker_id.unwrap()),
+        (url.as_str(), pid.clone()),
+        "the same worker, adopted"
+    );
     assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200, "the adopted worker's key was remembered");
     drop(lease);
     m2.unload("a", "test over").await.unwrap();

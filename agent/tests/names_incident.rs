@@ -24,13 +24,19 @@ async fn upstream() -> SocketAddr {
         post(|Json(body): Json<Value>| async move {
             if body["model"] != "dots.ocr" {
                 let msg = format!("The model `{}` does not exist (this worker serves `dots.ocr`).", body["model"].as_str().unwrap_or("?"));
-                return (axum::http::StatusCode::NOT_FOUND, Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": "model_not_found"}})));
+                return (
+                    axum::http::StatusCode::NOT_FOUND,
+                    Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": "model_not_found"}})),
+                );
             }
-            (axum::http::StatusCode::OK, Json(json!({
-                "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ocr text"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-            })))
+            (
+                axum::http::StatusCode::OK,
+                Json(json!({
+                    "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ocr text"}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+                })),
+            )
         }),
     );
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -159,7 +165,8 @@ fn series(text: &str, state: &str, name: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_incident_replayed_through_the_gateway() {
     let agent = Agent::start("").await;
-    let key = agent.api("POST", "/v1/keys", Some(json!({"user": "alice", "app": "ocr-app"}))).await.unwrap()["key"].as_str().unwrap().to_string();
+    let key =
+        agent.api("POST", "/v1/keys", Some(json!({"user": "alice", "app": "ocr-app"}))).await.unwrap()["key"].as_str().unwrap().to_string();
 
     // 1. Before: the app calls svc-ocr, an active alias; jobs get OCR_MODEL=svc-ocr.
     let (status, headers, body) = call(agent.gateway, &key, "svc-ocr").await;
@@ -170,7 +177,10 @@ async fn the_incident_replayed_through_the_gateway() {
     // 2. Preflight: a dry run names the app and its user and changes nothing.
     agent.callers_at_least("svc-ocr", 1).await;
     let sunset = date_in(30);
-    let dry = agent.api("POST", "/v1/names/rename", Some(json!({"name": "svc-ocr", "to": "dots.ocr", "sunset": sunset, "dry_run": true}))).await.unwrap();
+    let dry = agent
+        .api("POST", "/v1/names/rename", Some(json!({"name": "svc-ocr", "to": "dots.ocr", "sunset": sunset, "dry_run": true})))
+        .await
+        .unwrap();
     assert_eq!((dry["applied"].as_bool(), dry["refused"].as_bool()), (Some(false), Some(false)), "{dry}");
     assert_eq!(dry["callers"]["users"], json!(["alice"]), "{dry}");
     assert_eq!(dry["callers"]["apps"], json!(["ocr-app"]), "{dry}");
@@ -194,7 +204,11 @@ async fn the_incident_replayed_through_the_gateway() {
     // 4. Who still calls the old name: the app and its user, with the user agent.
     let callers = agent.callers_at_least("svc-ocr", 3).await;
     let first = &callers["report"]["callers"][0];
-    assert_eq!((first["user_name"].as_str(), first["app"].as_str(), first["user_agent"].as_str()), (Some("alice"), Some("ocr-app"), Some("ocr-app/1.0")), "{callers}");
+    assert_eq!(
+        (first["user_name"].as_str(), first["app"].as_str(), first["user_agent"].as_str()),
+        (Some("alice"), Some("ocr-app"), Some("ocr-app/1.0")),
+        "{callers}"
+    );
     assert_eq!(callers["state"], "deprecated");
 
     // 5. Retiring is refused while the app calls (and before the sunset), then forced.
@@ -211,7 +225,11 @@ async fn the_incident_replayed_through_the_gateway() {
     assert_eq!(status, 404, "{body}");
     assert_eq!(body["error"]["code"], "model_not_found", "{body}");
     let today = gpuhub_agent::names::today();
-    assert_eq!(body["error"]["message"], format!("model `svc-ocr` was renamed to `dots.ocr` on {today}; set OCR_MODEL or use `dots.ocr`"), "{body}");
+    assert_eq!(
+        body["error"]["message"],
+        format!("model `svc-ocr` was renamed to `dots.ocr` on {today}; set OCR_MODEL or use `dots.ocr`"),
+        "{body}"
+    );
     let (status, _, _) = call(agent.gateway, &key, "dots.ocr").await;
     assert_eq!(status, 200);
 
@@ -233,12 +251,19 @@ async fn the_incident_replayed_through_the_gateway() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_step_shows_in_the_name_metrics() {
     let agent = Agent::start("").await;
-    let key = agent.api("POST", "/v1/keys", Some(json!({"user": "alice", "app": "ocr-app"}))).await.unwrap()["key"].as_str().unwrap().to_string();
+    let key =
+        agent.api("POST", "/v1/keys", Some(json!({"user": "alice", "app": "ocr-app"}))).await.unwrap()["key"].as_str().unwrap().to_string();
     assert_eq!(call(agent.gateway, &key, "svc-ocr").await.0, 200);
     let r = agent.api("POST", "/v1/names/rename", Some(json!({"name": "svc-ocr", "to": "dots.ocr", "sunset": date_in(30)}))).await.unwrap();
     assert_eq!(r["applied"], true, "{r}");
     let text = agent.metrics_text().await;
-    assert!(text.contains(&format!("gpuhub_name_sunset_timestamp_seconds{{name=\"svc-ocr\",replacement=\"dots.ocr\"}} {}", gpuhub_agent::names::days_from_civil(&date_in(30)).unwrap() * 86_400)), "{text}");
+    assert!(
+        text.contains(&format!(
+            "gpuhub_name_sunset_timestamp_seconds{{name=\"svc-ocr\",replacement=\"dots.ocr\"}} {}",
+            gpuhub_agent::names::days_from_civil(&date_in(30)).unwrap() * 86_400
+        )),
+        "{text}"
+    );
     assert_eq!(call(agent.gateway, &key, "svc-ocr").await.0, 200);
     agent.api("POST", "/v1/names/retire", Some(json!({"name": "svc-ocr", "force": true}))).await.unwrap();
     assert_eq!(call(agent.gateway, &key, "svc-ocr").await.0, 404);
@@ -246,7 +271,8 @@ async fn every_step_shows_in_the_name_metrics() {
     assert_eq!(call(agent.gateway, &key, "tts").await.0, 503);
     let text = agent.metrics_text().await;
     assert!(!text.contains("gpuhub_name_sunset_timestamp_seconds{name=\"svc-ocr\""), "a retired name keeps no sunset series");
-    let got = [("active", "svc-ocr"), ("deprecated", "svc-ocr"), ("retired", "svc-ocr"), ("unknown", "svc-ocrr"), ("unassigned", "tts")].map(|(st, n)| series(&text, st, n));
+    let got = [("active", "svc-ocr"), ("deprecated", "svc-ocr"), ("retired", "svc-ocr"), ("unknown", "svc-ocrr"), ("unassigned", "tts")]
+        .map(|(st, n)| series(&text, st, n));
     assert_eq!(
         got,
         [1, 1, 1, 1, 1],
@@ -279,15 +305,29 @@ async fn bad_input_is_refused_with_a_clear_message() {
     expect_err(agent.api("POST", "/v1/names/rename", Some(rename("svc ocr", "dots.ocr", None))).await, 422, "contains a space");
     expect_err(agent.api("POST", "/v1/names/rename", Some(rename("dots.ocr", "dоts.ocr", None))).await, 422, "not ASCII");
     // A sunset in the past, and a date that is not one.
-    expect_err(agent.api("POST", "/v1/names/rename", Some(rename("demo-chat", "dots.ocr", Some("2020-01-01")))).await, 422, "not in the future");
-    expect_err(agent.api("POST", "/v1/names/deprecate", Some(json!({"name": "svc-ocr", "sunset": "31/12/2026"}))).await, 422, "use YYYY-MM-DD");
+    expect_err(
+        agent.api("POST", "/v1/names/rename", Some(rename("demo-chat", "dots.ocr", Some("2020-01-01")))).await,
+        422,
+        "not in the future",
+    );
+    expect_err(
+        agent.api("POST", "/v1/names/deprecate", Some(json!({"name": "svc-ocr", "sunset": "31/12/2026"}))).await,
+        422,
+        "use YYYY-MM-DD",
+    );
     // Unknown names get "did you mean".
     expect_err(agent.api("POST", "/v1/names/retire", Some(json!({"name": "dots-ocr"}))).await, 404, "did you mean `dots.ocr`");
     // Roles: only served, current names.
     expect_err(agent.api("POST", "/v1/roles/set", Some(json!({"name": "ocr", "to": "svc-ocr"}))).await, 422, "assign `dots.ocr`");
     // Nothing above changed the registry except the one rename.
     let hist = agent.api("POST", "/v1/names/history", Some(json!({}))).await.unwrap();
-    let changes: Vec<_> = hist["history"].as_array().unwrap().iter().filter(|h| h["actor"] != "agent.toml").map(|h| h["action"].as_str().unwrap().to_string()).collect();
+    let changes: Vec<_> = hist["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h["actor"] != "agent.toml")
+        .map(|h| h["action"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(changes, vec!["role-set", "rename"], "{hist}");
     agent.stop().await;
 }
@@ -295,7 +335,8 @@ async fn bad_input_is_refused_with_a_clear_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_role_without_a_model_answers_503_and_role_changes_rewrite_the_snapshot() {
     let agent = Agent::start("").await;
-    let key = agent.api("POST", "/v1/keys", Some(json!({"user": "alice", "app": "ocr-app"}))).await.unwrap()["key"].as_str().unwrap().to_string();
+    let key =
+        agent.api("POST", "/v1/keys", Some(json!({"user": "alice", "app": "ocr-app"}))).await.unwrap()["key"].as_str().unwrap().to_string();
     let (status, _, body) = call(agent.gateway, &key, "tts").await;
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["error"]["code"], "role_unassigned", "{body}");

@@ -168,7 +168,10 @@ impl Config {
                         });
                     }
                     None => {
-                        return Err(ConfigError { arg: arg.into(), problem: format!("unknown key \"{}\"; known keys: {KNOWN_KEYS}", key.escape_debug()) });
+                        return Err(ConfigError {
+                            arg: arg.into(),
+                            problem: format!("unknown key \"{}\"; known keys: {KNOWN_KEYS}", key.escape_debug()),
+                        });
                     }
                 },
             }

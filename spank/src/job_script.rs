@@ -40,7 +40,9 @@ fn update_map(cfg: &Config, rec: &Record, gpus: &[u32], add: bool) {
 
 fn gpu_indices(rec: &Record) -> Vec<u32> {
     match rec {
-        Record::JobStart { gpus, .. } | Record::JobEnd { gpus, .. } | Record::StepStart { gpus, .. } => gpus.iter().map(|g| g.index).collect(),
+        Record::JobStart { gpus, .. } | Record::JobEnd { gpus, .. } | Record::StepStart { gpus, .. } => {
+            gpus.iter().map(|g| g.index).collect()
+        }
         Record::StepEnd { .. } => Vec::new(),
     }
 }

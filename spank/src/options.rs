@@ -81,10 +81,7 @@ mod ffi {
                 if super::set_experiment(&name) {
                     0
                 } else {
-                    log::error(&format!(
-                        "gpuhub: --mlflow-experiment \"{}\": expected 1 to 256 printable characters",
-                        name.escape_debug()
-                    ));
+                    log::error(&format!("gpuhub: --mlflow-experiment \"{}\": expected 1 to 256 printable characters", name.escape_debug()));
                     -1
                 }
             }

@@ -62,11 +62,7 @@ pub fn host_name() -> String {
 
 /// What identifies a job, read through `get` (an environment lookup), with the ids Slurm
 /// handed over through `spank_get_item` as fallbacks.
-pub fn identity(
-    get: &dyn Fn(&str) -> Option<String>,
-    job_id_item: Option<u32>,
-    uid_item: Option<u32>,
-) -> Result<JobIdentity, String> {
+pub fn identity(get: &dyn Fn(&str) -> Option<String>, job_id_item: Option<u32>, uid_item: Option<u32>) -> Result<JobIdentity, String> {
     let job_id = non_empty(get("SLURM_JOB_ID"))
         .and_then(|s| s.parse::<u32>().ok())
         .or(job_id_item)
@@ -88,10 +84,7 @@ pub fn identity(
 
 /// GPU references for an index list, with UUIDs from the agent's snapshot where known.
 pub fn gpu_refs(list: Option<String>, uuids: &BTreeMap<u32, String>) -> Vec<GpuRef> {
-    parse_index_list(list.as_deref().unwrap_or(""))
-        .into_iter()
-        .map(|index| GpuRef { index, uuid: uuids.get(&index).cloned() })
-        .collect()
+    parse_index_list(list.as_deref().unwrap_or("")).into_iter().map(|index| GpuRef { index, uuid: uuids.get(&index).cloned() }).collect()
 }
 
 /// The GPUs a step holds: `SLURM_STEP_GPUS` for srun steps, else the job's `SLURM_JOB_GPUS`
@@ -153,7 +146,10 @@ mod tests {
             ("SLURMD_NODENAME", "gpu01"),
         ]);
         let job = identity(&get, None, None).unwrap();
-        assert_eq!(job, JobIdentity { job_id: 42, uid: 1000, user: "alice".into(), account: None, partition: Some("gpu".into()), node: "gpu01".into() });
+        assert_eq!(
+            job,
+            JobIdentity { job_id: 42, uid: 1000, user: "alice".into(), account: None, partition: Some("gpu".into()), node: "gpu01".into() }
+        );
         let uuids = BTreeMap::from([(1, "GPU-b".to_string())]);
         let rec = job_start(job, &get, &uuids, 7);
         let Record::JobStart { gpus, time_us, .. } = rec else { unreachable!() };

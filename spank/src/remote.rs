@@ -44,9 +44,7 @@ fn lookup(sp: Spank) -> impl Fn(&str) -> Option<String> {
 }
 
 fn opted_out(sp: Spank, cfg: &Config) -> bool {
-    !cfg.inject
-        || options::no_inject()
-        || matches!(sp.getenv("GPUHUB_NO_INJECT").as_deref().map(str::trim), Some("1" | "yes" | "true"))
+    !cfg.inject || options::no_inject() || matches!(sp.getenv("GPUHUB_NO_INJECT").as_deref().map(str::trim), Some("1" | "yes" | "true"))
 }
 
 fn mint_token(cfg: &Config, job: &JobIdentity) -> Option<String> {

@@ -80,9 +80,7 @@ pub fn sync_job_records(spool_dir: &Path, node: &str, job_id: u32) -> io::Result
         let name = name.to_string_lossy();
         // `<time>-<node>_<job>_<kind>-<pid>.json` or `<time>-<node>_<job>.<step>_<kind>-<pid>.json`
         let Some((_, rest)) = name.split_once('-') else { continue };
-        let ours = rest
-            .strip_prefix(&job_prefix)
-            .is_some_and(|tail| tail.starts_with('_') || tail.starts_with('.'));
+        let ours = rest.strip_prefix(&job_prefix).is_some_and(|tail| tail.starts_with('_') || tail.starts_with('.'));
         if ours && name.ends_with(".json") {
             match File::open(dir.join(name.as_ref())) {
                 Ok(f) => {

@@ -91,10 +91,7 @@ pub enum Record {
 impl Record {
     pub fn job(&self) -> &JobIdentity {
         match self {
-            Record::JobStart { job, .. }
-            | Record::JobEnd { job, .. }
-            | Record::StepStart { job, .. }
-            | Record::StepEnd { job, .. } => job,
+            Record::JobStart { job, .. } | Record::JobEnd { job, .. } | Record::StepStart { job, .. } | Record::StepEnd { job, .. } => job,
         }
     }
 
@@ -159,10 +156,11 @@ pub fn parse_index_list(s: &str) -> Vec<u32> {
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('-') {
             Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
-                    if a <= b && b - a < 1024 {
-                        out.extend(a..=b);
-                    }
+                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>())
+                    && a <= b
+                    && b - a < 1024
+                {
+                    out.extend(a..=b);
                 }
             }
             None => {
@@ -187,7 +185,8 @@ mod tests {
 
     #[test]
     fn records_round_trip_and_have_stable_ids() {
-        let rec = Record::StepStart { v: 1, time_us: 5, job: ident(), step_id: 0, gpus: vec![GpuRef { index: 1, uuid: None }], shards: Some(7) };
+        let rec =
+            Record::StepStart { v: 1, time_us: 5, job: ident(), step_id: 0, gpus: vec![GpuRef { index: 1, uuid: None }], shards: Some(7) };
         let json = rec.to_json();
         assert!(json.contains(r#""kind":"step_start""#), "{json}");
         assert_eq!(Record::parse(json.as_bytes()).unwrap(), rec);

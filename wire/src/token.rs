@@ -112,6 +112,8 @@ mod tests {
         assert_eq!(verify(KEY, &other_job, 50), Err(TokenError::BadSignature));
         assert_eq!(verify(b"another key, 32 bytes long.....", &t, 50), Err(TokenError::BadSignature));
         assert_eq!(verify(KEY, "sk-abc", 50), Err(TokenError::NotAJobToken));
-        assert!(mint(KEY, &JobClaims { user: "a.b;rm".into(), ..JobClaims { uid: 0, user: String::new(), job_id: 0, expires: 0 } }).is_none());
+        assert!(
+            mint(KEY, &JobClaims { user: "a.b;rm".into(), ..JobClaims { uid: 0, user: String::new(), job_id: 0, expires: 0 } }).is_none()
+        );
     }
 }

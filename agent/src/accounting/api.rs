@@ -49,15 +49,22 @@ async fn usage_gpu(State(state): State<AppState>, caller: Caller, Query(q): Quer
 }
 
 /// The `/v1/usage/gpu` body (also used by tests without HTTP).
-pub async fn usage_json(pool: &sqlx::AnyPool, caller: &Caller, since: &str, since_s: i64, by: UsageBy, spg: u32) -> Result<Value, sqlx::Error> {
+pub async fn usage_json(
+    pool: &sqlx::AnyPool,
+    caller: &Caller,
+    since: &str,
+    since_s: i64,
+    by: UsageBy,
+    spg: u32,
+) -> Result<Value, sqlx::Error> {
     let now = crate::util::now_us();
     let since_us = now.saturating_sub(since_s.saturating_mul(1_000_000));
     let uid = (!caller.admin).then_some(i64::from(caller.uid));
     let jobs = db::jobs_since(pool, since_us, uid).await?;
     let rows = usage::aggregate(&jobs, by, since_us, now, spg);
-    let total = rows.iter().fold((0u64, 0.0, 0.0, 0.0), |t, r| {
-        (t.0 + r.jobs, t.1 + r.gpu_seconds, t.2 + r.shard_seconds, t.3 + r.gpu_equivalent_seconds)
-    });
+    let total = rows
+        .iter()
+        .fold((0u64, 0.0, 0.0, 0.0), |t, r| (t.0 + r.jobs, t.1 + r.gpu_seconds, t.2 + r.shard_seconds, t.3 + r.gpu_equivalent_seconds));
     let rows: Vec<Value> = rows
         .iter()
         .map(|r| {
@@ -76,9 +83,8 @@ pub async fn usage_json(pool: &sqlx::AnyPool, caller: &Caller, since: &str, sinc
 }
 
 async fn job(State(state): State<AppState>, caller: Caller, Path(job_id): Path<String>) -> ApiResult {
-    let id: u32 = job_id
-        .parse()
-        .map_err(|_| err(StatusCode::BAD_REQUEST, format!("`{job_id}` is not a Slurm job id (a number, e.g. 4242)")))?;
+    let id: u32 =
+        job_id.parse().map_err(|_| err(StatusCode::BAD_REQUEST, format!("`{job_id}` is not a Slurm job id (a number, e.g. 4242)")))?;
     let spg = state.config.file.accounting.shards_per_gpu;
     match job_json(state.store.pool(), &caller, id, spg).await.map_err(store_err)? {
         Some(v) => Ok(Json(v)),

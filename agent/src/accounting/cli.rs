@@ -39,12 +39,21 @@ pub fn usage_table(v: &Value, since: &str, by: UsageBy) -> String {
     let mut table: Vec<[String; 5]> = vec![header];
     for r in rows.iter().copied().chain(std::iter::once(&v["total"])) {
         let key = if std::ptr::eq(r, &v["total"]) { "TOTAL".to_string() } else { sanitize(r["key"].as_str().unwrap_or("-")) };
-        table.push([key, r["jobs"].as_u64().unwrap_or(0).to_string(), hours(r, "gpu_seconds"), hours(r, "shard_seconds"), hours(r, "gpu_equivalent_seconds")]);
+        table.push([
+            key,
+            r["jobs"].as_u64().unwrap_or(0).to_string(),
+            hours(r, "gpu_seconds"),
+            hours(r, "shard_seconds"),
+            hours(r, "gpu_equivalent_seconds"),
+        ]);
     }
     let widths: Vec<usize> = (0..5).map(|c| table.iter().map(|row| row[c].chars().count()).max().unwrap_or(0)).collect();
     for row in &table {
-        let cells: Vec<String> =
-            row.iter().enumerate().map(|(c, s)| if c == 0 { format!("{s:<w$}", w = widths[c]) } else { format!("{s:>w$}", w = widths[c]) }).collect();
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, s)| if c == 0 { format!("{s:<w$}", w = widths[c]) } else { format!("{s:>w$}", w = widths[c]) })
+            .collect();
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }

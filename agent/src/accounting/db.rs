@@ -255,13 +255,12 @@ pub async fn close_jobs_lost_in_reboot(
 ) -> Result<Vec<(String, i64)>, sqlx::Error> {
     let mut closed = Vec::new();
     for node in nodes {
-        let open: Vec<JobRow> = sqlx::query_as(&format!(
-            "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NULL AND first_seen_us < $2"
-        ))
-        .bind(node)
-        .bind(boot_us)
-        .fetch_all(pool)
-        .await?;
+        let open: Vec<JobRow> =
+            sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NULL AND first_seen_us < $2"))
+                .bind(node)
+                .bind(boot_us)
+                .fetch_all(pool)
+                .await?;
         for mut row in open {
             let start = row.start_us.unwrap_or(row.first_seen_us);
             let end = match heartbeat_us {
@@ -316,10 +315,8 @@ pub async fn jobs_since(pool: &AnyPool, since_us: i64, uid: Option<i64>) -> Resu
 
 /// One job (every node it ran on), with its GPUs.
 pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
-    let jobs: Vec<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE job_id = $1 ORDER BY node"))
-        .bind(job_id)
-        .fetch_all(pool)
-        .await?;
+    let jobs: Vec<JobRow> =
+        sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE job_id = $1 ORDER BY node")).bind(job_id).fetch_all(pool).await?;
     let mut out = Vec::new();
     for j in jobs {
         let gpus: Vec<JobGpuRow> =

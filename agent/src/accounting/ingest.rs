@@ -94,10 +94,7 @@ impl Ingestor {
         match db::close_jobs_lost_in_reboot(self.store.pool(), &nodes, boot_us, heartbeat_us).await {
             Ok(closed) => {
                 for (node, job) in closed {
-                    tracing::warn!(
-                        "accounting: job {job} on {node}: {}",
-                        super::Anomaly::NeverEnded.explain()
-                    );
+                    tracing::warn!("accounting: job {job} on {node}: {}", super::Anomaly::NeverEnded.explain());
                     self.metrics.anomalies.get_or_create(&KindLabels { kind: super::Anomaly::NeverEnded.as_str().into() }).inc();
                 }
             }
@@ -171,13 +168,7 @@ impl Ingestor {
                 self.metrics.ingested.get_or_create(&KindLabels { kind: rec.kind().into() }).inc();
                 for a in anomalies {
                     self.metrics.anomalies.get_or_create(&KindLabels { kind: a.as_str().into() }).inc();
-                    tracing::warn!(
-                        "accounting: job {} on {} ({}): {}",
-                        rec.job().job_id,
-                        rec.job().node,
-                        rec.kind(),
-                        a.explain()
-                    );
+                    tracing::warn!("accounting: job {} on {} ({}): {}", rec.job().job_id, rec.job().node, rec.kind(), a.explain());
                 }
                 Outcome::Ingested
             }

@@ -100,7 +100,6 @@ pub struct KindLabels {
     pub kind: String,
 }
 
-
 /// Accounting's series (register in the `gpuhub`-prefixed registry).
 #[derive(Clone, Debug, Default)]
 pub struct AccountingMetrics {

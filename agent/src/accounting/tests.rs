@@ -125,11 +125,8 @@ async fn story(store: Store) {
     // Not records: corrupt, a future version, a huge file; and a temp file in flight.
     let records = spool.path().join(RECORDS_DIR);
     std::fs::write(records.join("00000000000000000001-garbage.json"), "{not json").unwrap();
-    std::fs::write(
-        records.join("00000000000000000002-v99.json"),
-        start(t0, &alice, vec![]).to_json().replace("\"v\":1", "\"v\":99"),
-    )
-    .unwrap();
+    std::fs::write(records.join("00000000000000000002-v99.json"), start(t0, &alice, vec![]).to_json().replace("\"v\":1", "\"v\":99"))
+        .unwrap();
     std::fs::write(records.join("00000000000000000003-huge.json"), vec![b' '; 2 * 1024 * 1024]).unwrap();
     std::fs::write(records.join(".00000000000000000004-inflight.tmp"), "{").unwrap();
 

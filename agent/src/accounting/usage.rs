@@ -99,7 +99,13 @@ pub fn aggregate(jobs: &[(JobRow, Vec<JobGpuRow>)], by: UsageBy, since_us: i64, 
             }
             _ => {
                 let key = match by {
-                    UsageBy::User => if job.user_name.is_empty() { job.uid.to_string() } else { job.user_name.clone() },
+                    UsageBy::User => {
+                        if job.user_name.is_empty() {
+                            job.uid.to_string()
+                        } else {
+                            job.user_name.clone()
+                        }
+                    }
                     UsageBy::Account => dash(&job.account),
                     UsageBy::Partition => dash(&job.partition),
                     UsageBy::Gpu => String::new(),

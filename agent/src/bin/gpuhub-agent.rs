@@ -44,8 +44,11 @@ fn main() -> ExitCode {
     };
     match args.command.unwrap_or(Command::Run) {
         Command::CheckConfig => {
-            print!("{}", config.render_redacted());
-            ExitCode::SUCCESS
+            use std::io::Write;
+            match std::io::stdout().lock().write_all(config.render_redacted().as_bytes()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::from(2),
+            }
         }
         Command::Run => run(config),
     }

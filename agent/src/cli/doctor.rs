@@ -62,7 +62,8 @@ fn plugin_check() -> Check {
                 name: "plugin".into(),
                 ok: exists,
                 detail: format!("{} in {}", so, f.display()),
-                fix: (!exists).then(|| format!("{so} does not exist: reinstall gpuhub-spank (a Slurm major upgrade needs a rebuilt plugin)")),
+                fix: (!exists)
+                    .then(|| format!("{so} does not exist: reinstall gpuhub-spank (a Slurm major upgrade needs a rebuilt plugin)")),
             };
         }
     }
@@ -75,7 +76,8 @@ fn plugin_check() -> Check {
 }
 
 async fn slurm_check() -> Check {
-    let run = tokio::time::timeout(Duration::from_secs(5), tokio::process::Command::new("sinfo").args(["-h", "-o", "%n %T"]).output()).await;
+    let run =
+        tokio::time::timeout(Duration::from_secs(5), tokio::process::Command::new("sinfo").args(["-h", "-o", "%n %T"]).output()).await;
     match run {
         Ok(Ok(out)) if out.status.success() => {
             let text = String::from_utf8_lossy(&out.stdout);
@@ -88,7 +90,14 @@ async fn slurm_check() -> Check {
             detail: format!("sinfo failed: {}", String::from_utf8_lossy(&out.stderr).trim()),
             fix: Some("check slurmctld and munge (systemctl status slurmctld munge)".into()),
         },
-        Ok(Err(e)) => Check { name: "slurm".into(), ok: false, detail: format!("cannot run sinfo: {e}"), fix: Some("install the Slurm client tools".into()) },
-        Err(_) => Check { name: "slurm".into(), ok: false, detail: "sinfo did not answer within 5 s".into(), fix: Some("check slurmctld".into()) },
+        Ok(Err(e)) => Check {
+            name: "slurm".into(),
+            ok: false,
+            detail: format!("cannot run sinfo: {e}"),
+            fix: Some("install the Slurm client tools".into()),
+        },
+        Err(_) => {
+            Check { name: "slurm".into(), ok: false, detail: "sinfo did not answer within 5 s".into(), fix: Some("check slurmctld".into()) }
+        }
     }
 }

@@ -52,7 +52,12 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             if json {
                 output::json(&v);
             } else {
-                output::line(&format!("key {} for {}/{} created; it is shown only now:", v["id"].as_str().unwrap_or("?"), crate::util::sanitize(&user), crate::util::sanitize(&app)));
+                output::line(&format!(
+                    "key {} for {}/{} created; it is shown only now:",
+                    v["id"].as_str().unwrap_or("?"),
+                    crate::util::sanitize(&user),
+                    crate::util::sanitize(&app)
+                ));
                 output::line(v["key"].as_str().unwrap_or("?"));
             }
         }
@@ -66,7 +71,10 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                     .map(|a| {
                         a.iter()
                             .map(|k| {
-                                let models = k["models"].as_array().map(|m| m.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(",")).unwrap_or_default();
+                                let models = k["models"]
+                                    .as_array()
+                                    .map(|m| m.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(","))
+                                    .unwrap_or_default();
                                 vec![
                                     k["id"].as_str().unwrap_or("").to_string(),
                                     format!("{}...", k["prefix"].as_str().unwrap_or("")),
@@ -85,7 +93,12 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
         }
         KeysCommand::Revoke { id } => {
             let v = client::request(socket, "POST", &format!("/v1/keys/{}/revoke", urlencode(&id)), None).await?;
-            output::line(&format!("key {} ({}/{}) revoked", v["id"].as_str().unwrap_or("?"), v["user"].as_str().unwrap_or("?"), v["app"].as_str().unwrap_or("?")));
+            output::line(&format!(
+                "key {} ({}/{}) revoked",
+                v["id"].as_str().unwrap_or("?"),
+                v["user"].as_str().unwrap_or("?"),
+                v["app"].as_str().unwrap_or("?")
+            ));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -93,5 +106,7 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
 
 /// Percent-encodes a path segment.
 pub fn urlencode(s: &str) -> String {
-    s.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+    s.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
 }

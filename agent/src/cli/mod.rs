@@ -4,8 +4,8 @@
 //! asking from the kernel, so users see their own jobs and admins see all). Exit codes:
 //! 0 ok, 1 a clean "no" (e.g. a refused rename), 2 an error, 130 interrupted.
 
-pub mod doctor;
 pub mod calls;
+pub mod doctor;
 pub mod keys;
 pub mod models;
 pub mod names;

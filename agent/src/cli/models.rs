@@ -45,7 +45,11 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
             if v["unloaded"].as_bool() == Some(true) {
                 output::line(&format!("{}: unloaded", crate::util::sanitize(&model)));
             } else {
-                output::line(&format!("{}: was not loaded ({})", crate::util::sanitize(&model), v["status"]["state"].as_str().unwrap_or("?")));
+                output::line(&format!(
+                    "{}: was not loaded ({})",
+                    crate::util::sanitize(&model),
+                    v["status"]["state"].as_str().unwrap_or("?")
+                ));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -64,8 +68,13 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
                     .into_iter()
                     .flatten()
                     .map(|r| {
-                        let served: Vec<String> = r["served_as"].as_array().into_iter().flatten().filter_map(|x| x.as_str().map(str::to_string)).collect();
-                        vec![s(&r["name"]), s(&r["production"]), if served.is_empty() { "(no catalog entry)".into() } else { served.join(",") }]
+                        let served: Vec<String> =
+                            r["served_as"].as_array().into_iter().flatten().filter_map(|x| x.as_str().map(str::to_string)).collect();
+                        vec![
+                            s(&r["name"]),
+                            s(&r["production"]),
+                            if served.is_empty() { "(no catalog entry)".into() } else { served.join(",") },
+                        ]
                     })
                     .collect();
                 output::table(&["REGISTERED MODEL", "@PRODUCTION", "SERVED AS"], &rows);

@@ -151,13 +151,22 @@ pub async fn names(socket: &Path, cmd: NamesCmd) -> anyhow::Result<ExitCode> {
             callers(socket, &name, since_s, limit, json).await
         }
         NamesCmd::History { name, limit, json } => history(socket, name, limit, json).await,
-        NamesCmd::Rename { old, new, opts, sunset } => change(socket, "/v1/names/rename", json!({"name": old, "to": new, "sunset": sunset}), &opts).await,
-        NamesCmd::Deprecate { name, replacement, sunset, opts } => change(socket, "/v1/names/deprecate", json!({"name": name, "to": replacement, "sunset": sunset}), &opts).await,
+        NamesCmd::Rename { old, new, opts, sunset } => {
+            change(socket, "/v1/names/rename", json!({"name": old, "to": new, "sunset": sunset}), &opts).await
+        }
+        NamesCmd::Deprecate { name, replacement, sunset, opts } => {
+            change(socket, "/v1/names/deprecate", json!({"name": name, "to": replacement, "sunset": sunset}), &opts).await
+        }
         NamesCmd::Retire { name, opts } => change(socket, "/v1/names/retire", json!({"name": name}), &opts).await,
         NamesCmd::Restore { name, opts } => change(socket, "/v1/names/restore", json!({"name": name}), &opts).await,
         NamesCmd::RebuildCallers => {
             let v = client::request(socket, "POST", "/v1/names/rebuild-callers", None).await?;
-            output::line(&format!("callers registry rebuilt: {} names, {} calls, in {:.1} s", s(&v["names"]), s(&v["calls"]), v["seconds"].as_f64().unwrap_or(0.0)));
+            output::line(&format!(
+                "callers registry rebuilt: {} names, {} calls, in {:.1} s",
+                s(&v["names"]),
+                s(&v["calls"]),
+                v["seconds"].as_f64().unwrap_or(0.0)
+            ));
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -173,7 +182,18 @@ pub async fn roles(socket: &Path, cmd: RolesCmd) -> anyhow::Result<ExitCode> {
             }
             let rows: Vec<Vec<String>> = v["roles"]
                 .as_array()
-                .map(|a| a.iter().map(|r| vec![s(&r["role"]), if r["model"].is_null() { "(no model)".into() } else { s(&r["model"]) }, s(&r["serves"]), s(&r["variable"])]).collect())
+                .map(|a| {
+                    a.iter()
+                        .map(|r| {
+                            vec![
+                                s(&r["role"]),
+                                if r["model"].is_null() { "(no model)".into() } else { s(&r["model"]) },
+                                s(&r["serves"]),
+                                s(&r["variable"]),
+                            ]
+                        })
+                        .collect()
+                })
                 .unwrap_or_default();
             output::table(&["ROLE", "MODEL", "SERVED BY", "VARIABLE"], &rows);
             Ok(ExitCode::SUCCESS)
@@ -285,9 +305,19 @@ async fn history(socket: &Path, name: Option<String>, limit: i64, json: bool) ->
         .map(|a| {
             a.iter()
                 .map(|h| {
-                    let from = format!("{} {}", s(&h["from_state"]), h["from_target"].as_str().map(|t| format!("-> {t}")).unwrap_or_default());
+                    let from =
+                        format!("{} {}", s(&h["from_state"]), h["from_target"].as_str().map(|t| format!("-> {t}")).unwrap_or_default());
                     let to = format!("{} {}", s(&h["to_state"]), h["to_target"].as_str().map(|t| format!("-> {t}")).unwrap_or_default());
-                    vec![h["time_us"].as_i64().map(fmt_time).unwrap_or_default(), s(&h["actor"]), s(&h["action"]), s(&h["subject"]), from.trim().into(), to.trim().into(), s(&h["sunset_date"]), s(&h["note"])]
+                    vec![
+                        h["time_us"].as_i64().map(fmt_time).unwrap_or_default(),
+                        s(&h["actor"]),
+                        s(&h["action"]),
+                        s(&h["subject"]),
+                        from.trim().into(),
+                        to.trim().into(),
+                        s(&h["sunset_date"]),
+                        s(&h["note"]),
+                    ]
                 })
                 .collect()
         })
@@ -353,7 +383,10 @@ mod tests {
         let c = Cli::try_parse_from(["gpuhub", "names", "rename", "svc-ocr", "dots.ocr", "--sunset", "2026-12-31", "--dry-run"]).unwrap();
         match c.command {
             Command::Names { cmd: NamesCmd::Rename { old, new, sunset, opts } } => {
-                assert_eq!((old.as_str(), new.as_str(), sunset.as_deref(), opts.dry_run, opts.force), ("svc-ocr", "dots.ocr", Some("2026-12-31"), true, false));
+                assert_eq!(
+                    (old.as_str(), new.as_str(), sunset.as_deref(), opts.dry_run, opts.force),
+                    ("svc-ocr", "dots.ocr", Some("2026-12-31"), true, false)
+                );
             }
             other => panic!("{other:?}"),
         }

@@ -6,10 +6,10 @@ use std::io::Write;
 
 fn write_or_exit(s: &str) {
     let mut out = std::io::stdout().lock();
-    if let Err(e) = out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
-        }
+    if let Err(e) = out.write_all(s.as_bytes()).and_then(|_| out.flush())
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(0);
     }
 }
 
@@ -40,7 +40,14 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
         }
     }
     let fmt = |cells: Vec<String>| {
-        cells.iter().enumerate().map(|(i, c)| format!("{:<w$}", c, w = widths.get(i).copied().unwrap_or(0))).collect::<Vec<_>>().join("  ").trim_end().to_string()
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{:<w$}", c, w = widths.get(i).copied().unwrap_or(0)))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
     };
     let mut s = fmt(header.iter().map(|h| h.to_string()).collect());
     s.push('\n');

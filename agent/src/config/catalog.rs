@@ -157,11 +157,7 @@ pub fn valid_model_name(name: &str) -> Result<(), String> {
         return Err(format!("model name `{}` must be 1 to 128 characters", name.escape_debug()));
     }
     if let Some(c) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || "._-/:".contains(*c))) {
-        return Err(format!(
-            "model name `{}` contains `{}`; use letters, digits and . _ - / :",
-            name.escape_debug(),
-            c.escape_debug()
-        ));
+        return Err(format!("model name `{}` contains `{}`; use letters, digits and . _ - / :", name.escape_debug(), c.escape_debug()));
     }
     Ok(())
 }
@@ -181,21 +177,33 @@ pub(super) fn validate(models: &[ModelConfig], roles: &BTreeMap<String, String>,
             LauncherKind::Static => {
                 let url = m.url.as_deref().unwrap_or("");
                 if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    return Err((format!("{key}.url"), format!("launcher = \"static\" needs url = \"http://HOST:PORT\" (model `{}`)", m.name)));
+                    return Err((
+                        format!("{key}.url"),
+                        format!("launcher = \"static\" needs url = \"http://HOST:PORT\" (model `{}`)", m.name),
+                    ));
                 }
             }
             LauncherKind::Local | LauncherKind::Slurm => {
                 let cmd = m.command.as_deref().unwrap_or("");
                 if cmd.trim().is_empty() {
-                    return Err((format!("{key}.command"), format!("launcher = \"{:?}\" needs a command template (model `{}`)", m.launcher, m.name).to_lowercase()));
+                    return Err((
+                        format!("{key}.command"),
+                        format!("launcher = \"{:?}\" needs a command template (model `{}`)", m.launcher, m.name).to_lowercase(),
+                    ));
                 }
                 if !cmd.contains("{port}") {
-                    return Err((format!("{key}.command"), format!("the command of `{}` must contain {{port}} so the worker listens where the gateway expects", m.name)));
+                    return Err((
+                        format!("{key}.command"),
+                        format!("the command of `{}` must contain {{port}} so the worker listens where the gateway expects", m.name),
+                    ));
                 }
             }
         }
         if m.resources.gpus > 0 && m.resources.shards > 0 {
-            return Err((format!("{key}.resources"), "ask for gpus or shards, not both (Slurm allocates a GPU as one or the other)".into()));
+            return Err((
+                format!("{key}.resources"),
+                "ask for gpus or shards, not both (Slurm allocates a GPU as one or the other)".into(),
+            ));
         }
         if m.max_concurrency == 0 {
             return Err((format!("{key}.max_concurrency"), "must be at least 1".into()));
@@ -214,12 +222,18 @@ pub(super) fn validate(models: &[ModelConfig], roles: &BTreeMap<String, String>,
             return Err((format!("roles.{role}"), "role names must be letters, digits, - or _, starting with a letter".into()));
         }
         if !model.is_empty() && !seen.contains(model) {
-            return Err((format!("roles.{role}"), format!("`{model}` is not a model in the catalog; add a [[models]] entry or set \"\" for no model")));
+            return Err((
+                format!("roles.{role}"),
+                format!("`{model}` is not a model in the catalog; add a [[models]] entry or set \"\" for no model"),
+            ));
         }
     }
     for (i, h) in names.history.iter().enumerate() {
         if seen.contains(&h.name) {
-            return Err((format!("names.history[{i}].name"), format!("`{}` is also a current catalog name; a renamed name cannot be served twice", h.name)));
+            return Err((
+                format!("names.history[{i}].name"),
+                format!("`{}` is also a current catalog name; a renamed name cannot be served twice", h.name),
+            ));
         }
         if let Some(r) = &h.replacement
             && !seen.contains(r)
@@ -241,7 +255,10 @@ mod tests {
         assert!(e.contains("workers.vram_gib") && e.contains("positive"), "{e}");
         let e = Config::from_toml("[workers]\nvram_gb = 1").unwrap_err().to_string();
         assert!(e.contains("unknown field `vram_gb`"), "{e}");
-        let ok = Config::from_toml("[workers]\nvram_gib = 80\n[[models]]\nname = \"m\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port}\"\n").unwrap();
+        let ok = Config::from_toml(
+            "[workers]\nvram_gib = 80\n[[models]]\nname = \"m\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port}\"\n",
+        )
+        .unwrap();
         assert_eq!(ok.file.workers.vram_gib, Some(80.0));
         assert_eq!(ok.file.workers.host, "127.0.0.1", "workers listen on loopback by default");
         let e = Config::from_toml("[[models]]\nname = \"m\"\nlauncher = \"local\"\ncommand = \"srv\"\n").unwrap_err().to_string();

@@ -65,7 +65,11 @@ impl GatewayConfig {
         if self.max_body_bytes < 1024 {
             return Err(("gateway.max_body_bytes".into(), "must be at least 1024".into()));
         }
-        for (key, v) in [("gateway.keepalive_s", self.keepalive_s), ("gateway.upstream_timeout_s", self.upstream_timeout_s), ("gateway.body_timeout_s", self.body_timeout_s)] {
+        for (key, v) in [
+            ("gateway.keepalive_s", self.keepalive_s),
+            ("gateway.upstream_timeout_s", self.upstream_timeout_s),
+            ("gateway.body_timeout_s", self.body_timeout_s),
+        ] {
             if v == 0 {
                 return Err((key.into(), "must be at least 1 second".into()));
             }
@@ -78,7 +82,10 @@ impl GatewayConfig {
                 return Err(("gateway.sso.user_header".into(), "is required when gateway.sso.enabled = true".into()));
             }
             if self.sso.trusted_proxies.is_empty() {
-                return Err(("gateway.sso.trusted_proxies".into(), "list the edge proxy addresses; without them no header is trusted".into()));
+                return Err((
+                    "gateway.sso.trusted_proxies".into(),
+                    "list the edge proxy addresses; without them no header is trusted".into(),
+                ));
             }
             for p in &self.sso.trusted_proxies {
                 if p.parse::<std::net::IpAddr>().is_err() {

@@ -185,7 +185,12 @@ impl Config {
             "# effective gpuhub-agent configuration (source: {})\n",
             self.source.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded defaults".into())
         ));
-        out.push_str(&format!("# control socket: {}\n# snapshot: {}\n# job key: {}\n", self.control_socket.display(), self.snapshot_path.display(), self.job_key_path.display()));
+        out.push_str(&format!(
+            "# control socket: {}\n# snapshot: {}\n# job key: {}\n",
+            self.control_socket.display(),
+            self.snapshot_path.display(),
+            self.job_key_path.display()
+        ));
         out.push_str(&toml::to_string_pretty(&file).unwrap_or_else(|e| format!("# cannot render: {e}\n")));
         out
     }
@@ -225,7 +230,10 @@ impl ConfigFile {
         })?;
         check_listen(&self.metrics.listen).map_err(|m| invalid("metrics.listen", m))?;
         if self.accounting.shards_per_gpu == 0 {
-            return Err(invalid("accounting.shards_per_gpu", "must be at least 1 (the `Count=` of one GPU's shard line in gres.conf)".into()));
+            return Err(invalid(
+                "accounting.shards_per_gpu",
+                "must be at least 1 (the `Count=` of one GPU's shard line in gres.conf)".into(),
+            ));
         }
         catalog::validate(&self.models, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
         self.workers.validate().map_err(|(k, m)| invalid(&k, m))?;

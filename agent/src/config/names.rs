@@ -76,7 +76,13 @@ impl NamesConfig {
                 Some(r) if r == &h.name => return Err((format!("{key}.replacement"), format!("`{r}` cannot replace itself"))),
                 Some(r) => crate::names::lifecycle::validate_name(r).map_err(|e| (format!("{key}.replacement"), e.to_string()))?,
                 None if h.state == "deprecated" => {
-                    return Err((format!("{key}.replacement"), format!("a deprecated name is still served, so `{}` needs the name that serves it (replacement = \"MODEL\")", h.name)));
+                    return Err((
+                        format!("{key}.replacement"),
+                        format!(
+                            "a deprecated name is still served, so `{}` needs the name that serves it (replacement = \"MODEL\")",
+                            h.name
+                        ),
+                    ));
                 }
                 None => {}
             }
@@ -90,7 +96,10 @@ impl NamesConfig {
             if let (Some(since), Some(sunset)) = (&h.since, &h.sunset)
                 && sunset < since
             {
-                return Err((format!("{key}.sunset"), format!("{sunset} is before since = {since}; a name stops being served after it was renamed")));
+                return Err((
+                    format!("{key}.sunset"),
+                    format!("{sunset} is before since = {since}; a name stops being served after it was renamed"),
+                ));
             }
         }
         Ok(())
@@ -112,7 +121,8 @@ mod tests {
     use crate::config::Config;
 
     fn err(history: &str) -> String {
-        let text = format!("[[models]]\nname = \"dots.ocr\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9\"\n[[names.history]]\n{history}");
+        let text =
+            format!("[[models]]\nname = \"dots.ocr\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9\"\n[[names.history]]\n{history}");
         Config::from_toml(&text).unwrap_err().to_string()
     }
 

@@ -23,7 +23,9 @@ impl Default for PathsConfig {
 
 impl PathsConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        for (key, p) in [("paths.state_dir", &self.state_dir), ("paths.spool_dir", &self.spool_dir), ("paths.runtime_dir", &self.runtime_dir)] {
+        for (key, p) in
+            [("paths.state_dir", &self.state_dir), ("paths.spool_dir", &self.spool_dir), ("paths.runtime_dir", &self.runtime_dir)]
+        {
             if !p.is_absolute() {
                 return Err((key.into(), format!("`{}` must be an absolute path", p.display())));
             }

@@ -9,7 +9,9 @@ use tokio::net::UnixStream;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("cannot reach the gpuhub agent at {path}: {source} (is gpuhub-agent running? `systemctl status gpuhub-agent`; or pass --socket)")]
+    #[error(
+        "cannot reach the gpuhub agent at {path}: {source} (is gpuhub-agent running? `systemctl status gpuhub-agent`; or pass --socket)"
+    )]
     Connect { path: String, source: std::io::Error },
     #[error("talking to the gpuhub agent failed: {0}")]
     Http(String),
@@ -21,7 +23,8 @@ pub enum ClientError {
 /// [`ClientError::Api`] with the agent's message.
 pub async fn request(socket: &Path, method: &str, path: &str, body: Option<serde_json::Value>) -> Result<serde_json::Value, ClientError> {
     let stream = UnixStream::connect(socket).await.map_err(|source| ClientError::Connect { path: socket.display().to_string(), source })?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| ClientError::Http(e.to_string()))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| ClientError::Http(e.to_string()))?;
     tokio::spawn(conn);
     let body_bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
     let req = hyper::Request::builder()

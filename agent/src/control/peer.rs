@@ -41,7 +41,13 @@ impl Caller {
         if self.admin {
             Ok(())
         } else {
-            Err((StatusCode::FORBIDDEN, format!("{what} needs an admin: run it as root or as a member of the admin group (admin.group in agent.toml); you are `{}`", self.user)))
+            Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{what} needs an admin: run it as root or as a member of the admin group (admin.group in agent.toml); you are `{}`",
+                    self.user
+                ),
+            ))
         }
     }
 }

@@ -84,7 +84,7 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
             Ok(c) => c.get(&url).send().await.map(|r| r.status().is_success()).unwrap_or(false),
             Err(_) => false,
         };
-        checks.push(check("mlflow", res, format!("{uri}"), "start the MLflow server or fix mlflow.tracking_uri"));
+        checks.push(check("mlflow", res, uri.clone(), "start the MLflow server or fix mlflow.tracking_uri"));
     }
     Json(checks)
 }
@@ -98,7 +98,11 @@ pub struct BackupRequest {
 }
 
 /// Writes a backup of the store (admin only).
-pub async fn backup(State(state): State<AppState>, caller: Caller, Json(req): Json<BackupRequest>) -> Result<Json<serde_json::Value>, (StatusCode, String)> {
+pub async fn backup(
+    State(state): State<AppState>,
+    caller: Caller,
+    Json(req): Json<BackupRequest>,
+) -> Result<Json<serde_json::Value>, (StatusCode, String)> {
     caller.require_admin("gpuhub backup")?;
     let dir = req.dir.unwrap_or_else(|| state.config.state_path("backups"));
     if !dir.is_absolute() {

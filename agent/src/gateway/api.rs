@@ -73,7 +73,10 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
     for m in &req.models {
         if state.catalog.get(m).is_none() {
             let known = state.catalog.models().map(|c| c.name.clone()).collect::<Vec<_>>().join(", ");
-            return Err(err(StatusCode::BAD_REQUEST, format!("--models: `{}` is not in the catalog; known models: {known}", crate::util::sanitize(m))));
+            return Err(err(
+                StatusCode::BAD_REQUEST,
+                format!("--models: `{}` is not in the catalog; known models: {known}", crate::util::sanitize(m)),
+            ));
         }
     }
     let key = auth::new_key();
@@ -117,11 +120,17 @@ pub struct CallsQuery {
 }
 
 async fn calls(State(state): State<AppState>, caller: Caller, Query(q): Query<CallsQuery>) -> ApiResult {
-    let since_s = crate::util::parse_duration_s(q.since.as_deref().unwrap_or("30d")).map_err(|m| err(StatusCode::BAD_REQUEST, format!("--since: {m}")))?;
+    let since_s = crate::util::parse_duration_s(q.since.as_deref().unwrap_or("30d"))
+        .map_err(|m| err(StatusCode::BAD_REQUEST, format!("--since: {m}")))?;
     let user = match (q.user, caller.admin) {
         (Some(u), true) => Some(u),
         (None, true) => None,
-        (Some(u), false) if u != caller.user => return Err(err(StatusCode::FORBIDDEN, format!("you can see your own calls only (you are `{}`); admins see everyone's", caller.user))),
+        (Some(u), false) if u != caller.user => {
+            return Err(err(
+                StatusCode::FORBIDDEN,
+                format!("you can see your own calls only (you are `{}`); admins see everyone's", caller.user),
+            ));
+        }
         (_, false) => Some(caller.user.clone()),
     };
     let since_us = crate::util::now_us() - since_s.saturating_mul(1_000_000);

@@ -134,13 +134,15 @@ fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, Gatewa
     if token.starts_with(gpuhub_wire::token::PREFIX) {
         let Some(key) = state.job_key.as_deref() else {
             tracing::error!("a job token arrived but the job-credential key could not be read at start");
-            return Err(GatewayError::Unauthenticated("job tokens cannot be checked on this node right now (the agent's key is missing); use an API key".into()));
+            return Err(GatewayError::Unauthenticated(
+                "job tokens cannot be checked on this node right now (the agent's key is missing); use an API key".into(),
+            ));
         };
         return match gpuhub_wire::token::verify(key, token, crate::util::now_s()) {
             Ok(c) => Ok(Identity { user: c.user, app: "job".into(), job_id: Some(i64::from(c.job_id)), models: Vec::new(), key_id: None }),
-            Err(gpuhub_wire::token::TokenError::Expired) => {
-                Err(GatewayError::Unauthenticated("this job token has expired (it is valid for the job's time limit); start a new job or use an API key".into()))
-            }
+            Err(gpuhub_wire::token::TokenError::Expired) => Err(GatewayError::Unauthenticated(
+                "this job token has expired (it is valid for the job's time limit); start a new job or use an API key".into(),
+            )),
             Err(e) => {
                 tracing::warn!(reason = ?e, "job token refused");
                 Err(GatewayError::Unauthenticated("invalid job token (it must come from a job on this node, unchanged)".into()))
@@ -149,8 +151,13 @@ fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, Gatewa
     }
     match state.gateway.keys.get(&hash_key(token)) {
         Some(k) if k.revoked_us.is_none() => Ok(Identity { user: k.user, app: k.app, job_id: None, models: k.models, key_id: Some(k.id) }),
-        Some(k) => Err(GatewayError::Unauthenticated(format!("API key {} ({}/{}) was revoked; ask an admin for a new one (`gpuhub keys create`)", k.id, k.user, k.app))),
-        None => Err(GatewayError::Unauthenticated("invalid API key; ask an admin for one (`gpuhub keys create --user USER --app APP`)".into())),
+        Some(k) => Err(GatewayError::Unauthenticated(format!(
+            "API key {} ({}/{}) was revoked; ask an admin for a new one (`gpuhub keys create`)",
+            k.id, k.user, k.app
+        ))),
+        None => {
+            Err(GatewayError::Unauthenticated("invalid API key; ask an admin for one (`gpuhub keys create --user USER --app APP`)".into()))
+        }
     }
 }
 

@@ -50,7 +50,9 @@ pub enum GatewayError {
 impl GatewayError {
     pub fn status(&self) -> StatusCode {
         match self {
-            GatewayError::MalformedJson(_) | GatewayError::MissingModel | GatewayError::WrongType { .. } | GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            GatewayError::MalformedJson(_) | GatewayError::MissingModel | GatewayError::WrongType { .. } | GatewayError::BadRequest(_) => {
+                StatusCode::BAD_REQUEST
+            }
             GatewayError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             GatewayError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,

@@ -94,7 +94,12 @@ impl GatewayMetrics {
         r.register("gateway_errors", "Gateway calls answered with an error, by OpenAI error code", m.errors.clone());
         r.register("gateway_tokens", "Tokens reported by upstreams (kind = prompt or completion)", m.tokens.clone());
         r.register_with_unit("gateway_request_duration", "Call latency, arrival to last byte", Unit::Seconds, m.latency.clone());
-        r.register_with_unit("gateway_overhead", "Time a call spent in the gateway itself (latency minus upstream time)", Unit::Seconds, m.overhead.clone());
+        r.register_with_unit(
+            "gateway_overhead",
+            "Time a call spent in the gateway itself (latency minus upstream time)",
+            Unit::Seconds,
+            m.overhead.clone(),
+        );
         r.register("gateway_in_flight", "Calls being forwarded to the model now", m.in_flight.clone());
         r.register("gateway_queued", "Calls waiting for the model (loading, or at its concurrency limit)", m.queued.clone());
         r.register("gateway_unknown_model_requests", "Calls to names that were never known, by the name asked for", m.unknown.clone());
@@ -114,12 +119,20 @@ impl GatewayMetrics {
         self.requests.get_or_create(&labels).inc();
         if row.status >= 400 {
             self.errors
-                .get_or_create(&ErrorLabels { model: labels.model.clone(), requested: labels.requested.clone(), user: labels.user.clone(), app: labels.app.clone(), code: row.error_code.clone() })
+                .get_or_create(&ErrorLabels {
+                    model: labels.model.clone(),
+                    requested: labels.requested.clone(),
+                    user: labels.user.clone(),
+                    app: labels.app.clone(),
+                    code: row.error_code.clone(),
+                })
                 .inc();
         }
         for (kind, n) in [("prompt", row.prompt_tokens), ("completion", row.completion_tokens)] {
             if n > 0 {
-                self.tokens.get_or_create(&TokenLabels { model: model.clone(), user: row.user.clone(), app: row.app.clone(), kind }).inc_by(n as u64);
+                self.tokens
+                    .get_or_create(&TokenLabels { model: model.clone(), user: row.user.clone(), app: row.app.clone(), kind })
+                    .inc_by(n as u64);
             }
         }
         let ml = ModelLabel { model };
@@ -173,7 +186,13 @@ mod tests {
         let mut r = Registry::default();
         let m = GatewayMetrics::register(&mut r);
         for i in 0..(MAX_UNKNOWN_NAMES + 50) {
-            m.observe(&UsageRow { requested_name: format!("n{i}"), name_state: "unknown".into(), status: 404, error_code: "model_not_found".into(), ..UsageRow::default() });
+            m.observe(&UsageRow {
+                requested_name: format!("n{i}"),
+                name_state: "unknown".into(),
+                status: 404,
+                error_code: "model_not_found".into(),
+                ..UsageRow::default()
+            });
         }
         let mut s = String::new();
         prometheus_client::encoding::text::encode(&mut s, &r).unwrap();

@@ -146,9 +146,9 @@ fn boundary(ct: &str) -> Option<&str> {
 
 /// Finds the `model` (and `stream`) fields of a multipart form without copying the upload.
 fn parse_multipart(ct: &str, body: &[u8]) -> Result<Parsed, GatewayError> {
-    let b = boundary(ct).filter(|b| !b.is_empty() && b.len() <= 200).ok_or_else(|| {
-        GatewayError::BadRequest("multipart/form-data needs a boundary parameter in Content-Type".into())
-    })?;
+    let b = boundary(ct)
+        .filter(|b| !b.is_empty() && b.len() <= 200)
+        .ok_or_else(|| GatewayError::BadRequest("multipart/form-data needs a boundary parameter in Content-Type".into()))?;
     let delim = format!("--{b}");
     let mut model: Option<(String, std::ops::Range<usize>)> = None;
     let mut stream = false;

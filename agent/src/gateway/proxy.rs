@@ -5,11 +5,11 @@
 
 use std::time::{Duration, Instant};
 
+use axum::Extension;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
 
 use super::auth::Identity;
 use super::error::GatewayError;
@@ -69,7 +69,12 @@ pub struct Outgoing {
 }
 
 /// The fallback handler: every `/v1/*` route not handled elsewhere.
-pub async fn forward(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>, req: Request) -> Response {
+pub async fn forward(
+    State(state): State<AppState>,
+    Extension(meta): Extension<RequestMeta>,
+    Extension(id): Extension<Identity>,
+    req: Request,
+) -> Response {
     let path = req.uri().path().to_string();
     let call = Call { row: meta.row(&path, &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
     let mut call = call;
@@ -86,7 +91,12 @@ pub async fn forward(State(state): State<AppState>, Extension(meta): Extension<R
 }
 
 /// Answers a method/path the gateway does not serve.
-pub async fn unknown_route(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>, req: Request) -> Response {
+pub async fn unknown_route(
+    State(state): State<AppState>,
+    Extension(meta): Extension<RequestMeta>,
+    Extension(id): Extension<Identity>,
+    req: Request,
+) -> Response {
     let call = Call { row: meta.row(req.uri().path(), &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
     call.fail(&state, GatewayError::UnknownRoute { method: req.method().to_string(), path: crate::util::sanitize(req.uri().path()) })
 }
@@ -126,7 +136,11 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
         return Err(GatewayError::Refused { status: r.status, code: r.code, message: r.message });
     }
     let Some(model) = res.model() else {
-        return Err(GatewayError::Refused { status: 404, code: "model_not_found", message: format!("model `{}` is not served here (see `GET /v1/models`)", crate::util::sanitize(&parsed.model)) });
+        return Err(GatewayError::Refused {
+            status: 404,
+            code: "model_not_found",
+            message: format!("model `{}` is not served here (see `GET /v1/models`)", crate::util::sanitize(&parsed.model)),
+        });
     };
     call.row.resolved_model = model.to_string();
     id.check_model(&parsed.model, Some(model))?;
@@ -162,9 +176,20 @@ pub async fn acquire(state: &AppState, call: &mut Call) -> Result<crate::models:
 
 /// Builds the upstream request: the client's method, path, body, content type and accept
 /// header; the worker's key, never the client's credential.
-pub fn upstream_request(state: &AppState, lease: &crate::models::Lease, out: &Outgoing, body: Bytes, request_id: &str) -> reqwest::RequestBuilder {
+pub fn upstream_request(
+    state: &AppState,
+    lease: &crate::models::Lease,
+    out: &Outgoing,
+    body: Bytes,
+    request_id: &str,
+) -> reqwest::RequestBuilder {
     let url = format!("{}{}", lease.base_url, out.path_and_query);
-    let mut rb = state.gateway.http.request(out.method.clone(), url).timeout(Duration::from_secs(state.config.file.gateway.upstream_timeout_s)).body(body);
+    let mut rb = state
+        .gateway
+        .http
+        .request(out.method.clone(), url)
+        .timeout(Duration::from_secs(state.config.file.gateway.upstream_timeout_s))
+        .body(body);
     for h in [header::CONTENT_TYPE, header::ACCEPT] {
         if let Some(v) = out.headers.get(&h) {
             rb = rb.header(h, v.clone());
@@ -183,7 +208,11 @@ pub fn upstream_error(state: &AppState, lease: &crate::models::Lease, e: reqwest
         tracing::warn!(model = %model, error = %e, "upstream timed out");
         return GatewayError::UpstreamTimeout { model, seconds: state.config.file.gateway.upstream_timeout_s };
     }
-    let what = if e.is_connect() { "cannot connect to its worker (it may have stopped; the next call restarts it)" } else { "the connection to its worker broke off" };
+    let what = if e.is_connect() {
+        "cannot connect to its worker (it may have stopped; the next call restarts it)"
+    } else {
+        "the connection to its worker broke off"
+    };
     tracing::warn!(model = %model, upstream = %lease.base_url, error = %e, "upstream request failed");
     GatewayError::Upstream { model, what: what.into() }
 }
@@ -192,7 +221,13 @@ pub fn upstream_error(state: &AppState, lease: &crate::models::Lease, e: reqwest
 pub fn snippet(body: &[u8]) -> String {
     let text = serde_json::from_slice::<serde_json::Value>(body)
         .ok()
-        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("detail")).or_else(|| v.get("message")).and_then(|m| m.as_str()).map(str::to_string))
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("detail"))
+                .or_else(|| v.get("message"))
+                .and_then(|m| m.as_str())
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
     let text = crate::util::sanitize(text.trim());
     if text.chars().count() > 200 { format!("{}...", text.chars().take(200).collect::<String>()) } else { text }
@@ -206,7 +241,18 @@ pub fn upstream_code(status: StatusCode, body: &[u8]) -> String {
         .unwrap_or_else(|| format!("upstream_{}", status.as_u16()))
 }
 
-const HOP_BY_HOP: [&str; 10] = ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "content-length", "date"];
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "date",
+];
 
 /// Copies upstream response headers except hop-by-hop ones.
 pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {

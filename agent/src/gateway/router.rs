@@ -25,11 +25,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{*name}", get(models_list::get).fallback(proxy::unknown_route))
         .fallback(proxy::forward)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .merge(authed)
-        .with_state(state)
+    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).merge(authed).with_state(state)
 }
 
 /// Stamps the request (id, arrival time, peer) and authenticates it. A refusal is answered
@@ -40,7 +36,14 @@ async fn authenticate(State(state): State<AppState>, ConnectInfo(peer): ConnectI
         started: Instant::now(),
         time_us: crate::util::now_us(),
         client_addr: peer.ip().to_string(),
-        user_agent: req.headers().get(axum::http::header::USER_AGENT).and_then(|v| v.to_str().ok()).unwrap_or("").chars().take(256).collect(),
+        user_agent: req
+            .headers()
+            .get(axum::http::header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .chars()
+            .take(256)
+            .collect(),
     };
     let request_id = HeaderValue::from_str(&meta.request_id).ok();
     let mut resp = match auth::authenticate(&state, req.headers(), peer) {

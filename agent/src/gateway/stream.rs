@@ -56,7 +56,9 @@ pub async fn start(state: AppState, call: Call, parsed: Parsed, out: Outgoing) -
     match head_rx.await {
         Ok(Head::Error(resp)) => resp,
         Ok(Head::Stream) => {
-            let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<Bytes, std::io::Error>(b), rx)) }));
+            let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move {
+                rx.recv().await.map(|b| (Ok::<Bytes, std::io::Error>(b), rx))
+            }));
             let mut resp = Response::new(body);
             let h = resp.headers_mut();
             h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -123,7 +125,10 @@ impl Driver {
         }
         let state = self.state.clone();
         let Driver { call, body, client_gone, .. } = &mut self;
-        let call = std::mem::replace(call, Call { row: Default::default(), started: Instant::now(), wait_us: 0, upstream_us: 0, extra_headers: Vec::new() });
+        let call = std::mem::replace(
+            call,
+            Call { row: Default::default(), started: Instant::now(), wait_us: 0, upstream_us: 0, extra_headers: Vec::new() },
+        );
         call.record(&state);
         if done && !*client_gone {
             let _ = body.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
@@ -175,7 +180,8 @@ impl Driver {
         };
         self.call.row.upstream_ttfb_us = us_since(t0);
         let status = resp.status();
-        let is_sse = resp.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+        let is_sse =
+            resp.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
         if !status.is_success() || !is_sse {
             let headers = resp.headers().clone();
             let bytes = resp.bytes().await.unwrap_or_default();
@@ -197,7 +203,10 @@ impl Driver {
                 *r.status_mut() = status;
                 proxy::copy_headers(&headers, r.headers_mut());
                 let r = proxy::with_headers(r, &extra);
-                let call = std::mem::replace(&mut self.call, Call { row: Default::default(), started: Instant::now(), wait_us: 0, upstream_us: 0, extra_headers: Vec::new() });
+                let call = std::mem::replace(
+                    &mut self.call,
+                    Call { row: Default::default(), started: Instant::now(), wait_us: 0, upstream_us: 0, extra_headers: Vec::new() },
+                );
                 call.record(&self.state);
                 let _ = h.send(Head::Error(r));
                 return;
@@ -222,7 +231,8 @@ impl Driver {
                 Ok(Some(Err(e))) => {
                     self.call.upstream_us += us_since(t0);
                     tracing::warn!(model = %lease.model, error = %e, "upstream stream broke off");
-                    let err = GatewayError::Upstream { model: lease.model.clone(), what: "its worker's stream broke off before the end".into() };
+                    let err =
+                        GatewayError::Upstream { model: lease.model.clone(), what: "its worker's stream broke off before the end".into() };
                     return self.fail(err).await;
                 }
                 Ok(Some(Ok(chunk))) => {
@@ -322,7 +332,9 @@ pub fn classify(event: &[u8], strip_usage: bool) -> Event {
     if !strip_usage {
         return Event::Forward(Some(usage));
     }
-    let Ok(serde_json::Value::Object(mut chunk)) = serde_json::from_slice::<serde_json::Value>(&data) else { return Event::Forward(Some(usage)) };
+    let Ok(serde_json::Value::Object(mut chunk)) = serde_json::from_slice::<serde_json::Value>(&data) else {
+        return Event::Forward(Some(usage));
+    };
     let no_choices = match chunk.get("choices") {
         None | Some(serde_json::Value::Null) => true,
         Some(serde_json::Value::Array(a)) => a.is_empty(),

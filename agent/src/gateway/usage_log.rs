@@ -129,8 +129,16 @@ impl UsageLog {
         let file = open_segment(&dir, seq).map_err(jerr)?;
         let spilled = Counter::default();
         let write_failures = Counter::default();
-        registry.register("gateway_usage_rows_spilled", "Usage rows that found the writer queue full and wait in the on-disk journal", spilled.clone());
-        registry.register("gateway_usage_write_failures", "Failed usage-log writes (journal or store); rows are retried, not dropped", write_failures.clone());
+        registry.register(
+            "gateway_usage_rows_spilled",
+            "Usage rows that found the writer queue full and wait in the on-disk journal",
+            spilled.clone(),
+        );
+        registry.register(
+            "gateway_usage_write_failures",
+            "Failed usage-log writes (journal or store); rows are retried, not dropped",
+            write_failures.clone(),
+        );
         let inner = Arc::new(Inner {
             dir,
             segment: Mutex::new(Segment { seq, file: Some(file), rows: 0, spilled: false, opened: Instant::now() }),
@@ -370,7 +378,13 @@ fn take(m: Msg, batch: &mut Vec<UsageRow>, waiters: &mut Vec<oneshot::Sender<()>
 }
 
 /// Starts a new segment, makes sure every row of the old one is stored, then deletes it.
-async fn rotate_segment(w: &mut Writer, rx: &mut mpsc::Receiver<Msg>, waiters: &mut Vec<oneshot::Sender<()>>, closing: &mut bool, last: bool) {
+async fn rotate_segment(
+    w: &mut Writer,
+    rx: &mut mpsc::Receiver<Msg>,
+    waiters: &mut Vec<oneshot::Sender<()>>,
+    closing: &mut bool,
+    last: bool,
+) {
     let inner = w.inner.clone();
     let (old_seq, spilled) = {
         let mut seg = lock(&inner.segment);
@@ -413,7 +427,13 @@ mod tests {
     use crate::store::testing;
 
     fn row(i: usize) -> UsageRow {
-        UsageRow { request_id: format!("req-{i}"), time_us: 1_800_000_000_000_000 + i as i64, user: "alice".into(), status: 200, ..UsageRow::default() }
+        UsageRow {
+            request_id: format!("req-{i}"),
+            time_us: 1_800_000_000_000_000 + i as i64,
+            user: "alice".into(),
+            status: 200,
+            ..UsageRow::default()
+        }
     }
 
     #[tokio::test]

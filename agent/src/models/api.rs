@@ -52,7 +52,8 @@ async fn registry(State(state): State<AppState>) -> ApiResult {
     let rows: Vec<Value> = found
         .into_iter()
         .map(|r| {
-            let served_as: Vec<String> = state.catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(r.name.as_str())).map(|m| m.name.clone()).collect();
+            let served_as: Vec<String> =
+                state.catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(r.name.as_str())).map(|m| m.name.clone()).collect();
             json!({"name": r.name, "production": r.production, "served_as": served_as})
         })
         .collect();
@@ -89,12 +90,22 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
     let Some(mlflow) = state.models.mlflow() else {
         return Err(err(StatusCode::CONFLICT, "no MLflow registry configured; set mlflow.tracking_uri in agent.toml"));
     };
-    let entry = state.catalog.get(&req.model).cloned().or_else(|| state.catalog.models().find(|m| m.mlflow_model.as_deref() == Some(req.model.as_str())).cloned());
+    let entry = state
+        .catalog
+        .get(&req.model)
+        .cloned()
+        .or_else(|| state.catalog.models().find(|m| m.mlflow_model.as_deref() == Some(req.model.as_str())).cloned());
     let Some(entry) = entry else {
-        return Err(err(StatusCode::NOT_FOUND, format!("`{}` is neither a catalog model nor the mlflow_model of one; see `gpuhub models`", req.model)));
+        return Err(err(
+            StatusCode::NOT_FOUND,
+            format!("`{}` is neither a catalog model nor the mlflow_model of one; see `gpuhub models`", req.model),
+        ));
     };
     let Some(registered) = entry.mlflow_model.clone() else {
-        return Err(err(StatusCode::CONFLICT, format!("model `{}` has no mlflow_model in the catalog, so it has no versions to promote", entry.name)));
+        return Err(err(
+            StatusCode::CONFLICT,
+            format!("model `{}` has no mlflow_model in the catalog, so it has no versions to promote", entry.name),
+        ));
     };
     let outcome = mlflow
         .promote(&registered, &req.version, entry.eval_metric.as_deref(), entry.eval_threshold, entry.eval_lower_is_better)

@@ -272,7 +272,10 @@ impl ModelManager {
             metrics.set_state(name, None, State::Unloaded);
         }
         let rt = Runtime {
-            launchers: Launchers { local: launcher::local::Local, slurm: launcher::slurm::Slurm { cfg: f.slurm.clone(), dir: dir.clone() } },
+            launchers: Launchers {
+                local: launcher::local::Local,
+                slurm: launcher::slurm::Slurm { cfg: f.slurm.clone(), dir: dir.clone() },
+            },
             store: deps.store,
             metrics,
             cfg: f.workers.clone(),
@@ -368,8 +371,12 @@ impl Shared {
         s.detail = detail;
         if from != to {
             match to {
-                State::Failed => tracing::error!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state"),
-                _ => tracing::info!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state"),
+                State::Failed => {
+                    tracing::error!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state")
+                }
+                _ => {
+                    tracing::info!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state")
+                }
             }
             if let Some(rt) = &self.rt {
                 rt.metrics.set_state(&w.cfg.name, Some(from), to);
@@ -384,7 +391,12 @@ impl Shared {
         let waiting = WaitGuard(w.clone());
         if total >= m.max_concurrency + m.queue_len {
             let retry_after_s = if w.lock().state == State::Ready { 1 } else { 5 };
-            return Err(ModelError::Overloaded { model: m.name.clone(), in_flight: w.in_flight.load(Ordering::Relaxed), queue: m.queue_len, retry_after_s });
+            return Err(ModelError::Overloaded {
+                model: m.name.clone(),
+                in_flight: w.in_flight.load(Ordering::Relaxed),
+                queue: m.queue_len,
+                retry_after_s,
+            });
         }
         if m.launcher == LauncherKind::Static {
             w.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -399,7 +411,10 @@ impl Shared {
             });
         }
         let Some(rt) = &self.rt else {
-            return Err(ModelError::Unavailable { model: m.name.clone(), reason: "on-demand workers are not running in this process".into() });
+            return Err(ModelError::Unavailable {
+                model: m.name.clone(),
+                reason: "on-demand workers are not running in this process".into(),
+            });
         };
         let deadline = Instant::now() + Duration::from_secs(m.load_timeout_s);
         let mut rx = w.changed.subscribe();
@@ -424,7 +439,11 @@ impl Shared {
                     }
                     State::Failed if s.retry_at.is_some_and(|t| t > Instant::now()) => {
                         let secs = s.retry_at.map(|t| t.saturating_duration_since(Instant::now()).as_secs() + 1).unwrap_or(0);
-                        let mut reason = format!("{}; gpuhub retries in {secs}s (or run `gpuhub models load {}`)", s.detail.clone().unwrap_or_else(|| "it failed".into()), m.name);
+                        let mut reason = format!(
+                            "{}; gpuhub retries in {secs}s (or run `gpuhub models load {}`)",
+                            s.detail.clone().unwrap_or_else(|| "it failed".into()),
+                            m.name
+                        );
                         if !s.log_tail.is_empty() {
                             reason.push_str(&format!("; last log lines: {}", s.log_tail.join(" | ")));
                         }
@@ -451,13 +470,23 @@ impl Shared {
             }
         };
         drop(waiting);
-        let permit = match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), w.permits.clone().acquire_owned()).await {
+        let permit = match tokio::time::timeout_at(
+            deadline.max(Instant::now() + Duration::from_secs(60)),
+            w.permits.clone().acquire_owned(),
+        )
+        .await
+        {
             Ok(Ok(p)) => Some(p),
             _ => {
                 // Give back the count taken above; the guard below would do it, but no lease.
                 w.in_flight.fetch_sub(1, Ordering::AcqRel);
                 w.bump();
-                return Err(ModelError::Overloaded { model: m.name.clone(), in_flight: m.max_concurrency, queue: m.queue_len, retry_after_s: 1 });
+                return Err(ModelError::Overloaded {
+                    model: m.name.clone(),
+                    in_flight: m.max_concurrency,
+                    queue: m.queue_len,
+                    retry_after_s: 1,
+                });
             }
         };
         Ok(Lease {
@@ -515,15 +544,24 @@ impl Shared {
 
     async fn load_inner(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<Instance, LoadFailure> {
         let m = &w.cfg;
-        let evicted = self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
+        let evicted =
+            self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
         let version = self.resolve_version(rt, m).await;
-        let port = launcher::pick_port(&rt.cfg.host).map_err(|e| LoadFailure::new(format!("cannot find a free port on {}: {e}", rt.cfg.host)))?;
+        let port =
+            launcher::pick_port(&rt.cfg.host).map_err(|e| LoadFailure::new(format!("cannot find a free port on {}: {e}", rt.cfg.host)))?;
         let api_key = launcher::new_api_key();
         let model_path = m.model_path.clone().unwrap_or_default().replace("{version}", version.as_deref().unwrap_or(""));
         let port_s = port.to_string();
         let command = launcher::render(
             m.command.as_deref().unwrap_or(""),
-            &[("model", &m.name), ("model_path", &model_path), ("version", version.as_deref().unwrap_or("")), ("port", &port_s), ("host", &rt.cfg.host), ("api_key", &api_key)],
+            &[
+                ("model", &m.name),
+                ("model_path", &model_path),
+                ("version", version.as_deref().unwrap_or("")),
+                ("port", &port_s),
+                ("host", &rt.cfg.host),
+                ("api_key", &api_key),
+            ],
         );
         let spec = LaunchSpec {
             model: m.name.clone(),
@@ -552,7 +590,9 @@ impl Shared {
         }
         match self.wait_ready(rt, w, &inst, Instant::now() + Duration::from_secs(m.load_timeout_s)).await {
             Ok(()) => Ok(inst),
-            Err((message, counts)) => Err(LoadFailure { message, tail: launcher::log_tail(&inst.log_path, LOG_TAIL_LINES), counts, instance: Some(inst) }),
+            Err((message, counts)) => {
+                Err(LoadFailure { message, tail: launcher::log_tail(&inst.log_path, LOG_TAIL_LINES), counts, instance: Some(inst) })
+            }
         }
     }
 
@@ -582,7 +622,12 @@ impl Shared {
                         RunState::Running => {
                             let mut s = w.lock();
                             if s.state != State::Starting {
-                                self.transition(w, &mut s, State::Starting, Some(format!("worker {} running; waiting for {}", inst.id, m.health_path)));
+                                self.transition(
+                                    w,
+                                    &mut s,
+                                    State::Starting,
+                                    Some(format!("worker {} running; waiting for {}", inst.id, m.health_path)),
+                                );
                             }
                         }
                         RunState::Gone(how) => return Err((format!("the worker ended before it was ready: {how}"), true)),
@@ -598,7 +643,10 @@ impl Shared {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                return Err((format!("the worker did not answer {} within {}s (load_timeout_s); it was stopped", m.health_path, m.load_timeout_s), true));
+                return Err((
+                    format!("the worker did not answer {} within {}s (load_timeout_s); it was stopped", m.health_path, m.load_timeout_s),
+                    true,
+                ));
             }
             tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
             // From 2 ms up to 10 ms during the first 30 s (small models, warm caches: every ms
@@ -739,7 +787,9 @@ impl Shared {
         let budget = rt.cfg.vram_gib.map(|b| b - others(State::holds_gpu));
         let gpus = (rt.gpus)();
         // NVML already counts running workers; subtract those that are still loading.
-        let nvml = (!gpus.is_empty()).then(|| gpus.iter().map(|g| g.memory_free_bytes as f64 / GIB).sum::<f64>() - others(|s| matches!(s, State::Pending | State::Starting)));
+        let nvml = (!gpus.is_empty()).then(|| {
+            gpus.iter().map(|g| g.memory_free_bytes as f64 / GIB).sum::<f64>() - others(|s| matches!(s, State::Pending | State::Starting))
+        });
         match (budget, nvml) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -763,7 +813,12 @@ impl Shared {
         let gpus = (rt.gpus)();
         if !gpus.is_empty() {
             let used: f64 = gpus.iter().map(|g| (g.memory_total_bytes - g.memory_free_bytes.min(g.memory_total_bytes)) as f64 / GIB).sum();
-            let workers: f64 = self.workers.values().filter(|o| o.cfg.name != w.cfg.name && o.lock().state == State::Ready).map(|o| o.cfg.resources.vram_gib).sum();
+            let workers: f64 = self
+                .workers
+                .values()
+                .filter(|o| o.cfg.name != w.cfg.name && o.lock().state == State::Ready)
+                .map(|o| o.cfg.resources.vram_gib)
+                .sum();
             if used - workers > 0.05 {
                 holders.push(format!("other GPU processes (training jobs?) ({:.1} GiB)", used - workers));
             }
@@ -876,7 +931,9 @@ impl Shared {
             };
             let alive = match inst.launcher {
                 LauncherKind::Slurm => match rt.launchers.slurm.job(&inst.id).await {
-                    Ok(Some(j)) => j.name == launcher::slurm::job_name(&row.model) && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING"),
+                    Ok(Some(j)) => {
+                        j.name == launcher::slurm::job_name(&row.model) && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
+                    }
                     _ => false,
                 },
                 _ => launcher::local::Local::adopt(&inst.id, &inst.api_key),

@@ -54,7 +54,11 @@ impl ModelMetrics {
             evictions: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuhub");
-        r.register("model_state", "Model worker state (1 = current): unloaded, pending, starting, ready, draining, failed", m.state.clone());
+        r.register(
+            "model_state",
+            "Model worker state (1 = current): unloaded, pending, starting, ready, draining, failed",
+            m.state.clone(),
+        );
         r.register("model_transitions", "Model worker state transitions", m.transitions.clone());
         r.register_with_unit("model_load_duration", "Time from the first call to a ready worker", Unit::Seconds, m.load.clone());
         r.register("model_evictions", "Idle workers unloaded to make room for another model", m.evictions.clone());

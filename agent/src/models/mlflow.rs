@@ -69,20 +69,34 @@ impl Mlflow {
 
     /// Registered models tagged `served_by=gateway`, with their `@production` version.
     pub async fn discover(&self) -> Result<Vec<RegisteredModel>, MlflowError> {
-        let req = self.http.get(format!("{}/registered-models/search", self.base)).query(&[("filter", "tags.served_by = 'gateway'"), ("max_results", "1000")]);
+        let req = self
+            .http
+            .get(format!("{}/registered-models/search", self.base))
+            .query(&[("filter", "tags.served_by = 'gateway'"), ("max_results", "1000")]);
         let (_, body) = self.call("a registry search", req).await?;
         let models = body["registered_models"].as_array().cloned().unwrap_or_default();
         Ok(models
             .iter()
             .map(|m| RegisteredModel {
                 name: m["name"].as_str().unwrap_or("").to_string(),
-                production: m["aliases"].as_array().and_then(|a| a.iter().find(|x| x["alias"] == ALIAS)).and_then(|x| x["version"].as_str()).map(str::to_string),
+                production: m["aliases"]
+                    .as_array()
+                    .and_then(|a| a.iter().find(|x| x["alias"] == ALIAS))
+                    .and_then(|x| x["version"].as_str())
+                    .map(str::to_string),
             })
             .collect())
     }
 
     /// Moves `@production` to `version` when its run's `metric` passes `threshold`.
-    pub async fn promote(&self, name: &str, version: &str, metric: Option<&str>, threshold: Option<f64>, lower_is_better: bool) -> Result<Promotion, MlflowError> {
+    pub async fn promote(
+        &self,
+        name: &str,
+        version: &str,
+        metric: Option<&str>,
+        threshold: Option<f64>,
+        lower_is_better: bool,
+    ) -> Result<Promotion, MlflowError> {
         let req = self.http.get(format!("{}/model-versions/get", self.base)).query(&[("name", name), ("version", version)]);
         let (status, body) = self.call("a model-version lookup", req).await?;
         if status >= 400 {
@@ -91,29 +105,57 @@ impl Mlflow {
         if let (Some(metric), Some(threshold)) = (metric, threshold) {
             let run_id = body["model_version"]["run_id"].as_str().unwrap_or("");
             if run_id.is_empty() {
-                return Ok(Promotion { promoted: false, message: format!("not promoted: version {version} of `{name}` has no run, so its `{metric}` cannot be checked; log the model from a run that logs `{metric}`") });
+                return Ok(Promotion {
+                    promoted: false,
+                    message: format!(
+                        "not promoted: version {version} of `{name}` has no run, so its `{metric}` cannot be checked; log the model from a run that logs `{metric}`"
+                    ),
+                });
             }
             let req = self.http.get(format!("{}/runs/get", self.base)).query(&[("run_id", run_id)]);
             let (_, run) = self.call("a run lookup", req).await?;
-            let value = run["run"]["data"]["metrics"].as_array().and_then(|ms| ms.iter().find(|m| m["key"] == metric)).and_then(|m| m["value"].as_f64());
+            let value = run["run"]["data"]["metrics"]
+                .as_array()
+                .and_then(|ms| ms.iter().find(|m| m["key"] == metric))
+                .and_then(|m| m["value"].as_f64());
             let Some(value) = value else {
-                return Ok(Promotion { promoted: false, message: format!("not promoted: run {run_id} of version {version} did not log `{metric}` (the catalog's eval_metric for `{name}`)") });
+                return Ok(Promotion {
+                    promoted: false,
+                    message: format!(
+                        "not promoted: run {run_id} of version {version} did not log `{metric}` (the catalog's eval_metric for `{name}`)"
+                    ),
+                });
             };
             let passes = if lower_is_better { value <= threshold } else { value >= threshold };
             if !passes {
                 let cmp = if lower_is_better { "above" } else { "below" };
-                return Ok(Promotion { promoted: false, message: format!("not promoted: version {version} of `{name}` has {metric} = {value}, {cmp} the threshold {threshold} (eval_threshold in the catalog)") });
+                return Ok(Promotion {
+                    promoted: false,
+                    message: format!(
+                        "not promoted: version {version} of `{name}` has {metric} = {value}, {cmp} the threshold {threshold} (eval_threshold in the catalog)"
+                    ),
+                });
             }
         }
-        let req = self.http.post(format!("{}/registered-models/alias", self.base)).json(&serde_json::json!({"name": name, "alias": ALIAS, "version": version}));
+        let req = self
+            .http
+            .post(format!("{}/registered-models/alias", self.base))
+            .json(&serde_json::json!({"name": name, "alias": ALIAS, "version": version}));
         let (status, body) = self.call("moving the alias", req).await?;
         if status >= 400 {
-            return Err(MlflowError::Api { what: "moving the alias".into(), status, message: body["message"].as_str().unwrap_or("").to_string() });
+            return Err(MlflowError::Api {
+                what: "moving the alias".into(),
+                status,
+                message: body["message"].as_str().unwrap_or("").to_string(),
+            });
         }
         let why = match (metric, threshold) {
             (Some(m), Some(t)) => format!(" ({m} passes the threshold {t})"),
             _ => " (no eval gate configured for it)".to_string(),
         };
-        Ok(Promotion { promoted: true, message: format!("`{name}@{ALIAS}` now points at version {version}{why}; the next worker start serves it") })
+        Ok(Promotion {
+            promoted: true,
+            message: format!("`{name}@{ALIAS}` now points at version {version}{why}; the next worker start serves it"),
+        })
     }
 }

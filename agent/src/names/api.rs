@@ -192,10 +192,19 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
         },
     };
     let today = super::today();
-    let ctx = Ctx { catalog: names.catalog(), inner: &inner, today: &today, actor: &caller.user, callers: &report, retired_status: names.retired_status() };
+    let ctx = Ctx {
+        catalog: names.catalog(),
+        inner: &inner,
+        today: &today,
+        actor: &caller.user,
+        callers: &report,
+        retired_status: names.retired_status(),
+    };
     let need = |o: &Option<String>, what: &str| o.clone().ok_or_else(|| LifecycleError::Invalid(format!("{what} is missing")));
     let planned: Result<Plan, LifecycleError> = match kind {
-        Change::Rename => need(&req.to, "the new name").and_then(|to| lifecycle::plan_rename(&ctx, &req.name, &to, req.sunset.as_deref(), "rename")),
+        Change::Rename => {
+            need(&req.to, "the new name").and_then(|to| lifecycle::plan_rename(&ctx, &req.name, &to, req.sunset.as_deref(), "rename"))
+        }
         Change::Deprecate => lifecycle::plan_deprecate(&ctx, &req.name, req.to.as_deref(), req.sunset.as_deref()),
         Change::Retire => lifecycle::plan_retire(&ctx, &req.name),
         Change::Restore => lifecycle::plan_restore(&ctx, &req.name),
@@ -225,7 +234,10 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
             && let Err(e) = crate::snapshot::write(&state)
         {
             tracing::error!(error = %e, "cannot rewrite the snapshot after a role change");
-            plan.warnings.push(format!("the snapshot {} could not be rewritten ({e}); new jobs get the old roles until it is (restart the agent)", state.config.snapshot_path.display()));
+            plan.warnings.push(format!(
+                "the snapshot {} could not be rewritten ({e}); new jobs get the old roles until it is (restart the agent)",
+                state.config.snapshot_path.display()
+            ));
         }
     }
     Json(json!({"applied": applied, "dry_run": req.dry_run, "refused": refused, "plan": plan, "callers": report})).into_response()
@@ -270,7 +282,8 @@ async fn rebuild_callers(State(state): State<AppState>, caller: Caller) -> Respo
         Err(e) => return store_err(e),
     };
     tracing::info!(by = %caller.user, names = totals.len(), seconds = t.elapsed().as_secs_f64(), "callers registry rebuilt from the usage log");
-    Json(json!({"names": totals.len(), "calls": totals.iter().map(|t| t.calls).sum::<i64>(), "seconds": t.elapsed().as_secs_f64()})).into_response()
+    Json(json!({"names": totals.len(), "calls": totals.iter().map(|t| t.calls).sum::<i64>(), "seconds": t.elapsed().as_secs_f64()}))
+        .into_response()
 }
 
 async fn roles(State(state): State<AppState>) -> Response {

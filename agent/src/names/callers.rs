@@ -171,7 +171,11 @@ mod tests {
         assert_eq!(address_only("10.1.2.3:5555"), "10.1.2.3");
         assert_eq!(address_only("[::1]:80"), "::1");
         assert_eq!(address_only("unix"), "unix");
-        let rows = [row("svc-ocr", 5, "alice", "deprecated", "10.0.0.1:1"), row("svc-ocr", 9, "alice", "retired", "10.0.0.1:2"), row("", 9, "x", "", "")];
+        let rows = [
+            row("svc-ocr", 5, "alice", "deprecated", "10.0.0.1:1"),
+            row("svc-ocr", 9, "alice", "retired", "10.0.0.1:2"),
+            row("", 9, "x", "", ""),
+        ];
         let agg = aggregate(&rows);
         assert_eq!(agg.len(), 1, "{agg:?}");
         assert_eq!(agg[0].1, CallerCounts { calls: 2, refused: 1, first_us: 5, last_us: 9 });
@@ -240,6 +244,10 @@ mod tests {
         assert_eq!((r.calls, r.total_callers, r.callers.len(), r.last_us), (14, 3, 2, Some(10)));
         assert_eq!(r.users, vec!["alice", "bob"]);
         assert_eq!(r.apps, vec!["ocr-app", "batch"]);
-        assert!(r.summary().starts_with("3 callers (alice/ocr-app, bob/batch, +1 more) made 14 calls to `svc-ocr` since 1970-01-01"), "{}", r.summary());
+        assert!(
+            r.summary().starts_with("3 callers (alice/ocr-app, bob/batch, +1 more) made 14 calls to `svc-ocr` since 1970-01-01"),
+            "{}",
+            r.summary()
+        );
     }
 }

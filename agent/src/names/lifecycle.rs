@@ -90,7 +90,9 @@ enum Current {
     /// A catalog model's own name.
     Model,
     /// A catalog alias of `of`.
-    Alias { of: String },
+    Alias {
+        of: String,
+    },
     /// A role (served as its model, or unassigned).
     Role,
     Unknown,
@@ -127,7 +129,11 @@ pub fn validate_name(name: &str) -> Result<(), LifecycleError> {
         return Err(LifecycleError::Invalid("the name is empty; give a model name such as `dots.ocr`".into()));
     }
     if name.chars().count() > 128 {
-        return Err(LifecycleError::Invalid(format!("name `{}…` is {} characters long; the limit is 128", shown.chars().take(32).collect::<String>(), name.chars().count())));
+        return Err(LifecycleError::Invalid(format!(
+            "name `{}…` is {} characters long; the limit is 128",
+            shown.chars().take(32).collect::<String>(),
+            name.chars().count()
+        )));
     }
     if let Some(c) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || "._-/:".contains(*c))) {
         let what = if c == ' ' {
@@ -145,7 +151,9 @@ pub fn validate_name(name: &str) -> Result<(), LifecycleError> {
         return Err(LifecycleError::Invalid(format!("name `{shown}` must start with a letter or a digit")));
     }
     if name.ends_with('/') || name.contains("//") || name.contains("..") {
-        return Err(LifecycleError::Invalid(format!("name `{shown}` has an empty path part (`//`, `..` or a trailing `/`); write it as the model id, e.g. `Qwen/Qwen3-8B`")));
+        return Err(LifecycleError::Invalid(format!(
+            "name `{shown}` has an empty path part (`//`, `..` or a trailing `/`); write it as the model id, e.g. `Qwen/Qwen3-8B`"
+        )));
     }
     Ok(())
 }
@@ -164,22 +172,57 @@ pub fn validate_sunset(sunset: &str, today: &str, name: &str) -> Result<(), Life
     Ok(())
 }
 
-fn history(ctx: &Ctx<'_>, action: &str, subject: &str, from: (Option<String>, Option<String>), to: (Option<String>, Option<String>), sunset: Option<String>, note: String) -> NewHistory {
-    NewHistory { actor: ctx.actor.to_string(), action: action.to_string(), subject: subject.to_string(), from_state: from.0, to_state: to.0, from_target: from.1, to_target: to.1, sunset_date: sunset, note }
+fn history(
+    ctx: &Ctx<'_>,
+    action: &str,
+    subject: &str,
+    from: (Option<String>, Option<String>),
+    to: (Option<String>, Option<String>),
+    sunset: Option<String>,
+    note: String,
+) -> NewHistory {
+    NewHistory {
+        actor: ctx.actor.to_string(),
+        action: action.to_string(),
+        subject: subject.to_string(),
+        from_state: from.0,
+        to_state: to.0,
+        from_target: from.1,
+        to_target: to.1,
+        sunset_date: sunset,
+        note,
+    }
 }
 
 fn row(ctx: &Ctx<'_>, name: &str, state: NameState, replacement: Option<String>, since: Option<String>, sunset: Option<String>) -> NameRow {
-    NameRow { name: name.to_string(), state: state.as_str().to_string(), replacement, since_date: since, sunset_date: sunset, updated_us: 0, updated_by: ctx.actor.to_string() }
+    NameRow {
+        name: name.to_string(),
+        state: state.as_str().to_string(),
+        replacement,
+        since_date: since,
+        sunset_date: sunset,
+        updated_us: 0,
+        updated_by: ctx.actor.to_string(),
+    }
 }
 
 fn suggestions(ctx: &Ctx<'_>, asked: &str) -> String {
     let candidates: Vec<String> = ctx.catalog.all_names().cloned().chain(ctx.inner.names.keys().cloned()).collect();
     let s = suggest::closest(asked, &candidates, 3);
-    if s.is_empty() { String::new() } else { format!("; did you mean {}?", s.iter().map(|x| format!("`{x}`")).collect::<Vec<_>>().join(" or ")) }
+    if s.is_empty() {
+        String::new()
+    } else {
+        format!("; did you mean {}?", s.iter().map(|x| format!("`{x}`")).collect::<Vec<_>>().join(" or "))
+    }
 }
 
 fn env_hint(inner: &Inner, name: &str) -> String {
-    let vars: Vec<String> = inner.roles.iter().filter(|(_, m)| m.as_deref() == Some(name)).filter_map(|(r, _)| gpuhub_wire::snapshot::role_env_var(r)).collect();
+    let vars: Vec<String> = inner
+        .roles
+        .iter()
+        .filter(|(_, m)| m.as_deref() == Some(name))
+        .filter_map(|(r, _)| gpuhub_wire::snapshot::role_env_var(r))
+        .collect();
     if vars.is_empty() { String::new() } else { format!(" (or set {})", vars.join(", ")) }
 }
 
@@ -190,7 +233,10 @@ fn preview(ctx: &Ctx<'_>, after: &Inner, name: &str) -> String {
         Some(f) => format!("HTTP {} {}: \"{}\"", f.status, f.code, f.message),
         None => match r {
             Resolution::Deprecated { model, sunset, .. } => {
-                format!("served by `{model}` with Deprecation{} and Link headers", sunset.map(|s| format!(", Sunset ({s})")).unwrap_or_default())
+                format!(
+                    "served by `{model}` with Deprecation{} and Link headers",
+                    sunset.map(|s| format!(", Sunset ({s})")).unwrap_or_default()
+                )
             }
             other => format!("served by `{}`", other.model().unwrap_or("?")),
         },
@@ -204,7 +250,17 @@ fn after(inner: &Inner, ops: &[NameOp]) -> Inner {
         match op {
             NameOp::Put(r) => {
                 let state = NameState::parse(&r.state).unwrap_or(NameState::Retired);
-                next.names.insert(r.name.clone(), NameRecord { state, replacement: r.replacement.clone(), since: r.since_date.clone(), sunset: r.sunset_date.clone(), updated_us: 0, updated_by: r.updated_by.clone() });
+                next.names.insert(
+                    r.name.clone(),
+                    NameRecord {
+                        state,
+                        replacement: r.replacement.clone(),
+                        since: r.since_date.clone(),
+                        sunset: r.sunset_date.clone(),
+                        updated_us: 0,
+                        updated_by: r.updated_by.clone(),
+                    },
+                );
             }
             NameOp::Delete { name } => {
                 next.names.remove(name);
@@ -232,7 +288,12 @@ fn check_target(ctx: &Ctx<'_>, old: &str, target: &str) -> Result<String, Lifecy
     validate_name(target)?;
     match current(ctx, target) {
         Current::Registry(rec) => match rec.state {
-            NameState::Active => served_model(ctx.catalog, ctx.inner, target).ok_or_else(|| LifecycleError::Invalid(format!("`{target}` points at `{}`, which is not served; pick a served name", rec.replacement.unwrap_or_default()))),
+            NameState::Active => served_model(ctx.catalog, ctx.inner, target).ok_or_else(|| {
+                LifecycleError::Invalid(format!(
+                    "`{target}` points at `{}`, which is not served; pick a served name",
+                    rec.replacement.unwrap_or_default()
+                ))
+            }),
             NameState::Deprecated | NameState::Retired if rec.replacement.as_deref() == Some(old) => Err(LifecycleError::Invalid(format!(
                 "renaming `{old}` to `{target}` would make a cycle: `{target}` was itself renamed to `{old}`{}; to undo that rename, run `gpuhub names restore {target}`",
                 rec.since.map(|d| format!(" on {d}")).unwrap_or_default()
@@ -242,10 +303,16 @@ fn check_target(ctx: &Ctx<'_>, old: &str, target: &str) -> Result<String, Lifecy
                 rec.replacement.clone().unwrap_or_default(),
                 rec.replacement.unwrap_or_default()
             ))),
-            NameState::Retired => Err(LifecycleError::Invalid(format!("`{target}` is retired; a rename target must be a name served now (see `gpuhub names list`)"))),
+            NameState::Retired => Err(LifecycleError::Invalid(format!(
+                "`{target}` is retired; a rename target must be a name served now (see `gpuhub names list`)"
+            ))),
         },
-        Current::Model | Current::Alias { .. } => served_model(ctx.catalog, ctx.inner, target).ok_or_else(|| LifecycleError::Invalid(format!("`{target}` is not served"))),
-        Current::Role => Err(LifecycleError::Invalid(format!("`{target}` is a role, not a model name; rename to the role's model (see `gpuhub roles`)"))),
+        Current::Model | Current::Alias { .. } => {
+            served_model(ctx.catalog, ctx.inner, target).ok_or_else(|| LifecycleError::Invalid(format!("`{target}` is not served")))
+        }
+        Current::Role => {
+            Err(LifecycleError::Invalid(format!("`{target}` is a role, not a model name; rename to the role's model (see `gpuhub roles`)")))
+        }
         Current::Unknown => Err(LifecycleError::Invalid(format!(
             "`{target}` is not served here{}; add a [[models]] entry (or an alias) named `{target}` to agent.toml and restart the agent, then rename",
             suggestions(ctx, target)
@@ -284,7 +351,9 @@ pub fn plan_rename(ctx: &Ctx<'_>, old: &str, new: &str, sunset: Option<&str>, ac
     };
     let mut since = ctx.today.to_string();
     match &cur {
-        Current::Role => return Err(LifecycleError::Invalid(format!("`{old}` is a role; change its model with `gpuhub roles set {old} MODEL`"))),
+        Current::Role => {
+            return Err(LifecycleError::Invalid(format!("`{old}` is a role; change its model with `gpuhub roles set {old} MODEL`")));
+        }
         Current::Registry(rec) if rec.state == NameState::Deprecated && rec.replacement.as_deref() == Some(new) => {
             if rec.sunset.as_deref() == sunset || sunset.is_none() {
                 return Err(LifecycleError::Invalid(format!(
@@ -293,10 +362,16 @@ pub fn plan_rename(ctx: &Ctx<'_>, old: &str, new: &str, sunset: Option<&str>, ac
                 )));
             }
             since = rec.since.clone().unwrap_or(since);
-            plan.effects.push(format!("the sunset of `{old}` moves from {} to {}", rec.sunset.as_deref().unwrap_or("none"), sunset.unwrap_or("none")));
+            plan.effects.push(format!(
+                "the sunset of `{old}` moves from {} to {}",
+                rec.sunset.as_deref().unwrap_or("none"),
+                sunset.unwrap_or("none")
+            ));
         }
         Current::Registry(rec) if rec.state == NameState::Retired => {
-            plan.warnings.push(format!("`{old}` is retired now; after this its callers are served again (as `{new_model}`) with deprecation headers"));
+            plan.warnings.push(format!(
+                "`{old}` is retired now; after this its callers are served again (as `{new_model}`) with deprecation headers"
+            ));
         }
         Current::Unknown => {
             if ctx.callers.calls == 0 {
@@ -305,7 +380,10 @@ pub fn plan_rename(ctx: &Ctx<'_>, old: &str, new: &str, sunset: Option<&str>, ac
                     suggestions(ctx, old)
                 ));
             } else {
-                plan.effects.push(format!("`{old}` is not served now: {} calls got a 404; after this they are served by `{new_model}`", ctx.callers.calls));
+                plan.effects.push(format!(
+                    "`{old}` is not served now: {} calls got a 404; after this they are served by `{new_model}`",
+                    ctx.callers.calls
+                ));
             }
         }
         Current::Registry(_) | Current::Model | Current::Alias { .. } => {
@@ -351,7 +429,15 @@ pub fn plan_rename(ctx: &Ctx<'_>, old: &str, new: &str, sunset: Option<&str>, ac
     for (role, model) in &ctx.inner.roles {
         if model.as_deref() == Some(old) {
             plan.ops.push(NameOp::Role { role: role.clone(), model: new.to_string(), by: ctx.actor.to_string() });
-            plan.history.push(history(ctx, "role-set", role, (None, Some(old.to_string())), (None, Some(new.to_string())), None, format!("follows the rename of `{old}`")));
+            plan.history.push(history(
+                ctx,
+                "role-set",
+                role,
+                (None, Some(old.to_string())),
+                (None, Some(new.to_string())),
+                None,
+                format!("follows the rename of `{old}`"),
+            ));
             let var = gpuhub_wire::snapshot::role_env_var(role).unwrap_or_default();
             plan.effects.push(format!("role `{role}` moves from `{old}` to `{new}`: jobs started from now on get {var}={new}; services outside Slurm: re-run `gpuhub env`"));
             plan.roles_changed.push(role.clone());
@@ -370,11 +456,23 @@ pub fn plan_deprecate(ctx: &Ctx<'_>, name: &str, replacement: Option<&str>, suns
     let target = match replacement {
         Some(r) => r.to_string(),
         None => match current(ctx, name) {
-            Current::Registry(rec) if rec.state != NameState::Retired => rec.replacement.clone().ok_or_else(|| LifecycleError::Invalid(format!("`{name}` has no replacement on record; say which name callers should move to with --replacement NAME")))?,
-            Current::Registry(_) => return Err(LifecycleError::Invalid(format!("`{name}` is retired; `gpuhub names restore {name}` first, or rename it"))),
+            Current::Registry(rec) if rec.state != NameState::Retired => rec.replacement.clone().ok_or_else(|| {
+                LifecycleError::Invalid(format!(
+                    "`{name}` has no replacement on record; say which name callers should move to with --replacement NAME"
+                ))
+            })?,
+            Current::Registry(_) => {
+                return Err(LifecycleError::Invalid(format!("`{name}` is retired; `gpuhub names restore {name}` first, or rename it")));
+            }
             Current::Alias { of } => of,
-            Current::Model => return Err(LifecycleError::Invalid(format!("`{name}` is a model's own name; say which name callers should move to with --replacement NAME, or retire it"))),
-            Current::Role => return Err(LifecycleError::Invalid(format!("`{name}` is a role; change its model with `gpuhub roles set {name} MODEL`"))),
+            Current::Model => {
+                return Err(LifecycleError::Invalid(format!(
+                    "`{name}` is a model's own name; say which name callers should move to with --replacement NAME, or retire it"
+                )));
+            }
+            Current::Role => {
+                return Err(LifecycleError::Invalid(format!("`{name}` is a role; change its model with `gpuhub roles set {name} MODEL`")));
+            }
             Current::Unknown => return Err(LifecycleError::NotFound(format!("`{name}` is not a known name{}", suggestions(ctx, name)))),
         },
     };
@@ -390,12 +488,19 @@ pub fn plan_retire(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
     let (from_state, from_target) = state_label(&cur);
     let (replacement, since, sunset) = match &cur {
         Current::Registry(rec) if rec.state == NameState::Retired => {
-            return Err(LifecycleError::Invalid(format!("`{name}` is already retired{}; nothing to do", rec.since.as_ref().map(|d| format!(" (renamed on {d})")).unwrap_or_default())));
+            return Err(LifecycleError::Invalid(format!(
+                "`{name}` is already retired{}; nothing to do",
+                rec.since.as_ref().map(|d| format!(" (renamed on {d})")).unwrap_or_default()
+            )));
         }
         Current::Registry(rec) => (rec.replacement.clone(), rec.since.clone(), rec.sunset.clone()),
         Current::Alias { of } => (Some(of.clone()), None, None),
         Current::Model => (None, None, None),
-        Current::Role => return Err(LifecycleError::Invalid(format!("`{name}` is a role; to leave it without a model, run `gpuhub roles unset {name}`"))),
+        Current::Role => {
+            return Err(LifecycleError::Invalid(format!(
+                "`{name}` is a role; to leave it without a model, run `gpuhub roles unset {name}`"
+            )));
+        }
         Current::Unknown => return Err(LifecycleError::NotFound(format!("`{name}` is not a known name{}", suggestions(ctx, name)))),
     };
     let mut plan = Plan {
@@ -431,7 +536,15 @@ pub fn plan_retire(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
     }
     let since = since.unwrap_or_else(|| ctx.today.to_string());
     plan.ops.push(NameOp::Put(row(ctx, name, NameState::Retired, replacement.clone(), Some(since), sunset.clone())));
-    plan.history.push(history(ctx, "retire", name, (Some(plan.from_state.clone()), plan.from_target.clone()), (Some("retired".into()), replacement.clone()), sunset, String::new()));
+    plan.history.push(history(
+        ctx,
+        "retire",
+        name,
+        (Some(plan.from_state.clone()), plan.from_target.clone()),
+        (Some("retired".into()), replacement.clone()),
+        sunset,
+        String::new(),
+    ));
     // No job may get a <ROLE>_MODEL that is refused.
     for (role, model) in &ctx.inner.roles {
         if model.as_deref() != Some(name) {
@@ -440,7 +553,15 @@ pub fn plan_retire(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
         match &replacement {
             Some(r) => {
                 plan.ops.push(NameOp::Role { role: role.clone(), model: r.clone(), by: ctx.actor.to_string() });
-                plan.history.push(history(ctx, "role-set", role, (None, Some(name.to_string())), (None, Some(r.clone())), None, format!("follows the retirement of `{name}`")));
+                plan.history.push(history(
+                    ctx,
+                    "role-set",
+                    role,
+                    (None, Some(name.to_string())),
+                    (None, Some(r.clone())),
+                    None,
+                    format!("follows the retirement of `{name}`"),
+                ));
                 plan.effects.push(format!("role `{role}` moves from `{name}` to `{r}`"));
                 plan.roles_changed.push(role.clone());
             }
@@ -468,7 +589,10 @@ pub fn plan_restore(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
         Current::Unknown => return Err(LifecycleError::NotFound(format!("`{name}` is not a known name{}", suggestions(ctx, name)))),
     };
     if rec.state == NameState::Active {
-        return Err(LifecycleError::Invalid(format!("`{name}` is active (an alias of `{}`); nothing to restore", rec.replacement.unwrap_or_default())));
+        return Err(LifecycleError::Invalid(format!(
+            "`{name}` is active (an alias of `{}`); nothing to restore",
+            rec.replacement.unwrap_or_default()
+        )));
     }
     let in_catalog = ctx.catalog.get(name).is_some();
     let mut plan = Plan {
@@ -493,11 +617,21 @@ pub fn plan_restore(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
             LifecycleError::Invalid(format!("`{name}` has no replacement on record, so nothing would serve it; rename it to a served name instead: `gpuhub names rename {name} MODEL`"))
         })?;
         if served_model(ctx.catalog, ctx.inner, &target).is_none() {
-            return Err(LifecycleError::Invalid(format!("`{name}` pointed at `{target}`, which is not served any more; rename it to a served name instead: `gpuhub names rename {name} MODEL`")));
+            return Err(LifecycleError::Invalid(format!(
+                "`{name}` pointed at `{target}`, which is not served any more; rename it to a served name instead: `gpuhub names rename {name} MODEL`"
+            )));
         }
         plan.ops.push(NameOp::Put(row(ctx, name, NameState::Active, Some(target), None, None)));
     }
-    plan.history.push(history(ctx, "restore", name, (Some(plan.from_state.clone()), rec.replacement.clone()), (Some("active".into()), plan.to_target.clone()), None, String::new()));
+    plan.history.push(history(
+        ctx,
+        "restore",
+        name,
+        (Some(plan.from_state.clone()), rec.replacement.clone()),
+        (Some("active".into()), plan.to_target.clone()),
+        None,
+        String::new(),
+    ));
     let next = after(ctx.inner, &plan.ops);
     plan.effects.push(format!("calls to `{name}` are {} without deprecation headers", preview(ctx, &next, name)));
     plan.effects.push("roles are not changed (`gpuhub roles set ROLE MODEL` moves one)".into());
@@ -507,7 +641,10 @@ pub fn plan_restore(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
 /// `gpuhub roles set ROLE MODEL` / `gpuhub roles unset ROLE` (`model = None`).
 pub fn plan_role(ctx: &Ctx<'_>, role: &str, model: Option<&str>) -> Result<Plan, LifecycleError> {
     let Some(var) = gpuhub_wire::snapshot::role_env_var(role) else {
-        return Err(LifecycleError::Invalid(format!("role `{}` must be 1-64 letters, digits, - or _, starting with a letter (it becomes <ROLE>_MODEL)", role.escape_debug())));
+        return Err(LifecycleError::Invalid(format!(
+            "role `{}` must be 1-64 letters, digits, - or _, starting with a letter (it becomes <ROLE>_MODEL)",
+            role.escape_debug()
+        )));
     };
     let old = ctx.inner.roles.get(role).cloned();
     if let Some(m) = model {
@@ -521,9 +658,14 @@ pub fn plan_role(ctx: &Ctx<'_>, role: &str, model: Option<&str>) -> Result<Plan,
                 let rep = ctx.inner.names.get(m).and_then(|r| r.replacement.clone()).unwrap_or_default();
                 return Err(LifecycleError::Invalid(format!("`{m}` is deprecated (renamed to `{rep}`); assign `{rep}`")));
             }
-            Resolution::Retired { .. } => return Err(LifecycleError::Invalid(format!("`{m}` is retired; assign a served model (see `gpuhub names list`)"))),
+            Resolution::Retired { .. } => {
+                return Err(LifecycleError::Invalid(format!("`{m}` is retired; assign a served model (see `gpuhub names list`)")));
+            }
             Resolution::RoleUnassigned { .. } | Resolution::Unknown { .. } => {
-                return Err(LifecycleError::Invalid(format!("`{m}` is not served here{}; add it to the catalog first", suggestions(ctx, m))));
+                return Err(LifecycleError::Invalid(format!(
+                    "`{m}` is not served here{}; add it to the catalog first",
+                    suggestions(ctx, m)
+                )));
             }
         }
     }
@@ -555,7 +697,9 @@ pub fn plan_role(ctx: &Ctx<'_>, role: &str, model: Option<&str>) -> Result<Plan,
     };
     plan.history.push(history(ctx, plan.action, role, (None, old_model.clone()), (None, model.map(str::to_string)), None, String::new()));
     match model {
-        Some(m) => plan.effects.push(format!("jobs started from now on get {var}={m}; running jobs keep their environment; services outside Slurm: re-run `gpuhub env`")),
+        Some(m) => plan.effects.push(format!(
+            "jobs started from now on get {var}={m}; running jobs keep their environment; services outside Slurm: re-run `gpuhub env`"
+        )),
         None => {
             plan.effects.push(format!("jobs started from now on get no {var}; calls to `{role}` get HTTP 503 role_unassigned"));
             if let Some(o) = &old_model {
@@ -590,7 +734,17 @@ mod tests {
     }
 
     fn some_callers(name: &str) -> CallersReport {
-        let c = CallerRow { user_name: "alice".into(), app: "ocr-app".into(), job_id: String::new(), client_addr: "127.0.0.1".into(), user_agent: "curl".into(), calls: 5, refused: 0, first_us: 1, last_us: 2 };
+        let c = CallerRow {
+            user_name: "alice".into(),
+            app: "ocr-app".into(),
+            job_id: String::new(),
+            client_addr: "127.0.0.1".into(),
+            user_agent: "curl".into(),
+            calls: 5,
+            refused: 0,
+            first_us: 1,
+            last_us: 2,
+        };
         CallersReport::build(name, 0, vec![c], 10)
     }
 
@@ -636,7 +790,17 @@ mod tests {
     fn the_incident_rename_moves_roles_and_keeps_serving() {
         let (cat, mut inner) = setup();
         // Before the rename: svc-ocr is a served alias and the OCR role names it.
-        inner.names.insert("svc-ocr".into(), NameRecord { state: NameState::Active, replacement: Some("dots.ocr".into()), since: None, sunset: None, updated_us: 0, updated_by: "x".into() });
+        inner.names.insert(
+            "svc-ocr".into(),
+            NameRecord {
+                state: NameState::Active,
+                replacement: Some("dots.ocr".into()),
+                since: None,
+                sunset: None,
+                updated_us: 0,
+                updated_by: "x".into(),
+            },
+        );
         inner.roles.insert("ocr".into(), Some("svc-ocr".into()));
         let callers = some_callers("svc-ocr");
         let c = ctx(&cat, &inner, &callers);
@@ -648,10 +812,16 @@ mod tests {
         assert!(text.contains("alice/ocr-app"), "{text}");
         assert!(text.contains("Sunset (2026-12-31)"), "{text}");
         let next = apply(&inner, &plan);
-        assert_eq!(resolve_in(&cat, &next, "svc-ocr"), Resolution::Deprecated { model: "dots.ocr".into(), since: Some("2026-11-30".into()), sunset: Some("2026-12-31".into()) });
+        assert_eq!(
+            resolve_in(&cat, &next, "svc-ocr"),
+            Resolution::Deprecated { model: "dots.ocr".into(), since: Some("2026-11-30".into()), sunset: Some("2026-12-31".into()) }
+        );
         assert_eq!(next.roles["ocr"].as_deref(), Some("dots.ocr"));
         assert_eq!(plan.history.len(), 2);
-        assert_eq!((plan.history[0].actor.as_str(), plan.history[0].from_state.as_deref(), plan.history[0].to_state.as_deref()), ("root", Some("active"), Some("deprecated")));
+        assert_eq!(
+            (plan.history[0].actor.as_str(), plan.history[0].from_state.as_deref(), plan.history[0].to_state.as_deref()),
+            ("root", Some("active"), Some("deprecated"))
+        );
     }
 
     #[test]
@@ -687,7 +857,17 @@ mod tests {
     fn chains_are_flattened_when_the_target_is_renamed() {
         let (cat, mut inner) = setup();
         // chat-latest is an alias of demo-chat; a registry name old-chat -> chat-latest.
-        inner.names.insert("old-chat".into(), NameRecord { state: NameState::Deprecated, replacement: Some("chat-latest".into()), since: None, sunset: None, updated_us: 0, updated_by: "x".into() });
+        inner.names.insert(
+            "old-chat".into(),
+            NameRecord {
+                state: NameState::Deprecated,
+                replacement: Some("chat-latest".into()),
+                since: None,
+                sunset: None,
+                updated_us: 0,
+                updated_by: "x".into(),
+            },
+        );
         let callers = no_callers("chat-latest");
         let c = ctx(&cat, &inner, &callers);
         let plan = plan_rename(&c, "chat-latest", "demo-chat", None, "rename").unwrap();
@@ -718,7 +898,9 @@ mod tests {
         assert!(plan.needs_force[0].contains("alice"), "{:?}", plan.needs_force);
         assert!(plan.needs_force[1].contains("2026-12-31"), "{:?}", plan.needs_force);
         assert!(
-            plan.effects[0].contains("HTTP 404 model_not_found: \"model `svc-ocr` was renamed to `dots.ocr` on 2026-06-17; set OCR_MODEL or use `dots.ocr`\""),
+            plan.effects[0].contains(
+                "HTTP 404 model_not_found: \"model `svc-ocr` was renamed to `dots.ocr` on 2026-06-17; set OCR_MODEL or use `dots.ocr`\""
+            ),
             "{}",
             plan.effects[0]
         );
@@ -765,7 +947,12 @@ mod tests {
         let c = ctx(&cat, &inner, &none);
         let p = plan_role(&c, "tts", Some("demo-chat")).unwrap();
         assert!(p.effects[0].contains("TTS_MODEL=demo-chat"), "{:?}", p.effects);
-        assert!(plan_role(&c, "ocr", Some("svc-ocr")).unwrap_err().to_string().contains("deprecated (renamed to `dots.ocr`); assign `dots.ocr`"));
+        assert!(
+            plan_role(&c, "ocr", Some("svc-ocr"))
+                .unwrap_err()
+                .to_string()
+                .contains("deprecated (renamed to `dots.ocr`); assign `dots.ocr`")
+        );
         assert!(plan_role(&c, "ocr", Some("nope")).unwrap_err().to_string().contains("not served here"));
         assert!(plan_role(&c, "ocr", Some("dots.ocr")).unwrap_err().to_string().contains("already"));
         assert!(plan_role(&c, "bad role", Some("dots.ocr")).unwrap_err().to_string().contains("must be"));

@@ -60,7 +60,11 @@ impl NameMetrics {
     /// Registers the families under `r` (the agent passes its `gpuhub` sub-registry).
     pub fn register(r: &mut Registry) -> NameMetrics {
         let m = NameMetrics::default();
-        r.register("gateway_name_calls", "Gateway calls by the state of the model name asked for (active, deprecated, retired, unknown, unassigned)", m.calls.clone());
+        r.register(
+            "gateway_name_calls",
+            "Gateway calls by the state of the model name asked for (active, deprecated, retired, unknown, unassigned)",
+            m.calls.clone(),
+        );
         r.register("name_sunset_timestamp_seconds", "When a deprecated model name stops being served (Unix seconds)", m.sunsets.clone());
         m
     }
@@ -97,14 +101,19 @@ impl NameMetrics {
                 continue;
             }
             if let Some(ts) = rec.sunset.as_deref().and_then(http_date) {
-                self.sunsets.get_or_create(&SunsetLabels { name: label(name), replacement: label(rec.replacement.as_deref().unwrap_or("")) }).set(ts);
+                self.sunsets
+                    .get_or_create(&SunsetLabels { name: label(name), replacement: label(rec.replacement.as_deref().unwrap_or("")) })
+                    .set(ts);
             }
         }
     }
 
     /// The current count for one series (tests).
     pub fn calls(&self, state: &str, name: &str, user: &str, app: &str) -> u64 {
-        self.calls.get(&CallLabels { state: state.into(), name: name.into(), user: user.into(), app: app.into() }).map(|c| c.get()).unwrap_or(0)
+        self.calls
+            .get(&CallLabels { state: state.into(), name: name.into(), user: user.into(), app: app.into() })
+            .map(|c| c.get())
+            .unwrap_or(0)
     }
 }
 
@@ -124,7 +133,10 @@ mod tests {
         m.count_call("junk-0", &unknown, "mallory", "x");
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
-        assert!(text.contains(r#"gpuhub_gateway_name_calls_total{state="deprecated",name="svc-ocr",user="alice",app="ocr-app"} 1"#), "{text}");
+        assert!(
+            text.contains(r#"gpuhub_gateway_name_calls_total{state="deprecated",name="svc-ocr",user="alice",app="ocr-app"} 1"#),
+            "{text}"
+        );
         assert!(text.contains(r#"name="(other)""#));
         assert_eq!(m.calls("unknown", "junk-0", "mallory", "x"), 2, "a name with a series keeps it");
         assert_eq!(m.calls("unknown", "(other)", "mallory", "x"), 10);

@@ -173,7 +173,13 @@ fn imf_date(date: &str) -> Option<String> {
     const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
     let days = days_from_civil(date)?;
     let m: usize = date.get(5..7)?.parse().ok()?;
-    Some(format!("{}, {} {} {} 00:00:00 GMT", DAYS[days.rem_euclid(7) as usize], date.get(8..10)?, MONTHS.get(m.checked_sub(1)?)?, date.get(0..4)?))
+    Some(format!(
+        "{}, {} {} {} 00:00:00 GMT",
+        DAYS[days.rem_euclid(7) as usize],
+        date.get(8..10)?,
+        MONTHS.get(m.checked_sub(1)?)?,
+        date.get(0..4)?
+    ))
 }
 
 /// One name as `gpuhub names list` and `/v1/models` show it.
@@ -226,7 +232,14 @@ impl NameRegistry {
             .iter()
             .map(|h| {
                 let state = NameState::parse(&h.state).unwrap_or(NameState::Deprecated);
-                let rec = NameRecord { state, replacement: h.replacement.clone(), since: h.since.clone(), sunset: h.sunset.clone(), updated_us: 0, updated_by: "agent.toml".into() };
+                let rec = NameRecord {
+                    state,
+                    replacement: h.replacement.clone(),
+                    since: h.since.clone(),
+                    sunset: h.sunset.clone(),
+                    updated_us: 0,
+                    updated_by: "agent.toml".into(),
+                };
                 (h.name.clone(), rec)
             })
             .collect();
@@ -243,7 +256,13 @@ impl NameRegistry {
 
     /// The agent's registry: registers its metrics, applies the config seeds to the store
     /// (once each) and loads the store's state.
-    pub async fn open(catalog: Arc<Catalog>, cfg: &NamesConfig, roles: &BTreeMap<String, String>, store: &Store, registry: &mut Registry) -> Result<NameRegistry, StoreError> {
+    pub async fn open(
+        catalog: Arc<Catalog>,
+        cfg: &NamesConfig,
+        roles: &BTreeMap<String, String>,
+        store: &Store,
+        registry: &mut Registry,
+    ) -> Result<NameRegistry, StoreError> {
         let mut reg = NameRegistry::new(catalog, cfg);
         reg.metrics = metrics::NameMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
         reg.seed(store, cfg, roles).await?;
@@ -376,10 +395,30 @@ impl NameRegistry {
         for r in rows {
             let Some(state) = NameState::parse(&r.state) else {
                 tracing::error!(name = %r.name, state = %r.state, "name registry: unknown state in the store; treating the name as retired");
-                names.insert(r.name, NameRecord { state: NameState::Retired, replacement: r.replacement, since: r.since_date, sunset: r.sunset_date, updated_us: r.updated_us, updated_by: r.updated_by });
+                names.insert(
+                    r.name,
+                    NameRecord {
+                        state: NameState::Retired,
+                        replacement: r.replacement,
+                        since: r.since_date,
+                        sunset: r.sunset_date,
+                        updated_us: r.updated_us,
+                        updated_by: r.updated_by,
+                    },
+                );
                 continue;
             };
-            names.insert(r.name, NameRecord { state, replacement: r.replacement, since: r.since_date, sunset: r.sunset_date, updated_us: r.updated_us, updated_by: r.updated_by });
+            names.insert(
+                r.name,
+                NameRecord {
+                    state,
+                    replacement: r.replacement,
+                    since: r.since_date,
+                    sunset: r.sunset_date,
+                    updated_us: r.updated_us,
+                    updated_by: r.updated_by,
+                },
+            );
         }
         let mut roles = self.catalog.roles().clone();
         for (role, model) in role_rows {
@@ -476,12 +515,17 @@ pub fn refusal_for(asked: &str, r: &Resolution, retired_status: u16) -> Option<R
         Resolution::RoleUnassigned { role } => Some(Refusal {
             status: 503,
             code: "role_unassigned",
-            message: format!("role `{role}` has no model assigned on this node; an admin must assign one (`gpuhub roles set {role} MODEL`)"),
+            message: format!(
+                "role `{role}` has no model assigned on this node; an admin must assign one (`gpuhub roles set {role} MODEL`)"
+            ),
         }),
         Resolution::Unknown { suggestions } => {
             let mut message = format!("model `{asked}` does not exist");
             if !suggestions.is_empty() {
-                message.push_str(&format!("; did you mean {}?", suggestions.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(" or ")));
+                message.push_str(&format!(
+                    "; did you mean {}?",
+                    suggestions.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(" or ")
+                ));
             }
             message.push_str(" (see `GET /v1/models`)");
             Some(Refusal { status: 404, code: "model_not_found", message })
@@ -512,17 +556,28 @@ pub(crate) fn resolve_in(catalog: &Catalog, inner: &Inner, asked: &str) -> Resol
         let role_of = |target: &Option<String>| {
             target.as_ref().and_then(|r| {
                 let model = served_model(catalog, inner, r);
-                inner.roles.iter().find(|(_, m)| m.as_deref() == Some(r.as_str()) || (model.is_some() && m.as_deref().and_then(|m| served_model(catalog, inner, m)) == model)).map(|(k, _)| k.clone())
+                inner
+                    .roles
+                    .iter()
+                    .find(|(_, m)| {
+                        m.as_deref() == Some(r.as_str())
+                            || (model.is_some() && m.as_deref().and_then(|m| served_model(catalog, inner, m)) == model)
+                    })
+                    .map(|(k, _)| k.clone())
             })
         };
         return match rec.state {
-            NameState::Retired => Resolution::Retired { replacement: rec.replacement.clone(), since: rec.since.clone(), role: role_of(&rec.replacement) },
+            NameState::Retired => {
+                Resolution::Retired { replacement: rec.replacement.clone(), since: rec.since.clone(), role: role_of(&rec.replacement) }
+            }
             NameState::Active | NameState::Deprecated => match served_model(catalog, inner, asked) {
                 Some(model) if rec.state == NameState::Active => Resolution::Active { model },
                 Some(model) => Resolution::Deprecated { model, since: rec.since.clone(), sunset: rec.sunset.clone() },
                 // Its target is gone from the catalog: refuse it as retired, pointing at the
                 // target (the message still tells the caller what happened).
-                None => Resolution::Retired { replacement: rec.replacement.clone(), since: rec.since.clone(), role: role_of(&rec.replacement) },
+                None => {
+                    Resolution::Retired { replacement: rec.replacement.clone(), since: rec.since.clone(), role: role_of(&rec.replacement) }
+                }
             },
         };
     }
@@ -683,7 +738,9 @@ sunset = "2026-12-31"
             other => panic!("{other:?}"),
         }
         match r.resolve("svc-ocrr") {
-            Resolution::Unknown { suggestions } => assert!(suggestions.contains(&"svc-ocr".to_string()), "historical names are suggested: {suggestions:?}"),
+            Resolution::Unknown { suggestions } => {
+                assert!(suggestions.contains(&"svc-ocr".to_string()), "historical names are suggested: {suggestions:?}")
+            }
             other => panic!("{other:?}"),
         }
     }
@@ -720,7 +777,10 @@ sunset = "2026-12-31"
         let get = |n: &str| e.iter().find(|x| x.name == n).unwrap().clone();
         assert_eq!((get("dots.ocr").state, get("dots.ocr").kind), ("active", "model"));
         assert_eq!((get("chat-latest").kind, get("chat-latest").serves.as_deref()), ("alias", Some("demo-chat")));
-        assert_eq!((get("svc-ocr").state, get("svc-ocr").kind, get("svc-ocr").sunset.as_deref()), ("deprecated", "renamed", Some("2026-12-31")));
+        assert_eq!(
+            (get("svc-ocr").state, get("svc-ocr").kind, get("svc-ocr").sunset.as_deref()),
+            ("deprecated", "renamed", Some("2026-12-31"))
+        );
         assert_eq!((get("tts").state, get("tts").kind), ("unassigned", "role"));
     }
 }

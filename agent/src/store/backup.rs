@@ -48,7 +48,11 @@ fn prune(dir: &Path, keep: usize) {
     let Ok(rd) = std::fs::read_dir(dir) else { return };
     let mut files: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("gpuhub-") && (n.ends_with(".db") || n.ends_with(".pgdump"))))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("gpuhub-") && (n.ends_with(".db") || n.ends_with(".pgdump")))
+        })
         .collect();
     files.sort();
     let excess = files.len().saturating_sub(keep.max(1));

@@ -93,9 +93,11 @@ impl Store {
 
     /// Every key, revoked ones included (the gateway tells a revoked key from an unknown one).
     pub async fn api_keys(&self) -> Result<Vec<ApiKeyRecord>, StoreError> {
-        let rows = sqlx::query("SELECT id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us FROM api_keys ORDER BY created_us, id")
-            .fetch_all(self.pool())
-            .await?;
+        let rows = sqlx::query(
+            "SELECT id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us FROM api_keys ORDER BY created_us, id",
+        )
+        .fetch_all(self.pool())
+        .await?;
         let mut out = Vec::with_capacity(rows.len());
         for r in rows {
             let models: String = r.try_get("models")?;
@@ -117,7 +119,11 @@ impl Store {
     /// Revokes a key by id; returns the revoked record. Revoking twice is a no-op that still
     /// answers with the record.
     pub async fn revoke_api_key(&self, id: &str, now_us: i64) -> Result<ApiKeyRecord, StoreError> {
-        sqlx::query("UPDATE api_keys SET revoked_us = $1 WHERE id = $2 AND revoked_us IS NULL").bind(now_us).bind(id).execute(self.pool()).await?;
+        sqlx::query("UPDATE api_keys SET revoked_us = $1 WHERE id = $2 AND revoked_us IS NULL")
+            .bind(now_us)
+            .bind(id)
+            .execute(self.pool())
+            .await?;
         self.api_keys()
             .await?
             .into_iter()
@@ -167,7 +173,13 @@ impl Store {
         // Hourly call rollups of the new rows.
         let mut sums: BTreeMap<(i64, &str, &str, &str, &str), [i64; 5]> = BTreeMap::new();
         for r in &inserted {
-            let k = (r.time_us - r.time_us.rem_euclid(HOUR_US), r.user.as_str(), r.app.as_str(), r.requested_name.as_str(), r.resolved_model.as_str());
+            let k = (
+                r.time_us - r.time_us.rem_euclid(HOUR_US),
+                r.user.as_str(),
+                r.app.as_str(),
+                r.requested_name.as_str(),
+                r.resolved_model.as_str(),
+            );
             let s = sums.entry(k).or_insert([0; 5]);
             s[0] += 1;
             s[1] += i64::from(r.status >= 400);
@@ -292,7 +304,9 @@ mod tests {
     async fn usage_inserts_are_idempotent_and_rolled_up_once_on_every_backend() {
         for (store, _d) in testing::stores().await {
             let t = 1_800_000_000_000_000;
-            let rows: Vec<UsageRow> = (0..450).map(|i| row(&format!("r{i}"), t + i, if i % 2 == 0 { "alice" } else { "bob" }, if i % 10 == 0 { 500 } else { 200 }, 3)).collect();
+            let rows: Vec<UsageRow> = (0..450)
+                .map(|i| row(&format!("r{i}"), t + i, if i % 2 == 0 { "alice" } else { "bob" }, if i % 10 == 0 { 500 } else { 200 }, 3))
+                .collect();
             assert_eq!(store.insert_usage(&rows).await.unwrap(), 450);
             // Replaying the same rows (a journal after kill -9) adds nothing.
             assert_eq!(store.insert_usage(&rows[100..300]).await.unwrap(), 0);

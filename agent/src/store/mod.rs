@@ -22,9 +22,9 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
 mod backup;
-pub mod names;
 pub mod gateway;
 mod models;
+pub mod names;
 pub use models::WorkerRow;
 
 /// Which database the URL selected.
@@ -56,7 +56,9 @@ pub enum StoreError {
 fn explain_migrate(e: &sqlx::migrate::MigrateError) -> String {
     use sqlx::migrate::MigrateError as M;
     match e {
-        M::VersionMissing(v) => format!("this database was migrated by a newer gpuhub (migration {v} is unknown to this agent); upgrade gpuhub-agent"),
+        M::VersionMissing(v) => {
+            format!("this database was migrated by a newer gpuhub (migration {v} is unknown to this agent); upgrade gpuhub-agent")
+        }
         M::VersionMismatch(v) => format!(
             "migration {v} in this database differs from the one built into this agent (a development build changed an applied migration); restore a backup made with this version or start from an empty store"
         ),
@@ -87,10 +89,11 @@ impl Store {
         if backend == Backend::Sqlite {
             let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
             let path = path.split('?').next().unwrap_or("");
-            if !path.is_empty() && path != ":memory:" {
-                if let Some(dir) = Path::new(path).parent() {
-                    std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.display().to_string(), source })?;
-                }
+            if !path.is_empty()
+                && path != ":memory:"
+                && let Some(dir) = Path::new(path).parent()
+            {
+                std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.display().to_string(), source })?;
             }
             if !url.contains('?') {
                 url.push_str("?mode=rwc");
@@ -107,7 +110,10 @@ impl Store {
                 Box::pin(async move {
                     if backend == Backend::Sqlite {
                         // WAL: readers (CLI queries) never block the ingest and usage-log writers.
-                        conn.execute("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000; PRAGMA foreign_keys=ON;").await?;
+                        conn.execute(
+                            "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000; PRAGMA foreign_keys=ON;",
+                        )
+                        .await?;
                     }
                     Ok(())
                 })
@@ -144,7 +150,8 @@ impl Store {
 
     /// Reads a value from the small key/value table.
     pub async fn get_setting(&self, key: &str) -> Result<Option<String>, StoreError> {
-        let row: Option<(String,)> = sqlx::query_as("SELECT value FROM settings WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
+        let row: Option<(String,)> =
+            sqlx::query_as("SELECT value FROM settings WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
         Ok(row.map(|r| r.0))
     }
 

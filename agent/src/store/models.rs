@@ -41,14 +41,20 @@ impl Store {
 
     /// Forgets `model`'s worker, only if it is still `instance_id` (a newer one stays).
     pub async fn delete_worker(&self, model: &str, instance_id: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM model_workers WHERE model = $1 AND instance_id = $2").bind(model).bind(instance_id).execute(self.pool()).await?;
+        sqlx::query("DELETE FROM model_workers WHERE model = $1 AND instance_id = $2")
+            .bind(model)
+            .bind(instance_id)
+            .execute(self.pool())
+            .await?;
         Ok(())
     }
 
     pub async fn workers(&self) -> Result<Vec<WorkerRow>, StoreError> {
-        let rows = sqlx::query("SELECT model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers ORDER BY model")
-            .fetch_all(self.pool())
-            .await?;
+        let rows = sqlx::query(
+            "SELECT model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers ORDER BY model",
+        )
+        .fetch_all(self.pool())
+        .await?;
         rows.iter()
             .map(|r| {
                 Ok(WorkerRow {

@@ -163,7 +163,9 @@ pub const REBUILD_TOTALS_SQL: &str = "INSERT INTO name_totals (name, calls, refu
 /// transaction, so the rollup and the log never disagree).
 pub async fn upsert_callers(conn: &mut AnyConnection, rows: &[(CallerKey, CallerCounts)]) -> Result<(), sqlx::Error> {
     for chunk in rows.chunks(UPSERT_CHUNK) {
-        let mut sql = String::from("INSERT INTO name_callers (name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us) VALUES ");
+        let mut sql = String::from(
+            "INSERT INTO name_callers (name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us) VALUES ",
+        );
         for i in 0..chunk.len() {
             let b = i * 11;
             if i > 0 {
@@ -230,7 +232,9 @@ pub async fn upsert_callers(conn: &mut AnyConnection, rows: &[(CallerKey, Caller
 impl Store {
     /// Every registry row.
     pub async fn name_rows(&self) -> Result<Vec<NameRow>, StoreError> {
-        Ok(sqlx::query_as("SELECT name, state, replacement, since_date, sunset_date, updated_us, updated_by FROM names ORDER BY name").fetch_all(self.pool()).await?)
+        Ok(sqlx::query_as("SELECT name, state, replacement, since_date, sunset_date, updated_us, updated_by FROM names ORDER BY name")
+            .fetch_all(self.pool())
+            .await?)
     }
 
     /// Runtime role assignments (role, model; `""` = no model).
@@ -315,9 +319,18 @@ impl Store {
         const COLS: &str = "id, time_us, actor, action, subject, from_state, to_state, from_target, to_target, sunset_date, note";
         Ok(match subject {
             Some(s) => {
-                sqlx::query_as(&format!("SELECT {COLS} FROM name_history WHERE subject = $1 ORDER BY id DESC LIMIT $2")).bind(s).bind(limit).fetch_all(self.pool()).await?
+                sqlx::query_as(&format!("SELECT {COLS} FROM name_history WHERE subject = $1 ORDER BY id DESC LIMIT $2"))
+                    .bind(s)
+                    .bind(limit)
+                    .fetch_all(self.pool())
+                    .await?
             }
-            None => sqlx::query_as(&format!("SELECT {COLS} FROM name_history ORDER BY id DESC LIMIT $1")).bind(limit).fetch_all(self.pool()).await?,
+            None => {
+                sqlx::query_as(&format!("SELECT {COLS} FROM name_history ORDER BY id DESC LIMIT $1"))
+                    .bind(limit)
+                    .fetch_all(self.pool())
+                    .await?
+            }
         })
     }
 
@@ -367,15 +380,35 @@ mod tests {
     use crate::store::testing;
 
     fn key(name: &str, day: i64, user: &str) -> CallerKey {
-        CallerKey { name: name.into(), day_us: day, user: user.into(), app: "ocr-svc".into(), job_id: String::new(), client_addr: "10.0.0.1".into(), user_agent: "ua".into() }
+        CallerKey {
+            name: name.into(),
+            day_us: day,
+            user: user.into(),
+            app: "ocr-svc".into(),
+            job_id: String::new(),
+            client_addr: "10.0.0.1".into(),
+            user_agent: "ua".into(),
+        }
     }
 
     #[tokio::test]
     async fn rollup_adds_up_and_windows_by_day_on_every_backend() {
         for (store, _dir) in testing::stores().await {
             let c = |calls, first, last| CallerCounts { calls, refused: 0, first_us: first, last_us: last };
-            store.add_name_callers(&[(key("svc-ocr", 0, "alice"), c(2, 10, 20)), (key("svc-ocr", DAY_US, "alice"), c(3, DAY_US + 5, DAY_US + 9))]).await.unwrap();
-            store.add_name_callers(&[(key("svc-ocr", DAY_US, "alice"), c(1, DAY_US + 1, DAY_US + 50)), (key("svc-ocr", DAY_US, "bob"), c(1, DAY_US, DAY_US))]).await.unwrap();
+            store
+                .add_name_callers(&[
+                    (key("svc-ocr", 0, "alice"), c(2, 10, 20)),
+                    (key("svc-ocr", DAY_US, "alice"), c(3, DAY_US + 5, DAY_US + 9)),
+                ])
+                .await
+                .unwrap();
+            store
+                .add_name_callers(&[
+                    (key("svc-ocr", DAY_US, "alice"), c(1, DAY_US + 1, DAY_US + 50)),
+                    (key("svc-ocr", DAY_US, "bob"), c(1, DAY_US, DAY_US)),
+                ])
+                .await
+                .unwrap();
             let all = store.name_callers("svc-ocr", 0).await.unwrap();
             assert_eq!(all.len(), 2, "{:?}", store.backend());
             assert_eq!((all[0].user_name.as_str(), all[0].calls, all[0].first_us, all[0].last_us), ("alice", 6, 10, DAY_US + 50));
@@ -400,15 +433,30 @@ mod tests {
                 updated_us: 0,
                 updated_by: "root".into(),
             };
-            let h = NewHistory { actor: "root".into(), action: "rename".into(), subject: "svc-ocr".into(), to_state: Some("deprecated".into()), ..Default::default() };
-            store.apply_name_changes(&[NameOp::Put(row.clone()), NameOp::Role { role: "ocr".into(), model: "dots.ocr".into(), by: "root".into() }], &[h]).await.unwrap();
+            let h = NewHistory {
+                actor: "root".into(),
+                action: "rename".into(),
+                subject: "svc-ocr".into(),
+                to_state: Some("deprecated".into()),
+                ..Default::default()
+            };
+            store
+                .apply_name_changes(
+                    &[NameOp::Put(row.clone()), NameOp::Role { role: "ocr".into(), model: "dots.ocr".into(), by: "root".into() }],
+                    &[h],
+                )
+                .await
+                .unwrap();
             let rows = store.name_rows().await.unwrap();
             assert_eq!(rows.len(), 1);
             assert_eq!(rows[0].replacement.as_deref(), Some("dots.ocr"));
             assert_eq!(store.role_rows().await.unwrap(), vec![("ocr".to_string(), "dots.ocr".to_string())]);
             let hist = store.name_history(Some("svc-ocr"), 10).await.unwrap();
             assert_eq!((hist.len(), hist[0].action.as_str(), hist[0].actor.as_str()), (1, "rename", "root"));
-            store.apply_name_changes(&[NameOp::Delete { name: "svc-ocr".into() }, NameOp::RoleReset { role: "ocr".into() }], &[]).await.unwrap();
+            store
+                .apply_name_changes(&[NameOp::Delete { name: "svc-ocr".into() }, NameOp::RoleReset { role: "ocr".into() }], &[])
+                .await
+                .unwrap();
             assert!(store.name_rows().await.unwrap().is_empty());
             assert!(store.role_rows().await.unwrap().is_empty());
         }

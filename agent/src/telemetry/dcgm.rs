@@ -68,11 +68,7 @@ impl DcgmMetrics {
         r.register("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz).", m.mem_clock.clone());
         r.register("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", m.gpu_temp.clone());
         r.register("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", m.power_usage.clone());
-        r.register(
-            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-            "Total energy consumption since boot (in mJ).",
-            m.total_energy.clone(),
-        );
+        r.register("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ).", m.total_energy.clone());
         r.register("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", m.gpu_util.clone());
         r.register("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", m.mem_copy_util.clone());
         r.register("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", m.fb_free.clone());

@@ -148,12 +148,7 @@ impl GpuhubMetrics {
         r.register("job_gpu_processes", "GPU processes of the job on the GPU", m.job_gpu_processes.clone());
         r.register("job_gpu_shards", "Slurm shards the job holds on the GPU (SLURM_SHARDS_ON_NODE)", m.job_gpu_shards.clone());
         r.register("telemetry_nvml_errors", "NVML field reads that failed (the field is skipped for that sample)", m.nvml_errors.clone());
-        r.register_with_unit(
-            "telemetry_last_sample_timestamp",
-            "Unix time of the last GPU sample",
-            Unit::Seconds,
-            m.last_sample.clone(),
-        );
+        r.register_with_unit("telemetry_last_sample_timestamp", "Unix time of the last GPU sample", Unit::Seconds, m.last_sample.clone());
         r.register_with_unit("telemetry_sample_duration", "Time the last GPU sample took", Unit::Seconds, m.sample_duration.clone());
         r.register("slurm_up", "1 when the last Slurm snapshot succeeded", m.slurm_up.clone());
         r.register("slurm_jobs", "Slurm jobs by state, partition and user", m.slurm_jobs.clone());

@@ -78,9 +78,7 @@ impl Default for TelemetryConfig {
             slurm_interval_ms: 15_000,
             slurm_timeout_ms: 10_000,
             slurm_node_name: None,
-            job_map_dir: Some(
-                PathBuf::from(gpuhub_wire::paths::RUNTIME_DIR).join(gpuhub_wire::paths::DCGM_JOB_MAP_DIR_NAME),
-            ),
+            job_map_dir: Some(PathBuf::from(gpuhub_wire::paths::RUNTIME_DIR).join(gpuhub_wire::paths::DCGM_JOB_MAP_DIR_NAME)),
             job_stats_retention_s: 6 * 3600,
         }
     }
@@ -103,10 +101,7 @@ impl TelemetryConfig {
             bad("interval_ms", format!("{} is out of range; use 100..=3600000 (default 5000)", self.interval_ms));
         }
         if !(1_000..=3_600_000).contains(&self.slurm_interval_ms) {
-            bad(
-                "slurm_interval_ms",
-                format!("{} is out of range; use 1000..=3600000 (default 15000)", self.slurm_interval_ms),
-            );
+            bad("slurm_interval_ms", format!("{} is out of range; use 1000..=3600000 (default 15000)", self.slurm_interval_ms));
         }
         if !(100..=600_000).contains(&self.slurm_timeout_ms) {
             bad("slurm_timeout_ms", format!("{} is out of range; use 100..=600000 (default 10000)", self.slurm_timeout_ms));
@@ -132,7 +127,10 @@ impl TelemetryConfig {
             bad("slurm_node_name", format!("{n:?} is not a Slurm node name (e.g. \"gpu01\")"));
         }
         if self.job_stats_retention_s > 30 * 24 * 3600 {
-            bad("job_stats_retention_s", format!("{} is longer than 30 days; accounting reads stats at job end", self.job_stats_retention_s));
+            bad(
+                "job_stats_retention_s",
+                format!("{} is longer than 30 days; accounting reads stats at job end", self.job_stats_retention_s),
+            );
         }
         if errors.is_empty() { Ok(()) } else { Err(errors) }
     }
@@ -268,10 +266,7 @@ impl Telemetry {
         gpu_sampler.sample_once();
         let interval = Duration::from_millis(cfg.interval_ms.clamp(100, 3_600_000));
         let stop_gpu = Arc::clone(&stop);
-        match std::thread::Builder::new()
-            .name("gpuhub-nvml".into())
-            .spawn(move || gpu_sampler.run(interval, &stop_gpu))
-        {
+        match std::thread::Builder::new().name("gpuhub-nvml".into()).spawn(move || gpu_sampler.run(interval, &stop_gpu)) {
             Ok(h) => threads.push(h),
             Err(e) => tracing::error!("telemetry: cannot start the GPU sampler thread: {e}; GPU series stay at their first sample"),
         }
@@ -280,10 +275,7 @@ impl Telemetry {
             let slurm_sampler = slurm::SlurmSampler::new(cfg, own, Arc::clone(&published));
             let interval = Duration::from_millis(cfg.slurm_interval_ms.clamp(1_000, 3_600_000));
             let stop_slurm = Arc::clone(&stop);
-            match std::thread::Builder::new()
-                .name("gpuhub-slurm".into())
-                .spawn(move || slurm_sampler.run(interval, &stop_slurm))
-            {
+            match std::thread::Builder::new().name("gpuhub-slurm".into()).spawn(move || slurm_sampler.run(interval, &stop_slurm)) {
                 Ok(h) => threads.push(h),
                 Err(e) => tracing::error!("telemetry: cannot start the Slurm sampler thread: {e}; Slurm series stay empty"),
             }
@@ -343,10 +335,7 @@ impl Drop for Telemetry {
 
 /// Unix time in seconds (fractional).
 pub(crate) fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 #[cfg(test)]

@@ -166,8 +166,7 @@ impl NvmlSource {
             s.mem_clock_mhz = field(&mut errs, "clock", device.clock_info(Clock::Memory));
             s.ecc_corrected = field(&mut errs, "ecc", device.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile));
             if s.ecc_corrected.is_some() {
-                s.ecc_uncorrected =
-                    field(&mut errs, "ecc", device.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile));
+                s.ecc_uncorrected = field(&mut errs, "ecc", device.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile));
             }
 
             if let Some(procs) = field(&mut errs, "procs", device.running_compute_processes()) {

@@ -99,8 +99,7 @@ impl JobStatsStore {
         let retention = self.retention;
         self.accs.retain(|_, a| a.last_seen_mono.elapsed() <= retention);
         if self.accs.len() > MAX_JOB_STATS {
-            let mut by_age: Vec<(Instant, (u32, String))> =
-                self.accs.iter().map(|(k, a)| (a.last_seen_mono, k.clone())).collect();
+            let mut by_age: Vec<(Instant, (u32, String))> = self.accs.iter().map(|(k, a)| (a.last_seen_mono, k.clone())).collect();
             by_age.sort_by_key(|(t, _)| *t);
             let excess = self.accs.len() - MAX_JOB_STATS;
             for (_, k) in by_age.into_iter().take(excess) {
@@ -358,8 +357,7 @@ impl GpuSampler {
         self.remove_stale(&gpu_now, &job_now, &unattributed_now);
         self.dcgm.update(&samples, &jobs_per_gpu, &self.hostname);
         self.attributor.retain(&live_pids);
-        let gone: Vec<String> =
-            self.prev_energy_mj.keys().filter(|u| !samples.iter().any(|s| &s.uuid == *u)).cloned().collect();
+        let gone: Vec<String> = self.prev_energy_mj.keys().filter(|u| !samples.iter().any(|s| &s.uuid == *u)).cloned().collect();
         for u in gone {
             self.prev_energy_mj.remove(&u);
         }
@@ -478,7 +476,11 @@ fn to_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-fn opt_set(f: &prometheus_client::metrics::family::Family<GpuLabels, prometheus_client::metrics::gauge::Gauge>, l: &GpuLabels, v: Option<u64>) {
+fn opt_set(
+    f: &prometheus_client::metrics::family::Family<GpuLabels, prometheus_client::metrics::gauge::Gauge>,
+    l: &GpuLabels,
+    v: Option<u64>,
+) {
     match v {
         Some(v) => {
             f.get_or_create(l).set(to_i64(v));

@@ -16,8 +16,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
-use std::path::PathBuf;
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -183,16 +183,19 @@ pub fn run_command(bin: &std::path::Path, args: &[&str], timeout: Duration) -> R
         .spawn()
         .map_err(|source| CommandError::Spawn { cmd: cmd.clone(), source })?;
     // Read both pipes on helper threads so a large output cannot block the child while we wait.
-    let readers = [child.stdout.take().map(|r| Box::new(r) as Box<dyn Read + Send>), child.stderr.take().map(|r| Box::new(r) as Box<dyn Read + Send>)]
-        .map(|r| {
-            r.map(|r| {
-                std::thread::spawn(move || {
-                    let mut buf = Vec::new();
-                    let _ = r.take(MAX_OUTPUT).read_to_end(&mut buf);
-                    buf
-                })
+    let readers = [
+        child.stdout.take().map(|r| Box::new(r) as Box<dyn Read + Send>),
+        child.stderr.take().map(|r| Box::new(r) as Box<dyn Read + Send>),
+    ]
+    .map(|r| {
+        r.map(|r| {
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let _ = r.take(MAX_OUTPUT).read_to_end(&mut buf);
+                buf
             })
-        });
+        })
+    });
     let deadline = Instant::now() + timeout;
     let status = loop {
         match child.try_wait() {
@@ -315,8 +318,7 @@ impl SlurmSampler {
         };
         let sq = run_command(&self.squeue, &["-h", "-a", "-t", "PD,R,CG,S,CF", "-o", SQUEUE_FORMAT], self.timeout)
             .inspect_err(|_| fail(&self.own, "squeue"))?;
-        let si = run_command(&self.sinfo, &["-h", "-N", "-o", SINFO_FORMAT], self.timeout)
-            .inspect_err(|_| fail(&self.own, "sinfo"))?;
+        let si = run_command(&self.sinfo, &["-h", "-N", "-o", SINFO_FORMAT], self.timeout).inspect_err(|_| fail(&self.own, "sinfo"))?;
         let (jobs, errs_q) = parse_squeue(&sq);
         let (nodes, errs_i) = parse_sinfo(&si);
         for e in errs_q.iter().chain(errs_i.iter()) {
@@ -349,9 +351,7 @@ impl SlurmSampler {
         m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(gpus_alloc));
         m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(total.gpus.saturating_sub(gpus_alloc)));
         m.slurm_shards.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(shards_alloc));
-        m.slurm_shards
-            .get_or_create(&StateLabels { state: AllocState::idle })
-            .set(i64::from(total.shards.saturating_sub(shards_alloc)));
+        m.slurm_shards.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(total.shards.saturating_sub(shards_alloc)));
 
         let mut by_state: HashMap<SlurmJobLabels, i64> = HashMap::new();
         let mut by_reason: HashMap<ReasonLabels, i64> = HashMap::new();
@@ -395,10 +395,7 @@ impl SlurmSampler {
         m.slurm_up.set(1);
         m.slurm_last_snapshot.set(unix_now());
 
-        let map = jobs
-            .iter()
-            .filter_map(|j| j.job_id.map(|id| (id, (j.user.clone(), j.account.clone()))))
-            .collect();
+        let map = jobs.iter().filter_map(|j| j.job_id.map(|id| (id, (j.user.clone(), j.account.clone())))).collect();
         lock(&self.published).slurm_jobs = map;
     }
 }
@@ -476,8 +473,8 @@ x|RUNNING|gpu|a|b|None||gpu01
 
     #[test]
     fn large_output_does_not_block() {
-        let out = run_command(std::path::Path::new("sh"), &["-c", "head -c 1000000 /dev/zero | tr '\\0' x"], Duration::from_secs(10))
-            .unwrap();
+        let out =
+            run_command(std::path::Path::new("sh"), &["-c", "head -c 1000000 /dev/zero | tr '\\0' x"], Duration::from_secs(10)).unwrap();
         assert_eq!(out.len(), 1_000_000);
     }
 }

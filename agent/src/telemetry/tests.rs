@@ -156,9 +156,10 @@ pub(crate) fn promtool_check(openmetrics: &str) {
     child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let only_dcgm_camel_case = report.lines().filter(|l| !l.trim().is_empty()).all(|l| {
-        l.starts_with("DCGM_FI_") && l.ends_with("label names should be written in 'snake_case' not 'camelCase'")
-    });
+    let only_dcgm_camel_case = report
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .all(|l| l.starts_with("DCGM_FI_") && l.ends_with("label names should be written in 'snake_case' not 'camelCase'"));
     let ok = out.status.success() || (out.status.code() == Some(3) && only_dcgm_camel_case);
     assert!(ok, "promtool check metrics failed ({}):\n{report}\n--- text ---\n{text}", out.status);
 }
@@ -250,11 +251,7 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
 
 #[test]
 fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
-    let script = format!(
-        "{}{}",
-        gpu_line(0, UUID0, GIB, 10, "fail=temp,power unsupported=ecc"),
-        gpu_line(1, UUID1, GIB, 20, "fail=procs")
-    );
+    let script = format!("{}{}", gpu_line(0, UUID0, GIB, 10, "fail=temp,power unsupported=ecc"), gpu_line(1, UUID1, GIB, 20, "fail=procs"));
     let fake = FakeNvml::new(&script);
     let mut registry = Registry::default();
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);

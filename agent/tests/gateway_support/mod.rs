@@ -75,7 +75,10 @@ async fn handle(State(up): State<Upstream>, Path((mode, rest)): Path<(String, St
     match mode.as_str() {
         "fail" => return (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": "CUDA out of memory"}}))).into_response(),
         "hang" => tokio::time::sleep(Duration::from_secs(30)).await,
-        "bad" => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "max_tokens too large", "code": "bad_param"}}))).into_response(),
+        "bad" => {
+            return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "max_tokens too large", "code": "bad_param"}})))
+                .into_response();
+        }
         _ => {}
     }
     if rest == "audio/speech" {
@@ -133,10 +136,15 @@ pub async fn start_in(dir: tempfile::TempDir, up: SocketAddr, upstream: Upstream
     let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap(); // closed at once
     let mut models = String::new();
     for m in ["chat", "fail", "break", "nodone", "slow", "hang", "bad"] {
-        models.push_str(&format!("[[models]]\nname = \"{m}\"\nlauncher = \"static\"\nurl = \"http://{up}/{}\"\napi_key = \"worker-secret\"\n", if m == "chat" { "ok" } else { m }));
+        models.push_str(&format!(
+            "[[models]]\nname = \"{m}\"\nlauncher = \"static\"\nurl = \"http://{up}/{}\"\napi_key = \"worker-secret\"\n",
+            if m == "chat" { "ok" } else { m }
+        ));
     }
     models.push_str(&format!("[[models]]\nname = \"down\"\nlauncher = \"static\"\nurl = \"http://{dead}/ok\"\n"));
-    models.push_str(&format!("[[models]]\nname = \"one\"\nlauncher = \"static\"\nurl = \"http://{up}/slow\"\nmax_concurrency = 1\nqueue_len = 0\n"));
+    models.push_str(&format!(
+        "[[models]]\nname = \"one\"\nlauncher = \"static\"\nurl = \"http://{up}/slow\"\nmax_concurrency = 1\nqueue_len = 0\n"
+    ));
     let text = format!(
         r#"
 [paths]

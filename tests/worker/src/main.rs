@@ -176,7 +176,12 @@ async fn guard(State(w): State<Shared>, req: Request, next: Next) -> Response {
     if let Some(key) = &w.args.api_key {
         let got = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         if got != Some(key.as_str()) {
-            return error(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", "invalid or missing API key for this test worker");
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "invalid_api_key",
+                "invalid or missing API key for this test worker",
+            );
         }
     }
     let n = w.calls.fetch_add(1, Ordering::AcqRel);
@@ -203,7 +208,9 @@ fn names(w: &Worker) -> impl Iterator<Item = &String> {
 }
 
 async fn models(State(w): State<Shared>) -> Json<Value> {
-    let data: Vec<Value> = names(&w).map(|n| json!({"id": n, "object": "model", "created": now_s(), "owned_by": "gpuhub-test-worker", "version": w.args.version})).collect();
+    let data: Vec<Value> = names(&w)
+        .map(|n| json!({"id": n, "object": "model", "created": now_s(), "owned_by": "gpuhub-test-worker", "version": w.args.version}))
+        .collect();
     Json(json!({"object": "list", "data": data}))
 }
 
@@ -214,10 +221,16 @@ fn now_s() -> u64 {
 /// Parses the JSON body and checks `model`, with vLLM-like errors.
 #[allow(clippy::result_large_err)] // a test server: the error is the response to send
 fn parse(w: &Worker, body: &Bytes) -> Result<Value, Response> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_json", &format!("invalid JSON body: {e}")))?;
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_json", &format!("invalid JSON body: {e}")))?;
     let model = v.get("model").and_then(Value::as_str).unwrap_or("");
     if !names(w).any(|n| n == model) {
-        return Err(error(StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found", &format!("The model `{model}` does not exist (this worker serves `{}`).", w.args.model)));
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            &format!("The model `{model}` does not exist (this worker serves `{}`).", w.args.model),
+        ));
     }
     Ok(v)
 }
@@ -238,7 +251,8 @@ async fn chat(State(w): State<Shared>, body: Bytes) -> Response {
     let msgs = v.get("messages").and_then(Value::as_array).cloned().unwrap_or_default();
     let prompt: String = msgs.iter().filter_map(|m| m.get("content").and_then(Value::as_str)).collect::<Vec<_>>().join(" ");
     let last = msgs.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
-    let answer = format!("Hello from {} version {}: you said: {last}", w.args.model, if w.args.version.is_empty() { "-" } else { &w.args.version });
+    let answer =
+        format!("Hello from {} version {}: you said: {last}", w.args.model, if w.args.version.is_empty() { "-" } else { &w.args.version });
     respond(&w, &v, "chat.completion", &answer, words(&prompt).max(1)).await
 }
 
@@ -257,7 +271,8 @@ async fn respond(w: &Worker, req: &Value, object: &str, answer: &str, prompt_tok
     let model = req.get("model").and_then(Value::as_str).unwrap_or("").to_string();
     let pieces: Vec<String> = answer.split_inclusive(' ').map(str::to_string).collect();
     let completion_tokens = pieces.len() as u64;
-    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+    let usage =
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
     let id = format!("test-{}", w.calls.load(Ordering::Relaxed));
     let chat = object == "chat.completion";
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -318,7 +333,9 @@ async fn respond(w: &Worker, req: &Value, object: &str, answer: &str, prompt_tok
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", "cannot build the stream"))
 }
 
-fn tokio_stream_from(rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
+fn tokio_stream_from(
+    rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
     futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
 }
 
@@ -346,7 +363,8 @@ async fn embeddings(State(w): State<Shared>, body: Bytes) -> Response {
             json!({"object": "embedding", "index": i, "embedding": e})
         })
         .collect();
-    Json(json!({"object": "list", "model": v["model"], "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})).into_response()
+    Json(json!({"object": "list", "model": v["model"], "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+        .into_response()
 }
 
 async fn speech(State(w): State<Shared>, body: Bytes) -> Response {
@@ -379,7 +397,12 @@ async fn speech(State(w): State<Shared>, body: Bytes) -> Response {
 async fn transcriptions(State(w): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     let ctype = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let Some(boundary) = ctype.split(';').filter_map(|p| p.trim().strip_prefix("boundary=")).next() else {
-        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_multipart", "expected multipart/form-data with a boundary");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_multipart",
+            "expected multipart/form-data with a boundary",
+        );
     };
     let boundary = boundary.trim_matches('"');
     let delim = format!("--{boundary}");
@@ -430,7 +453,8 @@ mod tests {
     #[test]
     fn cli_is_consistent_and_stable() {
         Args::command().debug_assert();
-        let a = Args::try_parse_from(["w", "--model", "m", "--version", "3", "--port", "0", "--api-key", "k", "--crash-after", "2"]).unwrap_or_else(|e| unreachable!("{e}"));
+        let a = Args::try_parse_from(["w", "--model", "m", "--version", "3", "--port", "0", "--api-key", "k", "--crash-after", "2"])
+            .unwrap_or_else(|e| unreachable!("{e}"));
         assert_eq!((a.model.as_str(), a.version.as_str(), a.port, a.crash_after), ("m", "3", 0, Some(2)));
         assert!(Args::try_parse_from(["w"]).is_err(), "--model is required");
     }

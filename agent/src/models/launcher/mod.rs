@@ -160,7 +160,10 @@ mod tests {
 
     #[test]
     fn render_quotes_values() {
-        let r = render("srv --model {model} --path {model_path} --port {port}", &[("model", "a/b"), ("model_path", "/x y/it's"), ("port", "8000")]);
+        let r = render(
+            "srv --model {model} --path {model_path} --port {port}",
+            &[("model", "a/b"), ("model_path", "/x y/it's"), ("port", "8000")],
+        );
         assert_eq!(r, "srv --model a/b --path '/x y/it'\\''s' --port 8000");
         assert_eq!(safe_name("Qwen/Qwen3-8B:v1"), "Qwen_Qwen3-8B_v1");
     }

@@ -182,7 +182,12 @@ fn parse_squeue(out: &str) -> Vec<JobInfo> {
     out.lines()
         .filter_map(|l| {
             let mut f = l.trim().split('|');
-            Some(JobInfo { id: f.next()?.to_string(), name: f.next()?.to_string(), state: f.next()?.to_string(), reason: f.next().unwrap_or("").to_string() })
+            Some(JobInfo {
+                id: f.next()?.to_string(),
+                name: f.next()?.to_string(),
+                state: f.next()?.to_string(),
+                reason: f.next().unwrap_or("").to_string(),
+            })
         })
         .collect()
 }
