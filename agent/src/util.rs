@@ -15,7 +15,12 @@ pub fn now_s() -> i64 {
 /// UTC time as `YYYYMMDDTHHMMSSZ` (file names that sort by time and read as dates).
 pub fn utc_stamp(unix_s: i64) -> String {
     let (days, secs) = (unix_s.div_euclid(86_400), unix_s.rem_euclid(86_400));
-    // Civil-from-days (H. Hinnant's algorithm).
+    let (y, m, d) = civil_from_days(days);
+    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
+}
+
+/// (year, month, day) for days since 1970-01-01 (H. Hinnant's civil-from-days).
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -24,8 +29,7 @@ pub fn utc_stamp(unix_s: i64) -> String {
     let mp = (5 * doy + 2) / 153;
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
 /// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
