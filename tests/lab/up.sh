@@ -250,7 +250,13 @@ cat <<TRY
   srun --gres=shard:7 --mlflow-experiment=demo printenv MLFLOW_EXPERIMENT_NAME SLURM_SHARDS_ON_NODE
   sbatch --gres=gpu:2 --wrap 'env | grep GPUHUB'     # output in ./slurm-<id>.out
   srun --help | grep -A1 gpuhub                       # the plugin's options
-  ls /var/spool/gpuhub/records /run/gpuhub/dcgm-job-map
+  target/release/gpuhub usage --by user; target/release/gpuhub job <JOBID>   # GPU- and shard-seconds
+  curl -s 127.0.0.1:9410/metrics | grep -E '^(DCGM_FI_DEV_GPU_UTIL|gpuhub_slurm)' | head
+  target/release/gpuhub names list; target/release/gpuhub roles; target/release/gpuhub models
+  # a job calls the gateway with its injected credential; svc-ocr answers with Deprecation/Sunset
+  # headers (the first call starts the dots.ocr TEST worker as a Slurm job: see squeue)
+  srun sh -c 'curl -sD- "\$OPENAI_BASE_URL/chat/completions" -H "Authorization: Bearer \$OPENAI_API_KEY" -H content-type:application/json -d "{\"model\":\"svc-ocr\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}"'
+  target/release/gpuhub names callers svc-ocr          # who still calls the old name
   $REPO/tests/run-all.sh                              # every test
   $REPO/tests/lab/down.sh                             # stop (add --purge to wipe state)
 TRY

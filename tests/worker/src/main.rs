@@ -159,6 +159,12 @@ async fn main() -> std::process::ExitCode {
             s.recv().await;
         }
     };
+    // TCP_NODELAY, as real servers set it: SSE chunks are small writes that Nagle would hold for
+    // the client's delayed ACK (~40 ms), which would make every streaming measurement lie.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
         log(&format!("error: server: {e}"));
         return std::process::ExitCode::from(2);
