@@ -159,7 +159,7 @@ if [ "$PREBUILT" = 1 ]; then
     else
         prebuilt_dir="$REPO/target/release"
         log "GPUHUB_RPM_PREBUILT=1: cargo build --release here, rpmbuild packages target/release"
-        (cd "$REPO" && cargo build --release --locked -p gpuhub-spank -p gpuhub-agent)
+        (cd "$REPO" && cargo build --release --locked --workspace)
     fi
     for f in gpuhub-agent gpuhub libgpuhub_spank.so; do
         [ -f "$prebuilt_dir/$f" ] || die "GPUHUB_RPM_PREBUILT=1 but $prebuilt_dir/$f does not exist; run cargo build --release"

@@ -12,8 +12,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 [ "$(id -u)" -eq 0 ] || { echo "FAIL: run as root (the agent treats root as admin)"; exit 1; }
-echo "+ cargo build --release -p gpuhub-agent"
-cargo build --release --quiet -p gpuhub-agent
+echo "+ cargo build --release --workspace (a no-op after tests/run-all.sh built it)"
+cargo build --release --quiet --workspace
 AGENT="$REPO/target/release/gpuhub-agent"
 CLI="$REPO/target/release/gpuhub"
 work="$(mktemp -d)"

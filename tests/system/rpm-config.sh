@@ -6,8 +6,8 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
-echo "+ cargo build --release -p gpuhub-agent"
-cargo build --release --quiet -p gpuhub-agent
+echo "+ cargo build --release --workspace (a no-op after tests/run-all.sh built it)"
+cargo build --release --quiet --workspace
 AGENT="$REPO/target/release/gpuhub-agent"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

@@ -9,8 +9,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 command -v rpmspec >/dev/null || { echo "FAIL: rpmspec not found (apt-get install rpm)"; exit 1; }
-echo "+ cargo build --release -p gpuhub-agent"
-cargo build --release --quiet -p gpuhub-agent
+echo "+ cargo build --release --workspace (a no-op after tests/run-all.sh built it)"
+cargo build --release --quiet --workspace
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 

@@ -34,8 +34,8 @@ if promtool test rules "$work/mutated-test.yml" > "$work/mutated.out" 2>&1; then
 fi
 echo "failed as expected"
 
-echo "+ cargo build --release -p gpuhub-agent; start it on free loopback ports with temp dirs"
-cargo build --release --quiet -p gpuhub-agent
+echo "+ cargo build --release --workspace; start it on free loopback ports with temp dirs"
+cargo build --release --quiet --workspace
 read -r gw_port m_port < <(python3 -c 'import socket
 s=[socket.socket() for _ in range(2)]
 [x.bind(("127.0.0.1",0)) for x in s]
