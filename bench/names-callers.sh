@@ -118,13 +118,12 @@ for backend in $BACKENDS; do
             sqlite3 "$db" <<SQL
 PRAGMA busy_timeout = 10000;
 PRAGMA synchronous = OFF;
-DROP INDEX usage_log_time; DROP INDEX usage_log_user_time; DROP INDEX usage_log_name_time;
+DROP INDEX usage_log_time; DROP INDEX usage_log_name_time;
 BEGIN;
 WITH RECURSIVE s(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i < $ROWS - 1)
 INSERT INTO usage_log ($INSERT_COLS) SELECT $(cols i) FROM s;
 COMMIT;
 CREATE INDEX usage_log_time ON usage_log (time_us);
-CREATE INDEX usage_log_user_time ON usage_log (user_name, time_us);
 CREATE INDEX usage_log_name_time ON usage_log (requested_name, time_us);
 ANALYZE;
 SQL
@@ -143,10 +142,9 @@ SQL
             "$PSQL" "$url" -q -v ON_ERROR_STOP=1 <<SQL
 SET synchronous_commit = off;
 SET maintenance_work_mem = '512MB';
-DROP INDEX usage_log_time; DROP INDEX usage_log_user_time; DROP INDEX usage_log_name_time;
+DROP INDEX usage_log_time; DROP INDEX usage_log_name_time;
 INSERT INTO usage_log ($INSERT_COLS) SELECT $(cols i) FROM generate_series(0::bigint, $ROWS - 1) AS s(i);
 CREATE INDEX usage_log_time ON usage_log (time_us);
-CREATE INDEX usage_log_user_time ON usage_log (user_name, time_us);
 CREATE INDEX usage_log_name_time ON usage_log (requested_name, time_us);
 VACUUM ANALYZE usage_log;
 SQL
