@@ -27,7 +27,6 @@ cleanup() {
     rm -rf "$T"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 "$repo/tests/fake-nvml/build.sh" "$T/nvml" >/dev/null
 # 200 job processes: job ids 1000.., users user0..user19, every 2nd job a shard job.
@@ -49,27 +48,15 @@ done
 
 slurm=false
 if command -v squeue >/dev/null && timeout 5 squeue -h -o %i >/dev/null 2>&1; then slurm=true; fi
-mp="$(free_port)"; gp="$(free_port)"
-mkdir -p "$T/state" "$T/spool" "$T/run"
-cat > "$T/agent.toml" <<TOML
-[paths]
-state_dir = "$T/state"
-spool_dir = "$T/spool"
-runtime_dir = "$T/run"
-[gateway]
-listen = "127.0.0.1:$gp"
-[metrics]
-listen = "127.0.0.1:$mp"
-[telemetry]
-nvml_library = "$T/nvml/libnvidia-ml.so.1"
+. "$(dirname "$0")/../tests/lib/agent-config.sh"
+agent_config "$T" "nvml_library = \"$T/nvml/libnvidia-ml.so.1\"
 interval_ms = 1000
-hostname = "bench01"
+hostname = \"bench01\"
 enable_slurm = $slurm
-job_map_dir = "$T/run/dcgm-job-map"
-TOML
+job_map_dir = \"$T/run/dcgm-job-map\""
 GPUHUB_LOG=warn "$agent" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 &
 agent_pid=$!
-url="http://127.0.0.1:$mp/metrics"
+url="http://127.0.0.1:$AGENT_METRICS_PORT/metrics"
 for ((i = 0; i < 120; i++)); do
     curl -fsS -o /dev/null "$url" 2>/dev/null && break
     kill -0 "$agent_pid" 2>/dev/null || { echo "FAIL: agent exited:"; cat "$T/agent.log"; exit 1; }

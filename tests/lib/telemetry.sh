@@ -28,6 +28,8 @@ tel_fail() {
 }
 
 tel_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=agent-config.sh
+. "$(dirname "${BASH_SOURCE[0]}")/agent-config.sh"
 
 tel_init() {
     T="$(mktemp -d /tmp/gpuhub-telemetry-test.XXXXXX)"
@@ -43,31 +45,18 @@ tel_gpu_line() {
 }
 
 tel_start_agent() {
-    local slurm="${1:-false}" mp gp i
-    mp="$(tel_free_port)"; gp="$(tel_free_port)"
-    mkdir -p "$T/state" "$T/spool" "$T/run"
-    cat > "$T/agent.toml" <<TOML
-[paths]
-state_dir = "$T/state"
-spool_dir = "$T/spool"
-runtime_dir = "$T/run"
-[gateway]
-listen = "127.0.0.1:$gp"
-[metrics]
-listen = "127.0.0.1:$mp"
-[telemetry]
-nvml_library = "$T/nvml/libnvidia-ml.so.1"
+    local slurm="${1:-false}" i
+    agent_config "$T" "nvml_library = \"$T/nvml/libnvidia-ml.so.1\"
 interval_ms = 200
 slurm_interval_ms = 1000
-hostname = "gpu01"
+hostname = \"gpu01\"
 enable_slurm = $slurm
-job_map_dir = "$T/run/dcgm-job-map"
-TOML
+job_map_dir = \"$T/run/dcgm-job-map\""
     echo "+ $TEL_AGENT --config $T/agent.toml run   (log $T/agent.log)"
     "$TEL_AGENT" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 &
     TEL_AGENT_PID=$!
     TEL_CLEANUP+=("kill $TEL_AGENT_PID 2>/dev/null; wait $TEL_AGENT_PID 2>/dev/null")
-    TEL_METRICS_ADDR="127.0.0.1:$mp"
+    TEL_METRICS_ADDR="127.0.0.1:$AGENT_METRICS_PORT"
     TEL_METRICS_URL="http://$TEL_METRICS_ADDR/metrics"
     for ((i = 0; i < 120; i++)); do
         curl -fsS -o /dev/null "$TEL_METRICS_URL" 2>/dev/null && return 0

@@ -31,26 +31,10 @@ stop_agent() {
 trap 'stop_agent; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; echo "--- agent log"; tail -n 30 "$work/agent.log" || true; exit 1; }
 
-read -r gw_port m_port < <(python3 -c 'import socket
-s=[socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1",0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
-mkdir -p "$work/state" "$work/spool" "$work/run"
+. "$REPO/tests/lib/agent-config.sh"
 write_config() { # write_config [STORE_URL]
-cat > "$work/agent.toml" <<TOML
-[paths]
-state_dir = "$work/state"
-spool_dir = "$work/spool"
-runtime_dir = "$work/run"
-[gateway]
-listen = "127.0.0.1:$gw_port"
-[metrics]
-listen = "127.0.0.1:$m_port"
-[telemetry]
-enable_nvml = false
-enable_slurm = false
-TOML
-if [ -n "${1:-}" ]; then printf '[store]\nurl = "%s"\n' "$1" >> "$work/agent.toml"; fi
+    agent_config "$work"
+    if [ -n "${1:-}" ]; then printf '[store]\nurl = "%s"\n' "$1" >> "$work/agent.toml"; fi
 }
 write_config
 export GPUHUB_SOCKET="$work/run/agent.sock"

@@ -36,24 +36,9 @@ echo "failed as expected"
 
 echo "+ cargo build --release --workspace; start it on free loopback ports with temp dirs"
 cargo build --release --quiet --workspace
-read -r gw_port m_port < <(python3 -c 'import socket
-s=[socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1",0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
-mkdir -p "$work/state" "$work/spool" "$work/run"
-cat > "$work/agent.toml" <<TOML
-[paths]
-state_dir = "$work/state"
-spool_dir = "$work/spool"
-runtime_dir = "$work/run"
-[gateway]
-listen = "127.0.0.1:$gw_port"
-[metrics]
-listen = "127.0.0.1:$m_port"
-[telemetry]
-enable_nvml = false
-enable_slurm = false
-TOML
+. "$REPO/tests/lib/agent-config.sh"
+agent_config "$work"
+m_port="$AGENT_METRICS_PORT"
 env -u GPUHUB_STORE_URL target/release/gpuhub-agent run --config "$work/agent.toml" > "$work/agent.log" 2>&1 &
 agent_pid=$!
 for _ in $(seq 100); do
