@@ -92,13 +92,8 @@ pub struct Lease {
     pub base_url: String,
     pub api_key: Option<String>,
     pub version: Option<String>,
-    guard: InFlightGuard,
-}
-
-impl Lease {
-    pub fn in_flight(&self) -> u32 {
-        self.guard.worker.in_flight.load(Ordering::Relaxed)
-    }
+    /// Held for its `Drop`: ends the call (in-flight count, queue permit, idle timer).
+    _guard: InFlightGuard,
 }
 
 #[derive(Debug)]
@@ -216,7 +211,7 @@ impl Worker {
     }
 }
 
-/// What the on-demand machinery needs (absent in [`ModelManager::new`], static-only).
+/// What the on-demand machinery needs.
 struct Runtime {
     launchers: Launchers,
     store: Option<Store>,
@@ -255,12 +250,6 @@ pub struct ManagerDeps<'a> {
 }
 
 impl ModelManager {
-    /// A manager for `launcher = "static"` models only (on-demand models answer 503).
-    pub fn new(catalog: Arc<Catalog>) -> ModelManager {
-        let workers = catalog.models().map(|m| (m.name.clone(), Arc::new(Worker::new(m.clone())))).collect();
-        ModelManager { shared: Arc::new(Shared { catalog, workers, rt: None }) }
-    }
-
     /// The full manager: launchers, metrics, MLflow, and adoption of the workers a previous
     /// agent left running (done before this returns, so no call can start a duplicate).
     pub async fn start(catalog: Arc<Catalog>, deps: ManagerDeps<'_>) -> ModelManager {
@@ -407,7 +396,7 @@ impl Shared {
                 base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
                 api_key: m.api_key.clone(),
                 version: None,
-                guard: InFlightGuard { worker: w, _permit: permit },
+                _guard: InFlightGuard { worker: w, _permit: permit },
             });
         }
         let Some(rt) = &self.rt else {
@@ -494,7 +483,7 @@ impl Shared {
             base_url: instance.base_url.clone(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
-            guard: InFlightGuard { worker: w, _permit: permit },
+            _guard: InFlightGuard { worker: w, _permit: permit },
         })
     }
 
