@@ -4,11 +4,13 @@
 #      Prometheus, rpm tools, the Python venv with mlflow and openai)
 #   2. builds the workspace (release profile: the plugin, the agent, the CLI, the test worker)
 #   3. starts a throw-away PostgreSQL server and runs the Rust tests on SQLite and PostgreSQL
-#   4. starts the lab (tests/lab/up.sh: real Slurm + the plugin + the agent)
+#   4. starts the lab (tests/lab/up.sh: real Slurm with slurmdbd accounting + the plugin + the agent)
 #   5. runs every tests/system/*.sh against it, one at a time, with a time limit each
 # Logs of each system test: target/test-logs/<name>.log (the tail is printed on failure).
 #   GPUHUB_TESTS=PATTERN   run only system tests whose file name matches PATTERN (grep -E)
 #   GPUHUB_SKIP_CARGO=1    skip step 3
+# The lab always runs with Slurm's accounting here (GPUHUB_LAB_ACCOUNTING=1: MariaDB + slurmdbd),
+# and GPUHUB_REQUIRE_SACCT=1 makes a test that compares with sacct fail instead of skipping.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -40,7 +42,8 @@ if [ "${GPUHUB_SKIP_CARGO:-0}" != 1 ]; then
     fi
 fi
 
-log "lab"
+log "lab (with slurmdbd accounting)"
+export GPUHUB_LAB_ACCOUNTING=1 GPUHUB_REQUIRE_SACCT=1
 tests/lab/up.sh || die "tests/lab/up.sh failed"
 
 mkdir -p "$LOGS"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the gpuhub lab started by up.sh: the agent, then Slurm and munge, by pid files.
+# Stop the gpuhub lab started by up.sh: the agent, then Slurm (slurmd, slurmctld, slurmdbd),
+# MariaDB if up.sh started it, and munge, by pid files.
 # Idempotent. Cancels remaining jobs first.
 #   --purge   also delete Slurm's saved state, lab logs, the fake /dev/nvidia* nodes up.sh
 #             created, and the lab's gpuhub spool/runtime dirs (configs stay in /etc/slurm)

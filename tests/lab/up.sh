@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Bring up the gpuhub lab on one machine, as root: a real single-node Slurm 22.05 with fake
-# H200 GPUs (gpu:h200:2, shard:h200:28; partitions gpu, interactive, cpu), the freshly built
-# SPANK plugin, and the gpuhub agent on its embedded defaults (SQLite).
+# H200 GPUs (gpu:h200:2, shard:h200:28; partitions gpu, interactive, cpu) and Slurm's own job
+# accounting (slurmdbd on a local MariaDB, so sacct works), the freshly built SPANK plugin, and
+# the gpuhub agent on its embedded defaults (SQLite).
 # Idempotent: installs what is missing, rebuilds, restarts only what changed, waits until all
 # is ready, and fails within GPUHUB_LAB_TIMEOUT seconds with the relevant log lines otherwise.
 #
@@ -10,7 +11,10 @@
 #   GPUHUB_LAB_BUILD=0       do not run cargo build (use target/release as it is)
 #   GPUHUB_LAB_TIMEOUT=60    seconds to wait for the node and for the agent
 #   GPUHUB_LAB_RESTART=1     restart slurmctld/slurmd even if nothing changed
-#   GPUHUB_LAB_ACCOUNTING=1  also MariaDB + slurmdbd (sacct works)
+#   GPUHUB_LAB_ACCOUNTING=0  no MariaDB/slurmdbd (sacct off); default 1: installs
+#                            mariadb-server + slurmdbd on first use (15-30 s), starts MariaDB
+#                            unless it already runs (down.sh stops only one up.sh started),
+#                            slurmdbd, registers the cluster, waits until sacct lists a job
 #   GPUHUB_LAB_SMOKE=0       skip the final srun smoke test
 #   GPUHUB_DEPS_PYTHON=0     (tests/setup/deps.sh) skip the Python venv with mlflow/openai
 set -euo pipefail
@@ -18,13 +22,14 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 HERE="$REPO/tests/lab"
 NODE=gpu01
-ACCOUNTING="${GPUHUB_LAB_ACCOUNTING:-0}"
+ACCOUNTING="${GPUHUB_LAB_ACCOUNTING:-1}"
 TIMEOUT="${GPUHUB_LAB_TIMEOUT:-60}"
 SMOKE="${GPUHUB_LAB_SMOKE:-1}"
 RESTART="${GPUHUB_LAB_RESTART:-0}"
 AGENT="${GPUHUB_LAB_AGENT:-1}"
 BUILD="${GPUHUB_LAB_BUILD:-1}"
 STATE_DIR=/run/gpuhub-lab
+CLUSTER="$(sed -n 's/^ClusterName=//p' "$HERE/slurm.conf")"
 export PATH="$PATH:/root/.cargo/bin:/usr/sbin:/sbin"
 
 # shellcheck source=../lib/lab.sh
@@ -46,12 +51,23 @@ mkdir -p "$STATE_DIR"
 log "checking packages (tests/setup/deps.sh)"
 "$REPO/tests/setup/deps.sh" || die "tests/setup/deps.sh failed"
 if [ "$ACCOUNTING" = 1 ]; then
+    missing=()
     for p in slurmdbd mariadb-server; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' && continue
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmdbd mariadb-server >/dev/null \
-            || die "apt-get install slurmdbd mariadb-server failed"
-        break
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
     done
+    if [ "${#missing[@]}" -gt 0 ]; then
+        log "installing ${missing[*]} for Slurm accounting (GPUHUB_LAB_ACCOUNTING=0 skips it)"
+        own_policy=0
+        if [ ! -e /usr/sbin/policy-rc.d ]; then
+            # package scripts must not start MariaDB: up.sh starts it and down.sh stops what up.sh started
+            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; own_policy=1
+        fi
+        rc=0
+        apt-get update -qq || rc=$?
+        [ "$rc" -eq 0 ] && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?; }
+        [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
+        [ "$rc" -eq 0 ] || die "apt-get install ${missing[*]} failed (rc=$rc); or run with GPUHUB_LAB_ACCOUNTING=0"
+    fi
 fi
 if [ "$BUILD" = 1 ]; then
     command -v cargo >/dev/null || die "cargo not found; install Rust (https://rustup.rs) or set GPUHUB_LAB_BUILD=0"
@@ -157,26 +173,45 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 # ---------------------------------------------------------------- accounting
+# db_up: slurmdbd answers sacctmgr (it listens only once it has reached MariaDB).
+db_up() { timeout 10 sacctmgr -n -P list cluster format=Cluster >/dev/null 2>&1; }
 if [ "$ACCOUNTING" = 1 ]; then
     if ! mysqladmin ping >/dev/null 2>&1; then
         log "starting MariaDB"
-        /etc/init.d/mariadb start >/dev/null || die "MariaDB failed to start"
-        touch "$STATE_DIR/mariadb-started"
+        /etc/init.d/mariadb start >/dev/null || die "MariaDB failed to start (/etc/init.d/mariadb start)"
+        touch "$STATE_DIR/mariadb-started"   # down.sh stops only a MariaDB that up.sh started
     fi
+    mysqladmin ping >/dev/null 2>&1 || die "MariaDB does not answer (mysqladmin ping)"
     mysql -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
               CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmlab';
               ALTER USER 'slurm'@'localhost' IDENTIFIED BY 'slurmlab';
               GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;" \
-        || die "cannot create the accounting database"
+        || die "cannot create the accounting database slurm_acct_db"
     [ -e "$STATE_DIR/restart-pending" ] && stop_pid /run/slurmdbd.pid slurmdbd
-    if ! pid_alive /run/slurmdbd.pid slurmdbd; then
+    if ! pid_alive /run/slurmdbd.pid slurmdbd && ! pgrep -x slurmdbd >/dev/null; then
         log "starting slurmdbd"
         slurmdbd || die "slurmdbd failed to start"
     fi
-    for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/6819) 2>/dev/null && break; sleep 0.2; done
-    (exec 3<>/dev/tcp/127.0.0.1/6819) 2>/dev/null || die "slurmdbd is not listening on 6819"
+    # The first start creates the tables (a few seconds on 2 cores).
+    deadline=$((SECONDS + TIMEOUT))
+    until db_up; do
+        [ "$SECONDS" -lt "$deadline" ] || die "slurmdbd does not answer sacctmgr on port 6819 after ${TIMEOUT}s"
+        pgrep -x slurmdbd >/dev/null || die "slurmdbd exited (see /var/log/slurm/slurmdbd.log)"
+        sleep 0.5
+    done
+    # slurmctld adds a missing cluster itself when it first connects; adding it here, before
+    # slurmctld starts, does not depend on that and fails here, with a message, if it cannot.
+    if ! sacctmgr -n -P list cluster format=Cluster 2>/dev/null | grep -qx "$CLUSTER"; then
+        log "registering cluster $CLUSTER in slurmdbd"
+        timeout 20 sacctmgr -i add cluster "$CLUSTER" >/dev/null || die "sacctmgr -i add cluster $CLUSTER failed"
+    fi
 else
     stop_pid /run/slurmdbd.pid slurmdbd
+    if [ -e "$STATE_DIR/mariadb-started" ]; then
+        log "stopping MariaDB (GPUHUB_LAB_ACCOUNTING=0)"
+        /etc/init.d/mariadb stop >/dev/null 2>&1 || true
+        rm -f "$STATE_DIR/mariadb-started"
+    fi
 fi
 
 # ---------------------------------------------------------------- slurm daemons
@@ -220,6 +255,15 @@ case "$state" in
     *) die "node $NODE is '${state:-unknown}' instead of idle after ${TIMEOUT}s (reason: $(sinfo -h -n "$NODE" -o '%E' 2>/dev/null | head -n1))" ;;
 esac
 
+if [ "$ACCOUNTING" = 1 ]; then
+    # slurmctld is connected to slurmdbd once the cluster row carries its address.
+    deadline=$((SECONDS + TIMEOUT))
+    until [ -n "$(timeout 10 sacctmgr -n -P list cluster "$CLUSTER" format=ControlHost 2>/dev/null)" ]; do
+        [ "$SECONDS" -lt "$deadline" ] || die "slurmctld has not registered with slurmdbd after ${TIMEOUT}s (sacctmgr list cluster $CLUSTER shows no ControlHost)"
+        sleep 0.5
+    done
+fi
+
 # ---------------------------------------------------------------- agent
 if [ "$AGENT" = 1 ]; then
     # A running agent from an older build or config is replaced: the lab runs what was just built.
@@ -236,19 +280,30 @@ else
 fi
 
 if [ "$SMOKE" = 1 ]; then
-    out="$(cd /tmp && timeout 60 srun -N1 -t 1 --gres=gpu:1 printenv CUDA_VISIBLE_DEVICES GPUHUB_URL 2>"$STATE_DIR/smoke.err")" \
+    out="$(cd /tmp && timeout 60 srun -N1 -t 1 --gres=gpu:1 printenv CUDA_VISIBLE_DEVICES GPUHUB_URL SLURM_JOB_ID 2>"$STATE_DIR/smoke.err")" \
         || die "smoke test 'srun --gres=gpu:1' failed: $(cat "$STATE_DIR/smoke.err")"
     case "$(echo "$out" | head -n1)" in 0|1) ;; *) die "smoke test: unexpected CUDA_VISIBLE_DEVICES '$out'" ;; esac
     echo "$out" | grep -q '^http://' || die "smoke test: the plugin injected no GPUHUB_URL (is $LAB_PLUGSTACK loaded? see slurmd.log)"
+    if [ "$ACCOUNTING" = 1 ]; then
+        # slurmdbd stores jobs asynchronously: wait until sacct lists the smoke job as ended.
+        smoke_job="$(echo "$out" | sed -n 3p)"
+        deadline=$((SECONDS + TIMEOUT))
+        until [ "$(sacct -n -X -P -j "$smoke_job" -o State 2>/dev/null)" = COMPLETED ]; do
+            [ "$SECONDS" -lt "$deadline" ] || die "sacct does not list the smoke job $smoke_job as completed after ${TIMEOUT}s (slurmctld -> slurmdbd; see the logs below)"
+            sleep 0.5
+        done
+    fi
 fi
 
 log "up: node $NODE is $state; partitions: $(sinfo -h -o '%P' | tr '\n' ' ')"
+if [ "$ACCOUNTING" = 1 ]; then log "accounting: slurmdbd + MariaDB (sacct works)"; else log "accounting: off (GPUHUB_LAB_ACCOUNTING=0; sacct does not work)"; fi
 [ "$AGENT" = 1 ] && log "agent: http://127.0.0.1:8400 (log $LAB_AGENT_LOG, pid $(cat "$LAB_AGENT_PID" 2>/dev/null))"
 cat <<TRY
 [lab] try next:
   srun --gres=gpu:1 env | grep -E 'GPUHUB|OPENAI|MLFLOW|_MODEL|CUDA'
   srun --gres=shard:7 --mlflow-experiment=demo printenv MLFLOW_EXPERIMENT_NAME SLURM_SHARDS_ON_NODE
   sbatch --gres=gpu:2 --wrap 'env | grep GPUHUB'     # output in ./slurm-<id>.out
+  sacct -X -o JobID,JobName,State,AllocTRES%45,ElapsedRaw  # Slurm's own accounting (slurmdbd)
   srun --help | grep -A1 gpuhub                       # the plugin's options
   target/release/gpuhub usage --by user; target/release/gpuhub job <JOBID>   # GPU- and shard-seconds
   curl -s 127.0.0.1:9410/metrics | grep -E '^(DCGM_FI_DEV_GPU_UTIL|gpuhub_slurm)' | head
