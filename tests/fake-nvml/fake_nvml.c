@@ -19,12 +19,22 @@
  *   gpu index=0 uuid=GPU-... name="NVIDIA H200" pci=00000000:19:00.0 mem_total=150754820096
  *       mem_used=1073741824 util=37 mem_util=12 temp=41 power_mw=250000 energy_mj=1000
  *       sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0 fail=temp,power unsupported=ecc
+ *       xid=79,48
  *   proc gpu=0 pid=1234 mem=1073741824 sm=30 mem_util=5
  *
  * (a `gpu` item is one line.) `fail=` fields return NVML_ERROR_UNKNOWN, `unsupported=` fields
  * NVML_ERROR_NOT_SUPPORTED; field names: name uuid util mem temp power energy clock ecc pci
- * procs proc_util. The energy counter grows at the scripted power from library init:
+ * procs proc_util xid. The energy counter grows at the scripted power from library init:
  * energy = energy_mj + power_mw * seconds since nvmlInit.
+ *
+ * XID events: `xid=` lists every XID the GPU has had, oldest first (cumulative: to add one,
+ * append it, e.g. `xid=79` then `xid=79,79`). An event set registered for the GPU (matched by
+ * UUID) delivers each entry once, in order, from nvmlEventSetWait_v2; entries already listed
+ * when the set was registered are not delivered, as with NVML ("events that occurred before
+ * this call was made will not be recorded"). A shorter list rewinds the set's position.
+ * `unsupported=xid`: nvmlDeviceGetSupportedEventTypes leaves out the XID bit and registering
+ * for it returns NOT_SUPPORTED. `fail=xid`: both, and nvmlEventSetWait_v2 on a set holding the
+ * GPU, return NVML_ERROR_UNKNOWN.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -43,10 +53,21 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_DRIVER_NOT_LOADED 9
+#define NVML_ERROR_TIMEOUT 10
 #define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 64
 #define MAX_PROCS 4096
+#define MAX_XIDS 1024
+#define MAX_EVENT_SETS 128
+
+/* nvmlEventType* bits. */
+#define EV_SBE 1ull
+#define EV_DBE 2ull
+#define EV_PSTATE 4ull
+#define EV_XID 8ull
+#define EV_CLOCK 16ull
+#define EV_SUPPORTED (EV_SBE | EV_DBE | EV_PSTATE | EV_XID | EV_CLOCK)
 
 /* Layouts from nvml-wrapper-sys 0.10 src/bindings.rs. */
 typedef struct { unsigned int gpu; unsigned int memory; } nvmlUtilization_t;
@@ -75,6 +96,8 @@ struct fake_gpu {
     unsigned long long mem_total, mem_used, energy_mj, ecc_sbe, ecc_dbe;
     unsigned int util, mem_util, temp, power_mw, sm_clock, mem_clock;
     char fail[256], unsupported[256];
+    unsigned long long xid[MAX_XIDS];
+    unsigned int xid_count;
 };
 struct fake_proc { unsigned int gpu, pid, sm, mem_util; unsigned long long mem; };
 
@@ -151,6 +174,16 @@ static void parse_gpu(char *cur, struct fake_gpu *g) {
         else if (!strcmp(k, "ecc_dbe")) g->ecc_dbe = n;
         else if (!strcmp(k, "fail")) snprintf(g->fail, sizeof g->fail, ",%s,", v);
         else if (!strcmp(k, "unsupported")) snprintf(g->unsupported, sizeof g->unsupported, ",%s,", v);
+        else if (!strcmp(k, "xid")) {
+            const char *p = v;
+            while (*p && g->xid_count < MAX_XIDS) {
+                char *end;
+                unsigned long long code = strtoull(p, &end, 10);
+                if (end == p) break;
+                g->xid[g->xid_count++] = code;
+                p = *end == ',' ? end + 1 : end;
+            }
+        }
     }
 }
 
@@ -243,6 +276,7 @@ const char *nvmlErrorString(nvmlReturn_t r) {
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
     default: return "Unknown Error";
     }
 }
@@ -456,4 +490,127 @@ static nvmlReturn_t do_proc_util(nvmlDevice_t d, nvmlProcessUtilizationSample_t 
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *s, unsigned int *count,
                                              unsigned long long last_seen) {
     LOCKED(do_proc_util(d, s, count, last_seen));
+}
+
+/* ---- Events: nvmlEventSetCreate/Free, nvmlDeviceGetSupportedEventTypes,
+ * nvmlDeviceRegisterEvents, nvmlEventSetWait_v2. A set is a slot in `event_sets`; it remembers
+ * per GPU UUID which event types it wants and how many of the GPU's scripted XIDs it has
+ * delivered. Keyed by UUID, not by slot, so a reloaded script keeps the positions. */
+struct fake_watch { char uuid[96]; unsigned long long types; unsigned int delivered; };
+struct fake_event_set { int in_use; unsigned int n; struct fake_watch w[MAX_GPUS]; };
+typedef struct fake_event_set *nvmlEventSet_t;
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t; /* nvmlEventData_st */
+
+static struct fake_event_set event_sets[MAX_EVENT_SETS];
+
+static int valid_set(nvmlEventSet_t set) {
+    return set && set >= event_sets && set < event_sets + MAX_EVENT_SETS && set->in_use;
+}
+
+static struct fake_gpu *gpu_by_uuid(const char *uuid) {
+    for (unsigned int i = 0; i < gpu_count; i++)
+        if (!strcmp(gpus[i].uuid, uuid)) return &gpus[i];
+    return NULL;
+}
+
+static nvmlReturn_t do_set_create(nvmlEventSet_t *set) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (event_sets[i].in_use) continue;
+        memset(&event_sets[i], 0, sizeof event_sets[i]);
+        event_sets[i].in_use = 1;
+        *set = &event_sets[i];
+        return NVML_SUCCESS;
+    }
+    return NVML_ERROR_UNKNOWN;
+}
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) { LOCKED(do_set_create(set)); }
+
+static nvmlReturn_t do_set_free(nvmlEventSet_t set) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid_set(set)) return NVML_ERROR_INVALID_ARGUMENT;
+    set->in_use = 0;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) { LOCKED(do_set_free(set)); }
+
+static nvmlReturn_t do_supported_events(nvmlDevice_t d, unsigned long long *types) {
+    nvmlReturn_t r = enter(d, NULL);
+    if (r) return r;
+    if (!types) return NVML_ERROR_INVALID_ARGUMENT;
+    if (has(d->fail, "xid")) return NVML_ERROR_UNKNOWN;
+    *types = has(d->unsupported, "xid") ? EV_SUPPORTED & ~EV_XID : EV_SUPPORTED;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types) {
+    LOCKED(do_supported_events(d, types));
+}
+
+static nvmlReturn_t do_register(nvmlDevice_t d, unsigned long long types, nvmlEventSet_t set) {
+    nvmlReturn_t r = enter(d, NULL);
+    if (r) return r;
+    if (!valid_set(set)) return NVML_ERROR_INVALID_ARGUMENT;
+    if (has(d->fail, "xid")) return NVML_ERROR_UNKNOWN;
+    if ((types & ~EV_SUPPORTED) || ((types & EV_XID) && has(d->unsupported, "xid"))) return NVML_ERROR_NOT_SUPPORTED;
+    struct fake_watch *w = NULL;
+    for (unsigned int i = 0; i < set->n; i++)
+        if (!strcmp(set->w[i].uuid, d->uuid)) w = &set->w[i];
+    if (!w) {
+        if (set->n >= MAX_GPUS) return NVML_ERROR_UNKNOWN;
+        w = &set->w[set->n++];
+        snprintf(w->uuid, sizeof w->uuid, "%s", d->uuid);
+        w->delivered = d->xid_count; /* earlier events are not recorded */
+    }
+    w->types |= types;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, nvmlEventSet_t set) {
+    LOCKED(do_register(d, types, set));
+}
+
+/* One pending event into *data, or NVML_ERROR_TIMEOUT when there is none. Caller holds `lock`. */
+static nvmlReturn_t take_event(nvmlEventSet_t set, nvmlEventData_t *data) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid_set(set) || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    reload();
+    for (unsigned int i = 0; i < set->n; i++) {
+        struct fake_watch *w = &set->w[i];
+        struct fake_gpu *g = gpu_by_uuid(w->uuid);
+        if (!g || !(w->types & EV_XID)) continue;
+        if (has(g->fail, "xid")) return NVML_ERROR_UNKNOWN;
+        if (w->delivered > g->xid_count) w->delivered = g->xid_count;
+        if (w->delivered == g->xid_count) continue;
+        memset(data, 0, sizeof *data);
+        data->device = g;
+        data->eventType = EV_XID;
+        data->eventData = g->xid[w->delivered++];
+        data->gpuInstanceId = 0xFFFFFFFFu;
+        data->computeInstanceId = 0xFFFFFFFFu;
+        return NVML_SUCCESS;
+    }
+    return NVML_ERROR_TIMEOUT;
+}
+
+/* Returns at once when an event is pending; otherwise polls every millisecond (without holding
+ * the lock) until one is or `timeoutms` passed. */
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    struct timespec start, now, tick = {0, 1000000};
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        pthread_mutex_lock(&lock);
+        nvmlReturn_t r = take_event(set, data);
+        pthread_mutex_unlock(&lock);
+        if (r != NVML_ERROR_TIMEOUT) return r;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long long waited_ms = (long long)(now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+        if (waited_ms >= (long long)timeoutms) return NVML_ERROR_TIMEOUT;
+        nanosleep(&tick, NULL);
+    }
 }

@@ -4,7 +4,8 @@
 # processes" are real processes: Slurm jobs started with srun when the lab is up (real
 # SLURM_JOB_ID, SLURM_SHARDS_ON_NODE, user nobody), else plain processes with that environment.
 # Asserts through Prometheus's HTTP API that each job's VRAM and utilisation arrive with the
-# right jobid and user labels, that the DCGM series carry hpc_job, and that /metrics passes
+# right jobid and user labels, that the DCGM series carry hpc_job, that an XID scripted on GPU 1
+# arrives as DCGM_FI_DEV_XID_ERRORS and gpuhub_gpu_xid_errors_total, and that /metrics passes
 # `promtool check metrics`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib/telemetry.sh"
@@ -112,6 +113,14 @@ if [ "$mode" = slurm ]; then
     expect "gpuhub_slurm_up" 1
     expect "sum(gpuhub_slurm_jobs{state=\"running\",user=\"${USR[a]}\"}) >= bool 3" 1
 fi
+
+# ---- GPU 1 reports XID 79 (an NVML event): last-XID gauge on GPU 1 only, counted once
+expect "max(DCGM_FI_DEV_XID_ERRORS{UUID=\"$G1\"})" 0
+sed '/^gpu index=1 /s/$/ xid=79/' "$T/nvml/fake-nvml.conf" > "$T/nvml/conf.tmp" && mv "$T/nvml/conf.tmp" "$T/nvml/fake-nvml.conf"
+expect "DCGM_FI_DEV_XID_ERRORS{hpc_job=\"${JOB[c]}\",UUID=\"$G1\"}" 79
+expect "max(DCGM_FI_DEV_XID_ERRORS{UUID=\"$G0\"})" 0
+expect "gpuhub_gpu_xid_errors_total{gpu=\"1\",uuid=\"$G1\",xid=\"79\"}" 1
+expect "count(gpuhub_gpu_xid_errors_total{uuid=\"$G0\"}) or vector(0)" 0
 
 # ---- job a ends: its series go away (no ghosts) while b's stay
 kill "${PID[a]}" 2>/dev/null || true

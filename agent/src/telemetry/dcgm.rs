@@ -10,10 +10,15 @@
 //! Differences, on purpose: registered at the registry root with no prefix; every series is a
 //! gauge (prometheus-client appends `_total` to counters, which would rename
 //! `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`; `rate()` works on it all the same); no
-//! `DCGM_FI_DRIVER_VERSION` label; XID errors are not exported (NVML reports them only as
-//! events, which this sampler does not subscribe to).
+//! `DCGM_FI_DRIVER_VERSION` label.
+//!
+//! `DCGM_FI_DEV_XID_ERRORS` is, as in DCGM, the code of the last XID the GPU reported (0 before
+//! any). It exists only for GPUs watched for XID events ([`super::xid`]): a GPU without XID
+//! support has no such series, rather than a 0 that would read as "no XID". A GPU whose watch
+//! fails later keeps its last value. The count of XIDs is gpuhub's
+//! `gpuhub_gpu_xid_errors_total{xid}`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
@@ -55,27 +60,34 @@ pub struct DcgmMetrics {
     fb_total: G,
     ecc_sbe: G,
     ecc_dbe: G,
+    xid: G,
     live: HashSet<DcgmLabels>,
+    /// Last XID code per GPU UUID, for GPUs ever watched (0 until the first XID). Kept when a
+    /// GPU leaves the sample so its value is back when the GPU is; bounded by the GPUs the
+    /// node has had.
+    last_xid: HashMap<String, u64>,
 }
 
 const MIB: u64 = 1024 * 1024;
 
 impl DcgmMetrics {
-    /// Registers the series at the root of `r` (no prefix: the names are dcgm-exporter's).
+    /// Registers the series at the root of `r` (no prefix: the names are dcgm-exporter's). The
+    /// help texts are dcgm-exporter's without the final period, which prometheus-client adds.
     pub fn register(r: &mut Registry) -> Self {
         let m = Self::default();
-        r.register("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", m.sm_clock.clone());
-        r.register("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz).", m.mem_clock.clone());
-        r.register("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", m.gpu_temp.clone());
-        r.register("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", m.power_usage.clone());
-        r.register("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ).", m.total_energy.clone());
-        r.register("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", m.gpu_util.clone());
-        r.register("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", m.mem_copy_util.clone());
-        r.register("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", m.fb_free.clone());
-        r.register("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", m.fb_used.clone());
-        r.register("DCGM_FI_DEV_FB_TOTAL", "Framebuffer memory total (in MiB).", m.fb_total.clone());
-        r.register("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.", m.ecc_sbe.clone());
-        r.register("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors.", m.ecc_dbe.clone());
+        r.register("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)", m.sm_clock.clone());
+        r.register("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz)", m.mem_clock.clone());
+        r.register("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)", m.gpu_temp.clone());
+        r.register("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)", m.power_usage.clone());
+        r.register("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ)", m.total_energy.clone());
+        r.register("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)", m.gpu_util.clone());
+        r.register("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)", m.mem_copy_util.clone());
+        r.register("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)", m.fb_free.clone());
+        r.register("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)", m.fb_used.clone());
+        r.register("DCGM_FI_DEV_FB_TOTAL", "Framebuffer memory total (in MiB)", m.fb_total.clone());
+        r.register("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors", m.ecc_sbe.clone());
+        r.register("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors", m.ecc_dbe.clone());
+        r.register("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered", m.xid.clone());
         m
     }
 
@@ -87,6 +99,13 @@ impl DcgmMetrics {
             let uuid = Arc::new(s.uuid.clone());
             let pci = Arc::new(s.pci_bus_id.clone());
             let model = Arc::new(s.name.clone());
+            if let Some(codes) = &s.xid_events {
+                let last = self.last_xid.entry(s.uuid.clone()).or_insert(0);
+                if let Some(code) = codes.last() {
+                    *last = *code;
+                }
+            }
+            let last_xid = self.last_xid.get(&s.uuid).copied();
             let job_labels: Vec<String> = match jobs.get(&s.index) {
                 Some(ids) if !ids.is_empty() => ids.iter().map(u32::to_string).collect(),
                 _ => vec![String::new()],
@@ -120,6 +139,7 @@ impl DcgmMetrics {
                 set(&self.fb_total, &l, s.memory_total_bytes.map(|b| b / MIB));
                 set(&self.ecc_sbe, &l, s.ecc_corrected);
                 set(&self.ecc_dbe, &l, s.ecc_uncorrected);
+                set(&self.xid, &l, last_xid);
                 now.insert(l);
             }
         }
@@ -136,6 +156,7 @@ impl DcgmMetrics {
                 &self.fb_total,
                 &self.ecc_sbe,
                 &self.ecc_dbe,
+                &self.xid,
             ] {
                 f.remove(gone);
             }

@@ -1,8 +1,10 @@
 //! gpuhub's own telemetry series, in base units (bytes, watts, joules, seconds, ratios),
 //! registered once under the `gpuhub` prefix. Components keep cloned handles (`Arc` inside).
 //!
-//! Labels are bounded: GPU (index + UUID), live job and its user, Slurm state/partition/user/
-//! account/reason. Series of a job that left a GPU are removed at the next sample.
+//! Labels are bounded: GPU (index + UUID), XID code, live job and its user, Slurm state/
+//! partition/user/account/reason. Series of a job that left a GPU are removed at the next
+//! sample. The XID counter is the exception to "no ghosts": it stays when its GPU leaves
+//! NVML's list, because XID 79 (fallen off the bus) is exactly what makes a GPU leave it.
 
 use std::collections::HashSet;
 use std::hash::Hash;
@@ -22,6 +24,14 @@ pub type CounterF = Counter<f64, AtomicU64>;
 pub struct GpuLabels {
     pub gpu: String,
     pub uuid: String,
+}
+
+/// One XID code on one GPU (`xid` is NVML's number, e.g. `79`; `999` when NVML does not know).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct GpuXidLabels {
+    pub gpu: String,
+    pub uuid: String,
+    pub xid: String,
 }
 
 /// One job on one GPU. The job label is `jobid` (as Princeton jobstats' cgroup exporter
@@ -89,6 +99,7 @@ pub struct GpuhubMetrics {
     pub gpu_energy: Family<GpuLabels, CounterF>,
     pub gpu_utilization: Family<GpuLabels, GaugeF>,
     pub gpu_temperature: Family<GpuLabels, Gauge>,
+    pub gpu_xid_errors: Family<GpuXidLabels, Counter>,
     pub job_gpu_memory_used: Family<JobGpuLabels, Gauge>,
     pub job_gpu_utilization: Family<JobGpuLabels, GaugeF>,
     pub job_gpu_energy: Family<JobGpuLabels, CounterF>,
@@ -127,6 +138,11 @@ impl GpuhubMetrics {
         r.register_with_unit("gpu_energy", "GPU energy used since the agent started", Unit::Joules, m.gpu_energy.clone());
         r.register_with_unit("gpu_utilization", "GPU utilisation (0-1)", Unit::Other("ratio".into()), m.gpu_utilization.clone());
         r.register_with_unit("gpu_temperature", "GPU die temperature", Unit::Celsius, m.gpu_temperature.clone());
+        r.register(
+            "gpu_xid_errors",
+            "XID error events NVML reported for the GPU, by XID code (kept after the GPU leaves NVML's list)",
+            m.gpu_xid_errors.clone(),
+        );
         r.register_with_unit(
             "job_gpu_memory_used",
             "VRAM held by the job's processes on the GPU",

@@ -5,6 +5,8 @@
 //! - [`nvml`]: opens NVML through nvml-wrapper (the real driver, or the fake library under
 //!   `tests/fake-nvml/`) and reads one [`nvml::GpuSample`] per GPU; a field NVML refuses is
 //!   skipped and counted, never fatal.
+//! - [`xid`]: XID errors through NVML's event API, one event set per GPU, drained without
+//!   waiting on every sample (a GPU without XID events is skipped, logged once).
 //! - [`attribution`]: maps a GPU process id to its Slurm job (`/proc/<pid>/environ`, then
 //!   `/proc/<pid>/cgroup`), so two shard jobs on one GPU each get their own VRAM and utilisation.
 //! - [`sampler`]: the GPU sampler thread: NVML -> attribution -> per-job accumulators -> gauges.
@@ -26,6 +28,7 @@ pub mod metrics;
 pub mod nvml;
 pub mod sampler;
 pub mod slurm;
+pub mod xid;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

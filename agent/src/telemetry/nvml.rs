@@ -5,17 +5,22 @@
 //! Every field is read on its own: a field NVML refuses (`NotSupported` on this GPU, or a
 //! transient error) is left out of this sample and reported in [`GpuSample::errors`]; it never
 //! fails the sample. Only losing NVML itself (the device count) fails [`NvmlSource::sample`].
+//! XID errors come from NVML's event API instead of a read ([`super::xid`]); each sample
+//! drains the events that arrived since the previous one.
 //!
 //! Calls block (a real driver takes milliseconds per call), so this runs on the sampler thread.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::path::Path;
+use std::sync::Arc;
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
+
+use super::xid::XidEvents;
 
 /// One compute process NVML reports on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +62,9 @@ pub struct GpuSample {
     pub mem_clock_mhz: Option<u32>,
     pub ecc_corrected: Option<u64>,
     pub ecc_uncorrected: Option<u64>,
+    /// XID codes NVML reported since the previous sample, oldest first. `None` when the GPU is
+    /// not watched for XIDs (not supported, or registration failed; see `errors`).
+    pub xid_events: Option<Vec<u64>>,
     /// `None` when the process list itself was refused (then no job attribution this sample).
     pub processes: Option<Vec<ProcSample>>,
     pub errors: Vec<FieldError>,
@@ -72,7 +80,8 @@ struct Identity {
 
 /// An open NVML library.
 pub struct NvmlSource {
-    nvml: Nvml,
+    nvml: Arc<Nvml>,
+    xid: XidEvents,
     identities: HashMap<u32, Identity>,
     /// Newest process-utilisation timestamp seen per GPU index (NVML returns newer samples only).
     last_proc_ts: HashMap<u32, u64>,
@@ -94,7 +103,8 @@ impl NvmlSource {
             Some(path) => Nvml::builder().lib_path(OsStr::new(path.as_os_str())).init()?,
             None => Nvml::init()?,
         };
-        Ok(Self { nvml, identities: HashMap::new(), last_proc_ts: HashMap::new() })
+        let nvml = Arc::new(nvml);
+        Ok(Self { xid: XidEvents::new(Arc::clone(&nvml)), nvml, identities: HashMap::new(), last_proc_ts: HashMap::new() })
     }
 
     /// The driver version, for the startup log line.
@@ -108,6 +118,7 @@ impl NvmlSource {
         if self.identities.len() > count as usize {
             self.identities.clear();
         }
+        self.xid.retain_below(count);
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
             let device = match self.nvml.device_by_index(index) {
@@ -168,6 +179,9 @@ impl NvmlSource {
             if s.ecc_corrected.is_some() {
                 s.ecc_uncorrected = field(&mut errs, "ecc", device.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile));
             }
+            let xid = self.xid.poll(index, &s.uuid);
+            s.xid_events = xid.codes;
+            errs.extend(xid.error);
 
             if let Some(procs) = field(&mut errs, "procs", device.running_compute_processes()) {
                 let last = self.last_proc_ts.get(&index).copied();

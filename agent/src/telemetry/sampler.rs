@@ -12,6 +12,9 @@
 //!   that belong to no job take their share too, so jobs are not charged for them.
 //!
 //! A counter that goes backwards (driver reload) contributes nothing for that interval.
+//!
+//! XID events NVML delivered since the previous pass are counted per GPU and code
+//! (`gpuhub_gpu_xid_errors_total`) and logged at warn level: XIDs are what admins page on.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -20,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use super::attribution::Attributor;
 use super::dcgm::DcgmMetrics;
-use super::metrics::{FieldLabels, GpuLabels, GpuhubMetrics, JobGpuLabels, remove_stale};
+use super::metrics::{FieldLabels, GpuLabels, GpuXidLabels, GpuhubMetrics, JobGpuLabels, remove_stale};
 use super::nvml::{GpuSample, NvmlSource};
+use super::xid;
 use super::{GpuInfo, JobGpuStats, Published, Stop, TelemetryConfig, lock, unix_now};
 
 /// How often to retry opening NVML after it failed (a driver can load after the agent).
@@ -260,6 +264,7 @@ impl GpuSampler {
         for s in samples.iter().filter(|s| !s.uuid.is_empty()) {
             let gl = GpuLabels { gpu: s.index.to_string(), uuid: s.uuid.clone() };
             self.write_gpu_series(s, &gl);
+            self.record_xids(s);
             gpu_now.insert(gl.clone());
 
             // Who is on this GPU.
@@ -407,6 +412,33 @@ impl GpuSampler {
             None => {
                 m.gpu_utilization.remove(gl);
             }
+        }
+    }
+
+    /// Counts every XID event of this pass and logs them: one warn line per GPU and XID code
+    /// per pass (a burst of one code is one line with its count, not hundreds).
+    fn record_xids(&self, s: &GpuSample) {
+        let Some(codes) = &s.xid_events else { return };
+        let mut seen: Vec<(u64, u64)> = Vec::new(); // (code, events), in order of arrival
+        for &code in codes {
+            let l = GpuXidLabels { gpu: s.index.to_string(), uuid: s.uuid.clone(), xid: code.to_string() };
+            self.own.gpu_xid_errors.get_or_create(&l).inc();
+            match seen.iter_mut().find(|(c, _)| *c == code) {
+                Some((_, n)) => *n += 1,
+                None => seen.push((code, 1)),
+            }
+        }
+        for (code, n) in seen {
+            let what = xid::hint(code).map(|h| format!(": {h}")).unwrap_or_default();
+            let times = if n > 1 { format!(" ({n} events since the last sample)") } else { String::new() };
+            tracing::warn!(
+                gpu = s.index,
+                uuid = %s.uuid,
+                xid = code,
+                "telemetry: GPU {} ({}) reported XID {code}{times}{what}; see NVIDIA's XID catalog for the action (counted in gpuhub_gpu_xid_errors_total)",
+                s.index,
+                s.uuid
+            );
         }
     }
 

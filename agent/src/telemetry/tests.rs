@@ -277,6 +277,94 @@ fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
 }
 
 #[test]
+fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
+    let gpus = |xid1: &str| format!("{}{}", gpu_line(0, UUID0, GIB, 10, ""), gpu_line(1, UUID1, GIB, 20, xid1));
+    let fake = FakeNvml::new(&gpus(""));
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    wait_samples(&t, 1);
+    let xid_gauge = |text: &str, gpu: u32, uuid: &str| value(text, &dcgm_prefix("DCGM_FI_DEV_XID_ERRORS", gpu, uuid, ""));
+    let xid_count = |text: &str, gpu: u32, uuid: &str, code: u32| {
+        value(text, &format!("gpuhub_gpu_xid_errors_total{{gpu=\"{gpu}\",uuid=\"{uuid}\",xid=\"{code}\"}}"))
+    };
+    // Watched GPUs export 0 before any XID, and no counter series yet.
+    let text = render(&registry);
+    assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0), "{text}");
+    assert_eq!(xid_gauge(&text, 1, UUID1), Some(0.0));
+    assert!(!text.contains("gpuhub_gpu_xid_errors_total{"), "{text}");
+
+    // GPU 1 reports XID 79 (fell off the bus): its gauge says 79, GPU 0's stays 0.
+    fake.write(&gpus("xid=79"));
+    wait_samples(&t, 2);
+    let text = render(&registry);
+    assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0), "{text}");
+    assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0));
+    assert_eq!(xid_count(&text, 1, UUID1, 79), Some(1.0));
+    assert!(!text.contains("gpuhub_gpu_xid_errors_total{gpu=\"0\""), "no XID on GPU 0:\n{text}");
+    promtool_check(&text);
+
+    // More samples and scrapes count nothing new: once per event, not per sample or scrape.
+    wait_samples(&t, 3);
+    let _ = render(&registry);
+    let text = render(&registry);
+    assert_eq!(xid_count(&text, 1, UUID1, 79), Some(1.0), "{text}");
+    assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0));
+
+    // Three more events (48, then 79 twice): each counted; the gauge holds the last code.
+    fake.write(&gpus("xid=79,48,79,79"));
+    wait_samples(&t, 2);
+    let text = render(&registry);
+    assert_eq!(xid_count(&text, 1, UUID1, 79), Some(3.0), "{text}");
+    assert_eq!(xid_count(&text, 1, UUID1, 48), Some(1.0));
+    assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0));
+    assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0));
+
+    // A job on the GPU: the gauge is on the job's copy of the DCGM series too.
+    let map = tempfile::tempdir().unwrap();
+    std::fs::write(map.path().join("1"), "777\n").unwrap();
+    drop(t);
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) }, &mut registry);
+    fake.write(&gpus("xid=79,48,79,79,31"));
+    wait_samples(&t, 2);
+    let text = render(&registry);
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_XID_ERRORS", 1, UUID1, "777")), Some(31.0), "{text}");
+    assert_eq!(xid_count(&text, 1, UUID1, 31), Some(1.0), "a new registration delivers only new XIDs");
+    assert_eq!(xid_count(&text, 1, UUID1, 79), None, "XIDs from before the registration are not replayed");
+    promtool_check(&text);
+}
+
+#[test]
+fn a_gpu_without_xid_events_exports_everything_else() {
+    // GPU 0 has no XID events; GPU 1's event registration fails outright.
+    let script = format!("{}{}", gpu_line(0, UUID0, GIB, 10, "unsupported=xid"), gpu_line(1, UUID1, GIB, 20, "fail=xid"));
+    let fake = FakeNvml::new(&script);
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    wait_samples(&t, 3);
+    assert!(t.nvml_up());
+    let text = render(&registry);
+    for (gpu, uuid, util) in [(0, UUID0, 10.0), (1, UUID1, 20.0)] {
+        assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", gpu, uuid, "")), Some(util), "{text}");
+        assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", gpu, uuid, "")), Some(40.0 + f64::from(gpu)));
+        assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", gpu, uuid, "")), Some(0.0));
+        assert_eq!(value(&text, &format!("gpuhub_gpu_power_watts{{gpu=\"{gpu}\",uuid=\"{uuid}\"}}")), Some(300.0));
+        // No XID watch: no gauge, rather than a 0 that would claim "no XID".
+        assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_XID_ERRORS", gpu, uuid, "")), None, "{text}");
+    }
+    // Unsupported is a property of the GPU (not counted); a failed registration is an error.
+    assert!(value(&text, "gpuhub_telemetry_nvml_errors_total{field=\"xid\"}").unwrap() >= 3.0, "{text}");
+    promtool_check(&text);
+
+    // Scripted XIDs on such GPUs are not delivered, and nothing else changes.
+    fake.write(&script.replace("fail=xid", "fail=xid xid=79").replace("unsupported=xid", "unsupported=xid xid=48"));
+    wait_samples(&t, 2);
+    let text = render(&registry);
+    assert!(!text.contains("gpuhub_gpu_xid_errors_total{"), "{text}");
+    assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "")), Some(20.0));
+}
+
+#[test]
 fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
     for lib in [PathBuf::from("/nonexistent/libnvidia-ml.so.1"), PathBuf::from("/bin/true")] {
         let mut registry = Registry::default();
