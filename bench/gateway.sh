@@ -5,12 +5,12 @@
 #   - the throughput ratio at saturation (gateway / direct),
 #   - the gateway's CPU-seconds per 1000 requests (utime+stime from /proc/<pid>/stat),
 # and the streamed-chunk forwarding delay (bench/gateway_chunks.py).
-#   bench/gateway.sh                 DURATION=10 RATE=2000 CONNS=20 by default
+#   bench/gateway.sh                 DURATION=10 RATE=2000 CONNS=20 REPEAT=3 by default
 # Needs: cargo build --release; wrk (apt). Results go to stdout; copy them to BENCHMARKS.md.
 set -euo pipefail
 source "$(dirname "$0")/../tests/lib/gateway.sh"
 command -v wrk >/dev/null || gw_fail "wrk not installed (apt-get install wrk)"
-DURATION="${DURATION:-10}"; RATE="${RATE:-2000}"; CONNS="${CONNS:-20}"
+DURATION="${DURATION:-10}"; RATE="${RATE:-2000}"; CONNS="${CONNS:-20}"; REPEAT="${REPEAT:-3}"
 gw_init
 gw_worker demo-chat
 gw_config
@@ -26,7 +26,7 @@ local d = tonumber(os.getenv("DELAY_MS") or "0")
 function delay() return d end
 LUA
 TICK="$(getconf CLK_TCK)"
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$GW_AGENT_PID/stat"; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n }'; }
 
 # run NAME URL AUTH BODY CONNS DELAY_MS -> sets P50 P99 RPS REQS
@@ -45,23 +45,39 @@ run() {
 echo "gateway benchmark: $(nproc) cores, wrk -t2, ${DURATION}s per run, paced runs: $CONNS connections at ~$RATE req/s"
 echo "upstream: gpuhub-test-worker at $DIRECT; gateway: $GW_URL (pid $GW_AGENT_PID)"
 DELAY=$(( CONNS * 1000 / RATE ))
+WORKER_PID="${GW_PIDS[0]}"
+# Paced pairs alternate direct and gateway REPEAT times; the medians are printed (one shared
+# 2-core VM drifts by +-15 % between minutes, so one pair proves little).
+median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 for mode in plain stream; do
     if [ "$mode" = plain ]; then
         BODY='{"model":"demo-chat","messages":[{"role":"user","content":"hello"}]}'
     else
         BODY='{"model":"demo-chat","stream":true,"messages":[{"role":"user","content":"hello"}]}'
     fi
-    run "$mode-direct-paced" "$DIRECT" worker-key "$BODY" "$CONNS" "$DELAY"; D50=$P50; D99=$P99; DRPS=$RPS
-    C0="$(cpu_ticks)"
-    run "$mode-gateway-paced" "$GW_URL" "$KEY" "$BODY" "$CONNS" "$DELAY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
-    C1="$(cpu_ticks)"
+    : >"$GW_DIR/pairs-$mode"
+    for i in $(seq "$REPEAT"); do
+        W0="$(cpu_ticks "$WORKER_PID")"
+        run "$mode-direct-paced-$i" "$DIRECT" worker-key "$BODY" "$CONNS" "$DELAY"; D50=$P50; D99=$P99; DRPS=$RPS; DREQS=$REQS
+        W1="$(cpu_ticks "$WORKER_PID")"
+        C0="$(cpu_ticks "$GW_AGENT_PID")"
+        run "$mode-gateway-paced-$i" "$GW_URL" "$KEY" "$BODY" "$CONNS" "$DELAY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
+        C1="$(cpu_ticks "$GW_AGENT_PID")"
+        awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v drps="$DRPS" -v grps="$GRPS" -v tick="$TICK" \
+            -v c="$((C1 - C0))" -v reqs="$GREQS" -v w="$((W1 - W0))" -v dreqs="$DREQS" \
+            'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.0f %.4f %.4f\n", d50, d99, g50, g99, drps, grps, (c / tick) / (reqs / 1000), (w / tick) / (dreqs / 1000) }' >>"$GW_DIR/pairs-$mode"
+    done
+    col() { awk -v c="$1" '{ print $c }' "$GW_DIR/pairs-$mode" | median; }
+    addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$GW_DIR/pairs-$mode" | median; }
     run "$mode-direct-max" "$DIRECT" worker-key "$BODY" 32 0; DMAX=$RPS
     run "$mode-gateway-max" "$GW_URL" "$KEY" "$BODY" 32 0; GMAX=$RPS
-    awk -v m="$mode" -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v drps="$DRPS" -v grps="$GRPS" \
-        -v dmax="$DMAX" -v gmax="$GMAX" -v c="$((C1 - C0))" -v tick="$TICK" -v reqs="$GREQS" 'BEGIN {
-        printf "%-6s paced: direct %.0f req/s p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", m, drps, d50, d99, grps, g50, g99, g50 - d50, g99 - d99
+    echo "$mode  paced pairs (direct p50 p99 | gateway p50 p99 us | direct, gateway req/s | gateway, worker CPU-s per 1000):"
+    sed 's/^/        /' "$GW_DIR/pairs-$mode"
+    awk -v m="$mode" -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
+        -v grps="$(col 6)" -v dmax="$DMAX" -v gmax="$GMAX" -v cpu="$(col 7)" -v wcpu="$(col 8)" -v n="$REPEAT" 'BEGIN {
+        printf "%-6s paced, median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", m, n, d50, d99, grps, g50, g99, a50, a99
         printf "%-6s max:   direct %.0f req/s, gateway %.0f req/s, ratio %.2f\n", m, dmax, gmax, gmax / dmax
-        printf "%-6s cpu:   gateway %.3f CPU-s per 1000 requests (%d ticks over %d paced requests)\n", m, (c / tick) / (reqs / 1000), c, reqs
+        printf "%-6s cpu:   gateway %.3f CPU-s per 1000 requests (median); for scale, the worker answering the direct run: %.3f\n", m, cpu, wcpu
     }'
 done
 # The gateway's own account of its overhead (latency minus time waiting for the upstream), from
@@ -72,10 +88,10 @@ for s in 0 1; do
     echo "usage rows (streamed=$s): overhead_us p50 $(pct overhead_us $s 50) p99 $(pct overhead_us $s 99); upstream_ttfb_us p50 $(pct upstream_ttfb_us $s 50)"
 done
 gw_stop
-# Streamed chunks: a worker that waits 100 ms between chunks (longer than a delayed ACK, so
-# the test worker's Nagle does not blur the numbers), read directly and through the gateway.
+# Streamed chunks: a worker that waits 100 ms between chunks (an idle gap, as between a real
+# model's tokens) and stamps each one (--stamp-chunks), read directly and through the gateway.
 kill "${GW_PIDS[0]}" 2>/dev/null || true
-gw_worker demo-chat --token-delay-ms 100
+gw_worker demo-chat --token-delay-ms 100 --stamp-chunks
 gw_config
 gw_start
 KEY="$(gw_key bench chunks)"

@@ -13,7 +13,7 @@
 //!
 //! Test knobs: `--startup-delay-ms` (before binding, like a server loading weights first),
 //! `--ready-delay-ms` (bound, `/health` 503 meanwhile), `--token-delay-ms` (between streamed
-//! chunks), `--crash-after N` (the process exits on the call after N answered `/v1` calls),
+//! chunks), `--stamp-chunks` (each chunk carries `x_sent_unix_ns`), `--crash-after N` (the process exits on the call after N answered `/v1` calls),
 //! `--exit-at-start CODE` (fails during startup after printing a log line), `--vram-gib`
 //! (reported in `/health`), `--port 0` (pick a free port; the address is printed on stdout and
 //! written to `--report-file`).
@@ -74,6 +74,10 @@ struct Args {
     /// Delay between streamed chunks (and per token for plain calls).
     #[arg(long, default_value_t = 0)]
     token_delay_ms: u64,
+    /// Stamp each streamed chunk with `x_sent_unix_ns`, the wall clock when it was made
+    /// (benchmarks measure forwarding delay from it; clients ignore unknown fields).
+    #[arg(long)]
+    stamp_chunks: bool,
     /// Exit (status 3) on the call after this many answered `/v1` calls.
     #[arg(long)]
     crash_after: Option<u64>,
@@ -297,6 +301,7 @@ async fn respond(w: &Worker, req: &Value, object: &str, answer: &str, prompt_tok
     let include_usage = req.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
     let chunk_object = if chat { "chat.completion.chunk" } else { "text_completion" };
     let fp = fingerprint(w);
+    let stamp = w.args.stamp_chunks;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     tokio::spawn(async move {
         let usage_null = if include_usage { json!({"usage": null}) } else { json!({}) };
@@ -318,6 +323,10 @@ async fn respond(w: &Worker, req: &Value, object: &str, answer: &str, prompt_tok
             let mut chunk = json!({"id": id, "object": chunk_object, "created": now_s(), "model": model, "system_fingerprint": fp, "choices": [choice]});
             if let (Some(c), Some(u)) = (chunk.as_object_mut(), usage_null.as_object()) {
                 c.extend(u.clone());
+                if stamp {
+                    let ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+                    c.insert("x_sent_unix_ns".into(), json!(ns as u64));
+                }
             }
             if tx.send(Ok(Bytes::from(format!("data: {chunk}\n\n")))).await.is_err() {
                 return;
