@@ -9,12 +9,14 @@
 //! - [`models_list`]: `GET /v1/models`.
 //! - [`error`]: the one OpenAI-shaped error type.
 //! - [`usage_log`]: one row per call, journaled to disk, written in batches.
+//! - [`journal`]: the usage log's segment files (appended through a shared memory map).
 //! - [`metrics`]: requests, errors, tokens, latency, overhead, in-flight, queued.
 //! - [`api`]: the control-socket routes for `gpuhub keys` and `gpuhub usage --calls`.
 
 pub mod api;
 pub mod auth;
 pub mod error;
+pub mod journal;
 pub mod metrics;
 pub mod models_list;
 pub mod parse;

@@ -3,9 +3,10 @@
 //!
 //! How a row travels:
 //! 1. [`UsageLog::record`] appends the row as one JSON line to the current journal segment
-//!    (`<state_dir>/usage-journal/segment-N.jsonl`) with a single `write()`: no fsync, but the
-//!    bytes are in the kernel's page cache, so they survive `kill -9` of the agent. Handlers
-//!    call it before the response leaves, so every call that got a response has its line.
+//!    (`<state_dir>/usage-journal/segment-N.jsonl`, see [`journal`](super::journal)): copied
+//!    into a shared file mapping, no fsync, but the bytes are in the kernel's page cache, so
+//!    they survive `kill -9` of the agent. Handlers call it before the response leaves, so
+//!    every call that got a response has its line.
 //! 2. It then hands the row to a bounded channel (`gateway.usage_queue`). When the channel is
 //!    full (store slow or down) the row is only in the journal: the segment is marked spilled.
 //! 3. The writer task inserts rows in batches, one transaction each, with
@@ -18,9 +19,7 @@
 //!
 //! So the store can be down for as long as the disk lasts; memory stays bounded by the queue.
 
-use std::fs::File;
-use std::io::{BufRead, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -30,6 +29,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+use super::journal;
 use crate::store::Store;
 
 /// One call, as the usage log stores it. Empty strings stand for "not known" (a call refused
@@ -79,7 +79,7 @@ enum Msg {
 
 struct Segment {
     seq: u64,
-    file: Option<File>,
+    file: Option<journal::Segment>,
     rows: u64,
     spilled: bool,
     opened: Instant,
@@ -124,9 +124,9 @@ impl UsageLog {
         let dir = state_dir.join("usage-journal");
         let jerr = |source| UsageLogError::Journal { path: dir.display().to_string(), source };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(jerr)?;
-        let old = list_segments(&dir).map_err(jerr)?;
+        let old = journal::list(&dir).map_err(jerr)?;
         let seq = old.iter().map(|(s, _)| *s).max().unwrap_or(0) + 1;
-        let file = open_segment(&dir, seq).map_err(jerr)?;
+        let file = journal::Segment::create(&dir, seq).map_err(jerr)?;
         let spilled = Counter::default();
         let write_failures = Counter::default();
         registry.register(
@@ -162,7 +162,7 @@ impl UsageLog {
         };
         line.push(b'\n');
         let mut seg = lock(&self.inner.segment);
-        let journaled = match seg.file.as_mut().map(|f| f.write_all(&line)) {
+        let journaled = match seg.file.as_mut().map(|f| f.append(&line)) {
             Some(Ok(())) => true,
             Some(Err(e)) => {
                 self.inner.write_failures.inc();
@@ -215,45 +215,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
-fn segment_path(dir: &Path, seq: u64) -> PathBuf {
-    dir.join(format!("segment-{seq:016}.jsonl"))
-}
-
-fn open_segment(dir: &Path, seq: u64) -> std::io::Result<File> {
-    std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(segment_path(dir, seq))
-}
-
-fn list_segments(dir: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if let Some(seq) = name.strip_prefix("segment-").and_then(|s| s.strip_suffix(".jsonl")).and_then(|s| s.parse::<u64>().ok()) {
-            out.push((seq, e.path()));
-        }
-    }
-    out.sort();
-    Ok(out)
-}
-
-/// Reads a segment's rows (a torn last line from a machine crash is skipped and logged).
-fn read_segment(path: &Path) -> std::io::Result<Vec<UsageRow>> {
-    let f = File::open(path)?;
-    let mut rows = Vec::new();
-    for (i, line) in std::io::BufReader::new(f).split(b'\n').enumerate() {
-        let line = line?;
-        if line.is_empty() {
-            continue;
-        }
-        match serde_json::from_slice::<UsageRow>(&line) {
-            Ok(r) => rows.push(r),
-            Err(e) => tracing::warn!(path = %path.display(), line = i + 1, error = %e, "skipping an unreadable usage-journal line"),
-        }
-    }
-    Ok(rows)
-}
-
 struct Writer {
     inner: Arc<Inner>,
     store: Store,
@@ -299,7 +260,7 @@ impl Writer {
 
     /// Replays one segment file and deletes it once everything in it is stored.
     async fn replay(&mut self, path: &Path) -> bool {
-        let rows = match read_segment(path) {
+        let rows = match journal::read(path) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(path = %path.display(), error = %e, "cannot read a usage-journal segment; it is kept for inspection");
@@ -391,7 +352,7 @@ async fn rotate_segment(
         let next = if last {
             None
         } else {
-            match open_segment(&inner.dir, seg.seq + 1) {
+            match journal::Segment::create(&inner.dir, seg.seq + 1) {
                 Ok(f) => Some(f),
                 Err(e) => {
                     tracing::error!(dir = %inner.dir.display(), error = %e, "cannot start a new usage-journal segment; keeping the current one");
@@ -399,9 +360,12 @@ async fn rotate_segment(
                 }
             }
         };
-        let old = (seg.seq, seg.spilled);
-        *seg = Segment { seq: seg.seq + 1, file: next, rows: 0, spilled: false, opened: Instant::now() };
-        old
+        let seq = seg.seq + 1;
+        let old = std::mem::replace(&mut *seg, Segment { seq, file: next, rows: 0, spilled: false, opened: Instant::now() });
+        if let Some(Err(e)) = old.file.map(journal::Segment::finish) {
+            tracing::warn!(dir = %inner.dir.display(), error = %e, "cannot truncate a finished usage-journal segment (its zeroed tail is skipped on replay)");
+        }
+        (old.seq, old.spilled)
     };
     // Every row of the old segment that reached the channel is in it now: drain and store.
     let mut rest = Vec::new();
@@ -409,7 +373,7 @@ async fn rotate_segment(
         take(m, &mut rest, waiters, closing);
     }
     let stored = w.commit(&rest).await;
-    let path = segment_path(&inner.dir, old_seq);
+    let path = journal::path(&inner.dir, old_seq);
     if !stored || w.gave_up {
         return;
     }
@@ -447,7 +411,7 @@ mod tests {
             log.flush().await;
             assert_eq!(store.usage_row_count().await.unwrap(), 100);
             log.close().await;
-            assert_eq!(list_segments(&dir.path().join("usage-journal")).unwrap().len(), 0);
+            assert_eq!(journal::list(&dir.path().join("usage-journal")).unwrap().len(), 0);
         }
     }
 
@@ -465,13 +429,13 @@ mod tests {
                 text.push('\n');
             }
             text.push_str("{\"request_id\":\"torn");
-            std::fs::write(segment_path(&jdir, 7), text).unwrap();
+            std::fs::write(journal::path(&jdir, 7), text).unwrap();
             let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
             log.record(row(20));
             log.flush().await;
             assert_eq!(store.usage_row_count().await.unwrap(), 21);
             log.close().await;
-            assert!(list_segments(&jdir).unwrap().is_empty());
+            assert!(journal::list(&jdir).unwrap().is_empty());
         }
     }
 
@@ -489,7 +453,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(300)).await;
         log.close().await; // gives up after the deadline; rows stay in the journal
         let jdir = dir.path().join("usage-journal");
-        let n: usize = list_segments(&jdir).unwrap().iter().map(|(_, p)| read_segment(p).unwrap().len()).sum();
+        let n: usize = journal::list(&jdir).unwrap().iter().map(|(_, p)| journal::read(p).unwrap().len()).sum();
         assert_eq!(n, 50);
         // Next start with a working store: everything arrives.
         let store = Store::open(&url, None).await.unwrap();
