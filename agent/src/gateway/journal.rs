@@ -42,10 +42,17 @@ impl Segment {
         }
         file.set_len(MAP_BYTES as u64)?;
         // SAFETY: the file lives in the agent's own 0700 journal directory and only this
-        // process writes it while it is mapped; nobody truncates it under the map (the writer
-        // truncates only after `finish` unmapped it).
-        let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
-        Ok(Segment { file, map: Some(map), len: 0 })
+        // process writes it while it is mapped; nobody truncates it under the map (`finish`
+        // unmaps before it truncates).
+        match unsafe { memmap2::MmapMut::map_mut(&file) } {
+            Ok(map) => Ok(Segment { file, map: Some(map), len: 0 }),
+            Err(e) => {
+                // A filesystem without shared mappings: plain appends, one `pwrite` per row.
+                tracing::warn!(path = %path(dir, seq).display(), error = %e, "cannot map a usage-journal segment; appending with pwrite");
+                file.set_len(0)?;
+                Ok(Segment { file, map: None, len: 0 })
+            }
+        }
     }
 
     /// Appends one line (it ends with `\n`).

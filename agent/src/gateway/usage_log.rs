@@ -347,26 +347,25 @@ async fn rotate_segment(
     last: bool,
 ) {
     let inner = w.inner.clone();
-    let (old_seq, spilled) = {
-        let mut seg = lock(&inner.segment);
-        let next = if last {
-            None
-        } else {
-            match journal::Segment::create(&inner.dir, seg.seq + 1) {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    tracing::error!(dir = %inner.dir.display(), error = %e, "cannot start a new usage-journal segment; keeping the current one");
-                    return;
-                }
+    // Only this task rotates, so the number is stable; the file is created and the old one
+    // unmapped and truncated outside the lock (calls keep appending meanwhile).
+    let seq = lock(&inner.segment).seq + 1;
+    let next = if last {
+        None
+    } else {
+        match journal::Segment::create(&inner.dir, seq) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::error!(dir = %inner.dir.display(), error = %e, "cannot start a new usage-journal segment; keeping the current one");
+                return;
             }
-        };
-        let seq = seg.seq + 1;
-        let old = std::mem::replace(&mut *seg, Segment { seq, file: next, rows: 0, spilled: false, opened: Instant::now() });
-        if let Some(Err(e)) = old.file.map(journal::Segment::finish) {
-            tracing::warn!(dir = %inner.dir.display(), error = %e, "cannot truncate a finished usage-journal segment (its zeroed tail is skipped on replay)");
         }
-        (old.seq, old.spilled)
     };
+    let old = std::mem::replace(&mut *lock(&inner.segment), Segment { seq, file: next, rows: 0, spilled: false, opened: Instant::now() });
+    let (old_seq, spilled) = (old.seq, old.spilled);
+    if let Some(Err(e)) = old.file.map(journal::Segment::finish) {
+        tracing::warn!(dir = %inner.dir.display(), error = %e, "cannot truncate a finished usage-journal segment (its zeroed tail is skipped on replay)");
+    }
     // Every row of the old segment that reached the channel is in it now: drain and store.
     let mut rest = Vec::new();
     while let Ok(m) = rx.try_recv() {
