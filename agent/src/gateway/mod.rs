@@ -97,6 +97,11 @@ impl RequestMeta {
             ..UsageRow::default()
         }
     }
+
+    /// The call this request becomes, timed from its arrival.
+    pub fn call(&self, route: &str, id: &auth::Identity) -> proxy::Call {
+        proxy::Call::new(self.row(route, id), self.started)
+    }
 }
 
 /// A fresh request id: 32 hex digits, the arrival time in microseconds (14 digits) then 72

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::RequestMeta;
 use super::auth::Identity;
 use super::error::GatewayError;
-use super::proxy::{Call, with_headers};
+use super::proxy::with_headers;
 use crate::AppState;
 use crate::models::ModelStatus;
 
@@ -31,7 +31,7 @@ fn entry(s: &ModelStatus) -> Value {
 pub async fn list(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>) -> Response {
     let data: Vec<Value> =
         state.models.statuses().iter().filter(|s| id.models.is_empty() || id.models.contains(&s.name)).map(entry).collect();
-    let mut call = Call { row: meta.row("/v1/models", &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    let mut call = meta.call("/v1/models", &id);
     call.row.status = 200;
     call.record(&state);
     Json(json!({"object": "list", "data": data})).into_response()
@@ -43,8 +43,7 @@ pub async fn get(
     Extension(id): Extension<Identity>,
     Path(name): Path<String>,
 ) -> Response {
-    let mut call =
-        Call { row: meta.row("/v1/models/{name}", &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    let mut call = meta.call("/v1/models/{name}", &id);
     call.row.requested_name = name.clone();
     let res = state.names.resolve(&name);
     call.row.name_state = res.state().to_string();

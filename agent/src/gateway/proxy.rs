@@ -32,6 +32,11 @@ pub struct Call {
 }
 
 impl Call {
+    /// A call that started at `started`, with nothing waited for yet.
+    pub fn new(row: UsageRow, started: Instant) -> Call {
+        Call { row, started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() }
+    }
+
     /// Fills the timings and records the row (journaled before the response leaves).
     pub fn record(mut self, state: &AppState) {
         self.row.latency_us = us_since(self.started);
@@ -76,8 +81,7 @@ pub async fn forward(
     req: Request,
 ) -> Response {
     let path = req.uri().path().to_string();
-    let call = Call { row: meta.row(&path, &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
-    let mut call = call;
+    let mut call = meta.call(&path, &id);
     match prepare(&state, &mut call, &id, req).await {
         Ok((parsed, out)) => {
             if parsed.stream {
@@ -97,7 +101,7 @@ pub async fn unknown_route(
     Extension(id): Extension<Identity>,
     req: Request,
 ) -> Response {
-    let call = Call { row: meta.row(req.uri().path(), &id), started: meta.started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() };
+    let call = meta.call(req.uri().path(), &id);
     call.fail(&state, GatewayError::UnknownRoute { method: req.method().to_string(), path: crate::util::sanitize(req.uri().path()) })
 }
 

@@ -52,15 +52,7 @@ async fn authenticate(State(state): State<AppState>, ConnectInfo(peer): ConnectI
             req.extensions_mut().insert(id);
             next.run(req).await
         }
-        Err(e) => {
-            let mut row = meta.row(req.uri().path(), &auth::Identity::default());
-            row.status = e.status().as_u16();
-            row.error_code = e.code().to_string();
-            row.latency_us = super::us_since(meta.started);
-            row.overhead_us = row.latency_us;
-            state.gateway.finish(row);
-            e.into_response()
-        }
+        Err(e) => meta.call(req.uri().path(), &auth::Identity::default()).fail(&state, e),
     };
     if let Some(id) = request_id {
         resp.headers_mut().insert("x-request-id", id);

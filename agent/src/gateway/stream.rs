@@ -125,10 +125,7 @@ impl Driver {
         }
         let state = self.state.clone();
         let Driver { call, body, client_gone, .. } = &mut self;
-        let call = std::mem::replace(
-            call,
-            Call { row: Default::default(), started: Instant::now(), wait_us: 0, upstream_us: 0, extra_headers: Vec::new() },
-        );
+        let call = std::mem::replace(call, Call::new(Default::default(), Instant::now()));
         call.record(&state);
         if done && !*client_gone {
             let _ = body.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
@@ -203,10 +200,7 @@ impl Driver {
                 *r.status_mut() = status;
                 proxy::copy_headers(&headers, r.headers_mut());
                 let r = proxy::with_headers(r, &extra);
-                let call = std::mem::replace(
-                    &mut self.call,
-                    Call { row: Default::default(), started: Instant::now(), wait_us: 0, upstream_us: 0, extra_headers: Vec::new() },
-                );
+                let call = std::mem::replace(&mut self.call, Call::new(Default::default(), Instant::now()));
                 call.record(&self.state);
                 let _ = h.send(Head::Error(r));
                 return;

@@ -172,6 +172,17 @@ pub fn validate_sunset(sunset: &str, today: &str, name: &str) -> Result<(), Life
     Ok(())
 }
 
+/// Points `role` from `from` to `to` as part of a plan (op, history row, effect).
+fn move_role(plan: &mut Plan, ctx: &Ctx<'_>, role: &str, from: &str, to: &str, why: String) {
+    plan.ops.push(NameOp::Role { role: role.to_string(), model: to.to_string(), by: ctx.actor.to_string() });
+    plan.history.push(history(ctx, "role-set", role, (None, Some(from.to_string())), (None, Some(to.to_string())), None, why));
+    let var = gpuhub_wire::snapshot::role_env_var(role).unwrap_or_default();
+    plan.effects.push(format!(
+        "role `{role}` moves from `{from}` to `{to}`: jobs started from now on get {var}={to}; services outside Slurm: re-run `gpuhub env`"
+    ));
+    plan.roles_changed.push(role.to_string());
+}
+
 fn history(
     ctx: &Ctx<'_>,
     action: &str,
@@ -428,19 +439,7 @@ pub fn plan_rename(ctx: &Ctx<'_>, old: &str, new: &str, sunset: Option<&str>, ac
     // Roles that named OLD move to NEW: jobs started from now on get the new name.
     for (role, model) in &ctx.inner.roles {
         if model.as_deref() == Some(old) {
-            plan.ops.push(NameOp::Role { role: role.clone(), model: new.to_string(), by: ctx.actor.to_string() });
-            plan.history.push(history(
-                ctx,
-                "role-set",
-                role,
-                (None, Some(old.to_string())),
-                (None, Some(new.to_string())),
-                None,
-                format!("follows the rename of `{old}`"),
-            ));
-            let var = gpuhub_wire::snapshot::role_env_var(role).unwrap_or_default();
-            plan.effects.push(format!("role `{role}` moves from `{old}` to `{new}`: jobs started from now on get {var}={new}; services outside Slurm: re-run `gpuhub env`"));
-            plan.roles_changed.push(role.clone());
+            move_role(&mut plan, ctx, role, old, new, format!("follows the rename of `{old}`"));
         }
     }
     let next = after(ctx.inner, &plan.ops);
@@ -551,20 +550,7 @@ pub fn plan_retire(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
             continue;
         }
         match &replacement {
-            Some(r) => {
-                plan.ops.push(NameOp::Role { role: role.clone(), model: r.clone(), by: ctx.actor.to_string() });
-                plan.history.push(history(
-                    ctx,
-                    "role-set",
-                    role,
-                    (None, Some(name.to_string())),
-                    (None, Some(r.clone())),
-                    None,
-                    format!("follows the retirement of `{name}`"),
-                ));
-                plan.effects.push(format!("role `{role}` moves from `{name}` to `{r}`"));
-                plan.roles_changed.push(role.clone());
-            }
+            Some(r) => move_role(&mut plan, ctx, role, name, r, format!("follows the retirement of `{name}`")),
             None => {
                 return Err(LifecycleError::Invalid(format!(
                     "role `{role}` still points at `{name}`; move it first (`gpuhub roles set {role} MODEL`, or `gpuhub roles unset {role}`) so no job gets a name that is refused"
