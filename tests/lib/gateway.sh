@@ -18,7 +18,7 @@ gw_init() {
     for b in gpuhub-agent gpuhub gpuhub-test-worker; do
         [ -x "$GW_BIN/$b" ] || gw_fail "$GW_BIN/$b missing: run cargo build --release"
     done
-    GW_DIR="$(mktemp -d /tmp/gpuhub-gw.XXXXXX)"
+    GW_DIR="$(mktemp -d ${GW_TMP:-/tmp}/gpuhub-gw.XXXXXX)"
     GW_PORT="$(gw_free_port)"; GW_METRICS_PORT="$(gw_free_port)"
     GW_URL="http://127.0.0.1:$GW_PORT"
     GW_SOCKET="$GW_DIR/agent.sock"

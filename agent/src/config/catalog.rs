@@ -176,7 +176,16 @@ pub(super) fn validate(models: &[ModelConfig], roles: &BTreeMap<String, String>,
         match m.launcher {
             LauncherKind::Static => {
                 let url = m.url.as_deref().unwrap_or("");
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                if url.starts_with("https://") {
+                    return Err((
+                        format!("{key}.url"),
+                        format!(
+                            "the gateway speaks plain HTTP to its workers; give model `{}` an http:// URL (for a remote TLS endpoint, put a local proxy in front of it)",
+                            m.name
+                        ),
+                    ));
+                }
+                if crate::gateway::upstream::Target::parse(url).is_err() {
                     return Err((
                         format!("{key}.url"),
                         format!("launcher = \"static\" needs url = \"http://HOST:PORT\" (model `{}`)", m.name),

@@ -6,6 +6,7 @@
 //! - [`parse`]: the `model`/`stream` of a JSON body or multipart form, nothing more.
 //! - [`proxy`]: forwards any `/v1/*` call that names a model, without understanding the route.
 //! - [`stream`]: SSE pass-through chunk by chunk, keep-alives, usage capture.
+//! - [`upstream`]: the HTTP/1.1 client for workers, run inside each call's task.
 //! - [`models_list`]: `GET /v1/models`.
 //! - [`error`]: the one OpenAI-shaped error type.
 //! - [`usage_log`]: one row per call, journaled to disk, written in batches.
@@ -23,6 +24,7 @@ pub mod parse;
 pub mod proxy;
 pub mod router;
 pub mod stream;
+pub mod upstream;
 pub mod usage_log;
 
 use std::time::{Duration, Instant};
@@ -41,9 +43,8 @@ pub struct Gateway {
     pub metrics: metrics::GatewayMetrics,
     pub usage: UsageLog,
     pub keys: auth::KeyCache,
-    /// One pooled HTTP/1.1 client for every upstream (TCP_NODELAY: small SSE chunks must not
-    /// wait for Nagle).
-    pub http: reqwest::Client,
+    /// The HTTP/1.1 client for every worker, with its pool of idle connections.
+    pub upstream: upstream::Client,
 }
 
 impl Gateway {
@@ -55,14 +56,9 @@ impl Gateway {
         let usage = UsageLog::start(&config.file.paths.state_dir, store.clone(), config.file.gateway.usage_queue, registry)?;
         let keys = auth::KeyCache::default();
         keys.replace(store.api_keys().await.context("cannot load the gateway's API keys from the store")?);
-        let http = reqwest::Client::builder()
-            .tcp_nodelay(true)
-            .pool_max_idle_per_host(256)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .context("cannot build the upstream HTTP client")?;
-        Ok(Gateway { metrics, usage, keys, http })
+        let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
+        upstream.spawn_pruner(Duration::from_secs(15));
+        Ok(Gateway { metrics, usage, keys, upstream })
     }
 
     /// Ends a call: metrics, then the usage log (journaled before this returns).

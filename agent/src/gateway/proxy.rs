@@ -16,7 +16,7 @@ use super::error::GatewayError;
 use super::metrics::GaugeGuard;
 use super::parse::{self, Parsed};
 use super::usage_log::UsageRow;
-use super::{RequestMeta, stream, us_since};
+use super::{RequestMeta, stream, upstream, us_since};
 use crate::AppState;
 
 /// One call on its way through the gateway: the row it will leave and its timings.
@@ -178,47 +178,62 @@ pub async fn acquire(state: &AppState, call: &mut Call) -> Result<crate::models:
     Ok(lease)
 }
 
-/// Builds the upstream request: the client's method, path, body, content type and accept
-/// header; the worker's key, never the client's credential.
-pub fn upstream_request(
+/// Sends the call to its worker and reads the answer's head: the client's method, path,
+/// body, content type and accept header; the worker's key, never the client's credential.
+/// The caller bounds the time (`gateway.upstream_timeout_s`).
+pub async fn send_upstream(
     state: &AppState,
     lease: &crate::models::Lease,
     out: &Outgoing,
-    body: Bytes,
     request_id: &str,
-) -> reqwest::RequestBuilder {
-    let url = format!("{}{}", lease.base_url, out.path_and_query);
-    let mut rb = state
-        .gateway
-        .http
-        .request(out.method.clone(), url)
-        .timeout(Duration::from_secs(state.config.file.gateway.upstream_timeout_s))
-        .body(body);
+) -> Result<upstream::Response, GatewayError> {
+    let target = upstream::Target::parse(&lease.base_url).map_err(|e| upstream_error(lease, e))?;
+    let mut headers = Vec::with_capacity(4);
     for h in [header::CONTENT_TYPE, header::ACCEPT] {
         if let Some(v) = out.headers.get(&h) {
-            rb = rb.header(h, v.clone());
+            headers.push((h, v.clone()));
         }
     }
     if let Some(k) = &lease.api_key {
-        rb = rb.bearer_auth(k);
+        let Ok(mut v) = HeaderValue::from_str(&format!("Bearer {k}")) else {
+            tracing::error!(model = %lease.model, "the worker's api_key cannot be sent in a header (control characters)");
+            return Err(GatewayError::Upstream {
+                model: lease.model.clone(),
+                what: "its worker's api_key is not a valid header value".into(),
+            });
+        };
+        v.set_sensitive(true);
+        headers.push((header::AUTHORIZATION, v));
     }
-    rb.header("x-request-id", request_id)
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        headers.push((HeaderName::from_static("x-request-id"), v));
+    }
+    let req = upstream::Request { method: &out.method, path_and_query: &out.path_and_query, headers, body: &out.body };
+    state.gateway.upstream.send(target, &req).await.map_err(|e| upstream_error(lease, e))
+}
+
+/// The time a whole upstream call may take.
+pub fn upstream_timeout(state: &AppState) -> Duration {
+    Duration::from_secs(state.config.file.gateway.upstream_timeout_s)
+}
+
+/// What the client is told when the upstream took longer than [`upstream_timeout`].
+pub fn timed_out(lease: &crate::models::Lease, limit: Duration) -> GatewayError {
+    tracing::warn!(model = %lease.model, seconds = limit.as_secs(), "upstream timed out");
+    GatewayError::UpstreamTimeout { model: lease.model.clone(), seconds: limit.as_secs() }
 }
 
 /// Maps a failed upstream request to what the client is told (the cause is logged).
-pub fn upstream_error(state: &AppState, lease: &crate::models::Lease, e: reqwest::Error) -> GatewayError {
-    let model = lease.model.clone();
-    if e.is_timeout() {
-        tracing::warn!(model = %model, error = %e, "upstream timed out");
-        return GatewayError::UpstreamTimeout { model, seconds: state.config.file.gateway.upstream_timeout_s };
-    }
+pub fn upstream_error(lease: &crate::models::Lease, e: upstream::UpstreamError) -> GatewayError {
     let what = if e.is_connect() {
         "cannot connect to its worker (it may have stopped; the next call restarts it)"
+    } else if matches!(e, upstream::UpstreamError::Protocol(_)) {
+        "its worker's answer was not valid HTTP/1.1"
     } else {
         "the connection to its worker broke off"
     };
-    tracing::warn!(model = %model, upstream = %lease.base_url, error = %e, "upstream request failed");
-    GatewayError::Upstream { model, what: what.into() }
+    tracing::warn!(model = %lease.model, upstream = %lease.base_url, error = %e, "upstream request failed");
+    GatewayError::Upstream { model: lease.model.clone(), what: what.into() }
 }
 
 /// The upstream's own error body, shortened, for messages.
@@ -275,22 +290,23 @@ async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
     };
     let _in_flight = GaugeGuard::new(&state.gateway.metrics.in_flight, &lease.model);
     let t0 = Instant::now();
-    let sent = upstream_request(state, &lease, &out, out.body.clone(), &call.row.request_id).send().await;
-    let resp = match sent {
-        Ok(r) => r,
-        Err(e) => {
-            call.upstream_us += us_since(t0);
-            return call.fail(state, upstream_error(state, &lease, e));
-        }
-    };
-    call.row.upstream_ttfb_us = us_since(t0);
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let body = resp.bytes().await;
+    let limit = upstream_timeout(state);
+    let answer = tokio::time::timeout(limit, async {
+        let mut resp = send_upstream(state, &lease, &out, &call.row.request_id).await?;
+        let ttfb = us_since(t0);
+        let (status, headers) = (resp.status, std::mem::take(&mut resp.headers));
+        let body = resp.bytes().await.map_err(|e| upstream_error(&lease, e))?;
+        Ok::<_, GatewayError>((ttfb, (status, headers, body)))
+    })
+    .await;
     call.upstream_us += us_since(t0);
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => return call.fail(state, upstream_error(state, &lease, e)),
+    let (status, headers, body) = match answer {
+        Err(_) => return call.fail(state, timed_out(&lease, limit)),
+        Ok(Err(e)) => return call.fail(state, e),
+        Ok(Ok((ttfb, answer))) => {
+            call.row.upstream_ttfb_us = ttfb;
+            answer
+        }
     };
     if status.is_server_error() {
         tracing::warn!(model = %lease.model, status = %status, body = %snippet(&body), "upstream answered with a server error");

@@ -20,7 +20,6 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::BytesMut;
-use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 
 use super::error::GatewayError;
@@ -32,6 +31,8 @@ use crate::AppState;
 
 /// How long a stream waits for its model before committing to SSE with loading comments.
 const LOAD_GRACE: Duration = Duration::from_millis(500);
+/// How long a stream waits for the end of the worker's body after `[DONE]`.
+const DRAIN: Duration = Duration::from_millis(200);
 /// Events buffered between the driving task and a slow client.
 const CHANNEL: usize = 64;
 
@@ -164,24 +165,28 @@ impl Driver {
         let _in_flight = GaugeGuard::new(&self.state.gateway.metrics.in_flight, &lease.model);
 
         // 2. The upstream's answer: must be a 2xx event stream before anything is committed.
-        let body = out.body.clone();
         let t0 = Instant::now();
-        let sent = proxy::upstream_request(&self.state, &lease, &out, body, &self.call.row.request_id).send().await;
-        let resp = match sent {
-            Ok(r) => r,
-            Err(e) => {
+        let limit = proxy::upstream_timeout(&self.state);
+        let deadline = tokio::time::Instant::from_std(t0 + limit);
+        let sent = tokio::time::timeout_at(deadline, proxy::send_upstream(&self.state, &lease, &out, &self.call.row.request_id)).await;
+        let mut resp = match sent {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
                 self.call.upstream_us += us_since(t0);
-                let err = proxy::upstream_error(&self.state, &lease, e);
-                return self.fail(err).await;
+                return self.fail(e).await;
+            }
+            Err(_) => {
+                self.call.upstream_us += us_since(t0);
+                return self.fail(proxy::timed_out(&lease, limit)).await;
             }
         };
         self.call.row.upstream_ttfb_us = us_since(t0);
-        let status = resp.status();
+        let status = resp.status;
         let is_sse =
-            resp.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+            resp.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
         if !status.is_success() || !is_sse {
-            let headers = resp.headers().clone();
-            let bytes = resp.bytes().await.unwrap_or_default();
+            let headers = std::mem::take(&mut resp.headers);
+            let bytes = tokio::time::timeout_at(deadline, resp.bytes()).await.ok().and_then(Result::ok).unwrap_or_default();
             self.call.upstream_us += us_since(t0);
             if status.is_server_error() || (status.is_success() && !is_sse) {
                 let what = if status.is_success() {
@@ -213,23 +218,26 @@ impl Driver {
 
         // 3. Pump events.
         let strip_usage = !parsed.client_wants_usage;
-        let mut upstream = resp.bytes_stream();
         let mut buf = BytesMut::new();
         let mut saw_done = false;
         let keepalive = self.keepalive();
         while !saw_done {
-            let next = tokio::time::timeout(keepalive, upstream.next()).await;
-            match next {
+            let silence = keepalive.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            match tokio::time::timeout(silence, resp.chunk()).await {
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    self.call.upstream_us += us_since(t0);
+                    return self.fail(proxy::timed_out(&lease, limit)).await;
+                }
                 Err(_) => self.send(Bytes::from_static(b": keep-alive\n\n")).await,
-                Ok(None) => break,
-                Ok(Some(Err(e))) => {
+                Ok(Ok(None)) => break,
+                Ok(Err(e)) => {
                     self.call.upstream_us += us_since(t0);
                     tracing::warn!(model = %lease.model, error = %e, "upstream stream broke off");
                     let err =
                         GatewayError::Upstream { model: lease.model.clone(), what: "its worker's stream broke off before the end".into() };
                     return self.fail(err).await;
                 }
-                Ok(Some(Ok(chunk))) => {
+                Ok(Ok(Some(chunk))) => {
                     buf.extend_from_slice(&chunk);
                     while let Some(end) = event_end(&buf) {
                         let event = buf.split_to(end).freeze();
@@ -257,6 +265,9 @@ impl Driver {
         drop(_in_flight);
         drop(lease);
         self.finish(true).await;
+        // What follows [DONE] is the end of the worker's body (usually in the same read):
+        // read it, so the connection goes back to the pool instead of being reset.
+        let _ = tokio::time::timeout(DRAIN, async { while let Ok(Some(_)) = resp.chunk().await {} }).await;
     }
 }
 

@@ -108,6 +108,8 @@ const LINGER: Duration = Duration::from_millis(50);
 /// How often the journal segment is rotated (and a partial batch written).
 const TICK: Duration = Duration::from_millis(250);
 const ROTATE_AFTER: Duration = Duration::from_secs(1);
+/// Bytes of a new journal segment faulted in before calls append to it, at least.
+const MIN_PREFAULT: usize = 64 * 1024;
 /// How long shutdown keeps retrying a store that is down before leaving rows to the journal.
 const CLOSE_DEADLINE: Duration = Duration::from_secs(10);
 
@@ -126,7 +128,7 @@ impl UsageLog {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(jerr)?;
         let old = journal::list(&dir).map_err(jerr)?;
         let seq = old.iter().map(|(s, _)| *s).max().unwrap_or(0) + 1;
-        let file = journal::Segment::create(&dir, seq).map_err(jerr)?;
+        let file = journal::Segment::create(&dir, seq, MIN_PREFAULT).map_err(jerr)?;
         let spilled = Counter::default();
         let write_failures = Counter::default();
         registry.register(
@@ -349,13 +351,22 @@ async fn rotate_segment(
     let inner = w.inner.clone();
     // Only this task rotates, so the number is stable; the file is created and the old one
     // unmapped and truncated outside the lock (calls keep appending meanwhile).
-    let seq = lock(&inner.segment).seq + 1;
+    let (seq, used) = {
+        let seg = lock(&inner.segment);
+        (seg.seq + 1, seg.file.as_ref().map_or(0, journal::Segment::written))
+    };
     let next = if last {
         None
     } else {
-        match journal::Segment::create(&inner.dir, seq) {
-            Ok(f) => Some(f),
+        // Room for twice what the last segment took, faulted in on a blocking thread.
+        let (dir, prefault) = (inner.dir.clone(), (used * 2).clamp(MIN_PREFAULT, journal::MAP_BYTES));
+        match tokio::task::spawn_blocking(move || journal::Segment::create(&dir, seq, prefault)).await {
+            Ok(Ok(f)) => Some(f),
             Err(e) => {
+                tracing::error!(error = %e, "the task creating a usage-journal segment failed; keeping the current one");
+                return;
+            }
+            Ok(Err(e)) => {
                 tracing::error!(dir = %inner.dir.display(), error = %e, "cannot start a new usage-journal segment; keeping the current one");
                 return;
             }

@@ -139,10 +139,23 @@ impl Store {
         if rows.is_empty() {
             return Ok(0);
         }
+        // Usually every row is new, and the insert needs no ids back (with SQLite each returned
+        // id is a message from the database thread). If some were stored before (a replayed
+        // journal, a commit retried after an ambiguous failure), that transaction is rolled
+        // back and the batch inserted again, learning which rows are new.
+        match self.insert_usage_with(rows, false).await? {
+            Some(n) => Ok(n),
+            None => Ok(self.insert_usage_with(rows, true).await?.unwrap_or(0)),
+        }
+    }
+
+    /// One transaction: the rows and the rollups of those that are new. Without `learn_ids`,
+    /// gives up (rolls back, `None`) unless every row is new.
+    async fn insert_usage_with(&self, rows: &[UsageRow], learn_ids: bool) -> Result<Option<usize>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let mut inserted: Vec<UsageRow> = Vec::with_capacity(rows.len());
+        let mut learned: Vec<UsageRow> = Vec::new();
         for chunk in rows.chunks(rows_per_statement(self.backend())) {
-            let sql = usage_insert_sql(self.backend(), chunk.len());
+            let sql = usage_insert_sql(self.backend(), chunk.len(), learn_ids);
             let mut q = sqlx::query(&sql);
             for r in chunk {
                 q = q
@@ -167,13 +180,20 @@ impl Store {
                     .bind(r.upstream_ttfb_us)
                     .bind(r.overhead_us);
             }
-            let ids: Vec<String> = q.fetch_all(&mut *tx).await?.iter().map(|row| row.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
-            let ids: std::collections::HashSet<String> = ids.into_iter().collect();
-            inserted.extend(chunk.iter().filter(|r| ids.contains(&r.request_id)).cloned());
+            if learn_ids {
+                let ids: Vec<String> =
+                    q.fetch_all(&mut *tx).await?.iter().map(|row| row.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
+                let ids: std::collections::HashSet<String> = ids.into_iter().collect();
+                learned.extend(chunk.iter().filter(|r| ids.contains(&r.request_id)).cloned());
+            } else if q.execute(&mut *tx).await?.rows_affected() != chunk.len() as u64 {
+                tx.rollback().await?;
+                return Ok(None);
+            }
         }
+        let inserted = if learn_ids { &learned[..] } else { rows };
         // Hourly call rollups of the new rows.
         let mut sums: BTreeMap<(i64, &str, &str, &str, &str), [i64; 5]> = BTreeMap::new();
-        for r in &inserted {
+        for r in inserted {
             let k = (
                 r.time_us - r.time_us.rem_euclid(HOUR_US),
                 r.user.as_str(),
@@ -211,9 +231,9 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
-        crate::names::callers::roll_up(&mut tx, &inserted).await?;
+        crate::names::callers::roll_up(&mut tx, inserted).await?;
         tx.commit().await?;
-        Ok(inserted.len())
+        Ok(Some(inserted.len()))
     }
 
     /// Calls per user, app, requested name and model since `since_us`, from the hourly
@@ -258,7 +278,7 @@ impl Store {
     }
 }
 
-fn usage_insert_sql(backend: super::Backend, rows: usize) -> String {
+fn usage_insert_sql(backend: super::Backend, rows: usize, returning: bool) -> String {
     let cols = USAGE_COLUMNS.len();
     let mut sql = format!("INSERT INTO usage_log ({}) VALUES ", USAGE_COLUMNS.join(", "));
     for r in 0..rows {
@@ -277,7 +297,10 @@ fn usage_insert_sql(backend: super::Backend, rows: usize) -> String {
         }
         sql.push(')');
     }
-    sql.push_str(" ON CONFLICT (request_id) DO NOTHING RETURNING request_id");
+    sql.push_str(" ON CONFLICT (request_id) DO NOTHING");
+    if returning {
+        sql.push_str(" RETURNING request_id");
+    }
     sql
 }
 

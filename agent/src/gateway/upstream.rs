@@ -1,0 +1,556 @@
+//! The gateway's HTTP/1.1 client for model workers.
+//!
+//! Workers are OpenAI-compatible servers on this node (vLLM, llama.cpp, TGI) reached over
+//! plain HTTP/1.1 on loopback or the node's network. The client runs entirely inside the
+//! task of the call that uses it: a call checks out an idle connection (or connects), writes
+//! the request, reads the answer on that same task and checks the connection back in when the
+//! body has been read to its end. There is no connection task and no channel between the
+//! call and its socket, so a call wakes one thread, not two (a pooled client with a task per
+//! connection costs a cross-thread hand-off per request and its answer).
+//!
+//! - Framing per RFC 9112 §6.3: `Transfer-Encoding: chunked`, `Content-Length`, or read to
+//!   close; no body for 1xx, 204, 304 and HEAD. Interim 1xx answers are skipped.
+//! - Bodies are handed out as they arrive ([`Response::chunk`]): a streamed event reaches
+//!   the caller when its bytes do, never after a whole chunk or body.
+//! - A connection is reused only when its answer was HTTP/1.1 without `Connection: close`,
+//!   was read to its end, and nothing followed it. An idle connection the worker closed is
+//!   noticed at checkout (a non-blocking peek) and dropped; if a reused connection still
+//!   fails before any byte of an answer arrives, the request is sent once more on a new one
+//!   (the worker never saw it: it closed the idle connection first).
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest response head accepted (status line and headers).
+const MAX_HEAD: usize = 64 * 1024;
+/// Most response headers accepted.
+const MAX_HEADERS: usize = 96;
+/// Longest chunk-size line or trailer line accepted.
+const MAX_LINE: usize = 4096;
+/// Bodies up to this size are written with the head in one `write`.
+const COALESCE: usize = 16 * 1024;
+
+/// Why an upstream request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("`{url}` is not an http:// URL (the gateway speaks plain HTTP/1.1 to its workers)")]
+    Url { url: String },
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("connecting to {addr} took longer than {seconds}s")]
+    ConnectTimeout { addr: String, seconds: u64 },
+    #[error("the connection broke off: {0}")]
+    Io(#[from] io::Error),
+    #[error("the worker closed the connection before it answered")]
+    Closed,
+    #[error("the worker closed the connection before the end of its answer")]
+    Incomplete,
+    #[error("the worker's answer is not valid HTTP/1.1: {0}")]
+    Protocol(String),
+}
+
+impl UpstreamError {
+    /// True when no connection could be made (the worker is not listening).
+    pub fn is_connect(&self) -> bool {
+        matches!(self, UpstreamError::Connect { .. } | UpstreamError::ConnectTimeout { .. } | UpstreamError::Url { .. })
+    }
+}
+
+/// Where a worker is: `http://AUTHORITY[/PREFIX]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Target<'a> {
+    /// `host:port` (the `Host` header and the pool key).
+    pub authority: &'a str,
+    /// A path the worker is mounted under (`""` usually).
+    pub prefix: &'a str,
+}
+
+impl<'a> Target<'a> {
+    /// Splits a worker's base URL.
+    pub fn parse(base_url: &'a str) -> Result<Target<'a>, UpstreamError> {
+        let bad = || UpstreamError::Url { url: crate::util::sanitize(base_url) };
+        let rest = base_url.strip_prefix("http://").ok_or_else(bad)?;
+        let (authority, prefix) = rest.find('/').map_or((rest, ""), |i| rest.split_at(i));
+        if authority.is_empty() || authority.contains('@') || authority.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control()) {
+            return Err(bad());
+        }
+        Ok(Target { authority, prefix: prefix.trim_end_matches('/') })
+    }
+
+    /// The address to connect to (port 80 when the URL names none).
+    fn connect_addr(&self) -> String {
+        let has_port = match self.authority.rfind(':') {
+            Some(i) => !self.authority.ends_with(']') && self.authority[i + 1..].bytes().all(|b| b.is_ascii_digit()),
+            None => false,
+        };
+        if has_port { self.authority.to_string() } else { format!("{}:80", self.authority) }
+    }
+}
+
+/// A request to send: everything but `Host` and `Content-Length`, which the client adds.
+pub struct Request<'a> {
+    pub method: &'a Method,
+    pub path_and_query: &'a str,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub body: &'a [u8],
+}
+
+/// One idle connection.
+struct Idle {
+    conn: TcpStream,
+    since: Instant,
+}
+
+struct Pool {
+    idle: Mutex<HashMap<String, VecDeque<Idle>>>,
+    max_idle_per_host: usize,
+    idle_timeout: Duration,
+}
+
+impl Pool {
+    /// The most recently used live connection to `authority`, if any.
+    fn checkout(&self, authority: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let conns = idle.get_mut(authority)?;
+        while let Some(i) = conns.pop_back() {
+            if i.since.elapsed() < self.idle_timeout && still_open(&i.conn) {
+                return Some(i.conn);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, authority: &str, conn: TcpStream) {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let conns = match idle.get_mut(authority) {
+            Some(c) => c,
+            None => idle.entry(authority.to_string()).or_default(),
+        };
+        while conns.front().is_some_and(|i| now.duration_since(i.since) >= self.idle_timeout) {
+            conns.pop_front();
+        }
+        if conns.len() < self.max_idle_per_host {
+            conns.push_back(Idle { conn, since: now });
+        }
+    }
+
+    /// Drops idle connections older than the idle timeout.
+    fn prune(&self) {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.retain(|_, conns| {
+            conns.retain(|i| now.duration_since(i.since) < self.idle_timeout && still_open(&i.conn));
+            !conns.is_empty()
+        });
+    }
+}
+
+/// True when an idle connection has neither been closed by its peer nor sent anything
+/// unasked (one non-blocking peek).
+fn still_open(conn: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: recv on a socket this process owns, into a 1-byte stack buffer; MSG_PEEK
+    // leaves the data (there should be none) where it is; MSG_DONTWAIT never blocks.
+    let n = unsafe { libc::recv(conn.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
+}
+
+/// The client: a pool of idle connections per worker. Cheap to clone.
+#[derive(Clone)]
+pub struct Client {
+    pool: Arc<Pool>,
+    connect_timeout: Duration,
+}
+
+impl Client {
+    pub fn new(max_idle_per_host: usize, idle_timeout: Duration, connect_timeout: Duration) -> Client {
+        let pool = Arc::new(Pool { idle: Mutex::default(), max_idle_per_host, idle_timeout });
+        Client { pool, connect_timeout }
+    }
+
+    /// Drops idle connections every `every` while the client lives (a worker that closed an
+    /// idle connection leaves it in CLOSE_WAIT here until then).
+    pub fn spawn_pruner(&self, every: Duration) {
+        let pool = Arc::downgrade(&self.pool);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match pool.upgrade() {
+                    Some(p) => p.prune(),
+                    None => return,
+                }
+            }
+        });
+    }
+
+    /// Sends `req` to `target` and reads the answer's head; the body is read from the
+    /// returned [`Response`].
+    pub async fn send(&self, target: Target<'_>, req: &Request<'_>) -> Result<Response, UpstreamError> {
+        let head = encode_head(target, req);
+        if let Some(conn) = self.pool.checkout(target.authority) {
+            match exchange(conn, &head, req.body, req.method).await {
+                Ok(r) => return Ok(self.response(target, r)),
+                // The worker closed this idle connection without reading the request.
+                Err(UpstreamError::Closed) => tracing::debug!(upstream = %target.authority, "a pooled connection was closed; reconnecting"),
+                Err(e) => return Err(e),
+            }
+        }
+        let conn = self.connect(target).await?;
+        let r = exchange(conn, &head, req.body, req.method).await?;
+        Ok(self.response(target, r))
+    }
+
+    fn response(&self, target: Target<'_>, (status, headers, body): (StatusCode, HeaderMap, Body)) -> Response {
+        Response { status, headers, body, pool: Some((self.pool.clone(), target.authority.to_string())) }
+    }
+
+    async fn connect(&self, target: Target<'_>) -> Result<TcpStream, UpstreamError> {
+        let addr = target.connect_addr();
+        let conn = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&addr)).await {
+            Err(_) => return Err(UpstreamError::ConnectTimeout { addr, seconds: self.connect_timeout.as_secs() }),
+            Ok(Err(source)) => return Err(UpstreamError::Connect { addr, source }),
+            Ok(Ok(c)) => c,
+        };
+        // Small SSE events must not wait for Nagle.
+        conn.set_nodelay(true)?;
+        Ok(conn)
+    }
+}
+
+/// The request head: request line, `Host`, the caller's headers, `Content-Length`.
+fn encode_head(target: Target<'_>, req: &Request<'_>) -> Vec<u8> {
+    let mut h = Vec::with_capacity(256 + if req.body.len() <= COALESCE { req.body.len() } else { 0 });
+    h.extend_from_slice(req.method.as_str().as_bytes());
+    h.push(b' ');
+    h.extend_from_slice(target.prefix.as_bytes());
+    h.extend_from_slice(req.path_and_query.as_bytes());
+    h.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    h.extend_from_slice(target.authority.as_bytes());
+    for (k, v) in &req.headers {
+        h.extend_from_slice(b"\r\n");
+        h.extend_from_slice(k.as_str().as_bytes());
+        h.extend_from_slice(b": ");
+        h.extend_from_slice(v.as_bytes());
+    }
+    h.extend_from_slice(b"\r\ncontent-length: ");
+    h.extend_from_slice(req.body.len().to_string().as_bytes());
+    h.extend_from_slice(b"\r\n\r\n");
+    h
+}
+
+/// Writes the request and reads the answer's head. [`UpstreamError::Closed`] means the
+/// connection ended before any byte of an answer (safe to send again on a new connection).
+async fn exchange(mut conn: TcpStream, head: &[u8], body: &[u8], method: &Method) -> Result<(StatusCode, HeaderMap, Body), UpstreamError> {
+    let written = if body.len() <= COALESCE {
+        let mut one = Vec::with_capacity(head.len() + body.len());
+        one.extend_from_slice(head);
+        one.extend_from_slice(body);
+        conn.write_all(&one).await
+    } else {
+        match conn.write_all(head).await {
+            Ok(()) => conn.write_all(body).await,
+            Err(e) => Err(e),
+        }
+    };
+    if let Err(e) = written {
+        return Err(if is_reset(&e) { UpstreamError::Closed } else { UpstreamError::Io(e) });
+    }
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    loop {
+        let (status, headers, framing, reusable) = read_head(&mut conn, &mut buf, method).await?;
+        if status.is_informational() {
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                return Err(UpstreamError::Protocol("it switched protocols".into()));
+            }
+            continue;
+        }
+        return Ok((status, headers, Body { conn: Some(conn), buf, framing, reusable }));
+    }
+}
+
+fn is_reset(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted)
+}
+
+/// Reads one response head from `conn` into `buf` and consumes it.
+async fn read_head(
+    conn: &mut TcpStream,
+    buf: &mut BytesMut,
+    method: &Method,
+) -> Result<(StatusCode, HeaderMap, Framing, bool), UpstreamError> {
+    let fresh = buf.is_empty();
+    loop {
+        if !buf.is_empty() {
+            let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut parsed = httparse::Response::new(&mut slots);
+            match parsed.parse(buf) {
+                Ok(httparse::Status::Complete(len)) => {
+                    let code = parsed.code.unwrap_or(0);
+                    let version = parsed.version.unwrap_or(0);
+                    let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol(format!("status {code}")))?;
+                    // Header values share one copy of the head (no allocation per value).
+                    let head = Bytes::copy_from_slice(&buf[..len]);
+                    let base = buf.as_ptr() as usize;
+                    let mut headers = HeaderMap::with_capacity(parsed.headers.len());
+                    for h in parsed.headers.iter() {
+                        let name = HeaderName::from_bytes(h.name.as_bytes())
+                            .map_err(|_| UpstreamError::Protocol(format!("header name {:?}", crate::util::sanitize(h.name))))?;
+                        let at = h.value.as_ptr() as usize - base;
+                        let value = HeaderValue::from_maybe_shared(head.slice(at..at + h.value.len()))
+                            .map_err(|_| UpstreamError::Protocol(format!("value of header {name}")))?;
+                        headers.append(name, value);
+                    }
+                    buf.advance(len);
+                    let (framing, mut reusable) = framing(status, &headers, method)?;
+                    reusable &= version == 1 && !has_token(&headers, header::CONNECTION, "close");
+                    return Ok((status, headers, framing, reusable));
+                }
+                Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
+                    return Err(UpstreamError::Protocol(format!("its response head is over {} KiB", MAX_HEAD / 1024)));
+                }
+                Ok(httparse::Status::Partial) => {}
+                Err(e) => return Err(UpstreamError::Protocol(e.to_string())),
+            }
+        }
+        buf.reserve(8 * 1024);
+        match conn.read_buf(buf).await {
+            Ok(0) if fresh && buf.is_empty() => return Err(UpstreamError::Closed),
+            Err(e) if fresh && buf.is_empty() && is_reset(&e) => return Err(UpstreamError::Closed),
+            Ok(0) => return Err(UpstreamError::Incomplete),
+            Ok(_) => {}
+            Err(e) => return Err(UpstreamError::Io(e)),
+        }
+    }
+}
+
+/// How the body is delimited, and whether that leaves the connection reusable.
+fn framing(status: StatusCode, headers: &HeaderMap, method: &Method) -> Result<(Framing, bool), UpstreamError> {
+    if method == Method::HEAD || status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        return Ok((Framing::Length(0), true));
+    }
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        let last = headers.get_all(header::TRANSFER_ENCODING).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).last();
+        // Chunked must be the final coding; anything else is read to close (RFC 9112 §6.3).
+        return Ok(if last.is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked")) {
+            (Framing::Chunked(Chunk::Size), !headers.contains_key(header::CONTENT_LENGTH))
+        } else {
+            (Framing::Close, false)
+        });
+    }
+    let mut length: Option<u64> = None;
+    for v in headers.get_all(header::CONTENT_LENGTH) {
+        for part in v.to_str().unwrap_or("x").split(',') {
+            let n = part.trim().parse::<u64>().map_err(|_| UpstreamError::Protocol("a malformed Content-Length".into()))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(UpstreamError::Protocol("two different Content-Length values".into()));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(n) => (Framing::Length(n), true),
+        None => (Framing::Close, false),
+    })
+}
+
+fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
+    headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+#[derive(Debug)]
+enum Framing {
+    /// This many body bytes are left.
+    Length(u64),
+    Chunked(Chunk),
+    /// Until the worker closes the connection.
+    Close,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Chunk {
+    /// Expecting a chunk-size line.
+    Size,
+    /// Inside a chunk's data, this many bytes left.
+    Data(u64),
+    /// Expecting the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines until an empty one.
+    Trailers,
+}
+
+/// A response body being read from its connection.
+struct Body {
+    conn: Option<TcpStream>,
+    buf: BytesMut,
+    framing: Framing,
+    reusable: bool,
+}
+
+impl Body {
+    /// The next piece of the body as soon as any is there; `None` at its end.
+    async fn chunk(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        loop {
+            if let Some(out) = self.decode()? {
+                return Ok(Some(out));
+            }
+            if matches!(self.framing, Framing::Done) {
+                return Ok(None);
+            }
+            let Some(conn) = self.conn.as_mut() else { return Ok(None) };
+            self.buf.reserve(16 * 1024);
+            let n = conn.read_buf(&mut self.buf).await?;
+            if n == 0 {
+                if matches!(self.framing, Framing::Close) {
+                    self.framing = Framing::Done;
+                    self.reusable = false;
+                    return Ok(None);
+                }
+                return Err(UpstreamError::Incomplete);
+            }
+        }
+    }
+
+    /// Takes what `buf` holds of the body; `None` when more bytes are needed or at the end.
+    fn decode(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        loop {
+            match &mut self.framing {
+                Framing::Done => return Ok(None),
+                Framing::Length(0) => self.framing = Framing::Done,
+                Framing::Length(left) => {
+                    if self.buf.is_empty() {
+                        return Ok(None);
+                    }
+                    let n = (*left).min(self.buf.len() as u64) as usize;
+                    *left -= n as u64;
+                    return Ok(Some(self.buf.split_to(n).freeze()));
+                }
+                Framing::Close => {
+                    return Ok((!self.buf.is_empty()).then(|| self.buf.split().freeze()));
+                }
+                Framing::Chunked(state) => match *state {
+                    Chunk::Size => {
+                        let Some(line) = take_line(&mut self.buf)? else { return Ok(None) };
+                        let size = line.split(|b| *b == b';').next().unwrap_or(&[]).trim_ascii();
+                        let size = std::str::from_utf8(size)
+                            .ok()
+                            .filter(|s| !s.is_empty())
+                            .and_then(|s| u64::from_str_radix(s, 16).ok())
+                            .ok_or_else(|| UpstreamError::Protocol("a malformed chunk size".into()))?;
+                        *state = if size == 0 { Chunk::Trailers } else { Chunk::Data(size) };
+                    }
+                    Chunk::Data(left) => {
+                        if self.buf.is_empty() {
+                            return Ok(None);
+                        }
+                        let n = left.min(self.buf.len() as u64) as usize;
+                        *state = if left == n as u64 { Chunk::DataEnd } else { Chunk::Data(left - n as u64) };
+                        return Ok(Some(self.buf.split_to(n).freeze()));
+                    }
+                    Chunk::DataEnd => {
+                        let Some(line) = take_line(&mut self.buf)? else { return Ok(None) };
+                        if !line.is_empty() {
+                            return Err(UpstreamError::Protocol("a chunk longer than its size".into()));
+                        }
+                        *state = Chunk::Size;
+                    }
+                    Chunk::Trailers => {
+                        let Some(line) = take_line(&mut self.buf)? else { return Ok(None) };
+                        if line.is_empty() {
+                            self.framing = Framing::Done;
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// True when the body was read to its end and the connection may carry another request.
+    fn finished_reusable(&self) -> bool {
+        matches!(self.framing, Framing::Done) && self.reusable && self.buf.is_empty()
+    }
+}
+
+/// Takes one CRLF- (or LF-) terminated line off `buf`, without its terminator.
+fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, UpstreamError> {
+    match buf.iter().position(|b| *b == b'\n') {
+        Some(i) => {
+            let mut line = buf.split_to(i + 1).freeze();
+            line.truncate(i);
+            if line.last() == Some(&b'\r') {
+                line.truncate(i - 1);
+            }
+            Ok(Some(line))
+        }
+        None if buf.len() > MAX_LINE => Err(UpstreamError::Protocol(format!("a chunk or trailer line over {MAX_LINE} bytes"))),
+        None => Ok(None),
+    }
+}
+
+/// An answer from a worker: status, headers, and a body read on demand. Dropping it before
+/// the end of the body closes the connection.
+pub struct Response {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    body: Body,
+    pool: Option<(Arc<Pool>, String)>,
+}
+
+impl Response {
+    /// The next piece of the body, as soon as the worker sent any; `None` at its end.
+    pub async fn chunk(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        let out = self.body.chunk().await;
+        if matches!(out, Ok(None)) {
+            self.release();
+        }
+        out
+    }
+
+    /// The whole body.
+    pub async fn bytes(mut self) -> Result<Bytes, UpstreamError> {
+        let first = match self.chunk().await? {
+            None => return Ok(Bytes::new()),
+            Some(b) => b,
+        };
+        let Some(second) = self.chunk().await? else { return Ok(first) };
+        let mut all = BytesMut::with_capacity(first.len() + second.len());
+        all.extend_from_slice(&first);
+        all.extend_from_slice(&second);
+        while let Some(b) = self.chunk().await? {
+            all.extend_from_slice(&b);
+        }
+        Ok(all.freeze())
+    }
+
+    /// Returns the connection to the pool if it can carry another request.
+    fn release(&mut self) {
+        if !self.body.finished_reusable() {
+            return;
+        }
+        if let (Some((pool, authority)), Some(conn)) = (self.pool.take(), self.body.conn.take()) {
+            pool.checkin(&authority, conn);
+        }
+    }
+}
+
+impl std::fmt::Debug for Response {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Response").field("status", &self.status).field("framing", &self.body.framing).finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests;

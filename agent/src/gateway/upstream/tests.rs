@@ -1,0 +1,208 @@
+//! The client against a scripted raw-TCP server: what it sends, framing, reuse, failures.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use super::*;
+
+fn client() -> Client {
+    Client::new(8, Duration::from_secs(60), Duration::from_secs(2))
+}
+
+fn post(body: &[u8]) -> Request<'_> {
+    Request {
+        method: &Method::POST,
+        path_and_query: "/v1/chat/completions?x=1",
+        headers: vec![(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        body,
+    }
+}
+
+/// Reads one request (head and Content-Length body) off `conn`; `None` at EOF.
+async fn read_request(conn: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let len: usize = head.lines().find_map(|l| l.strip_prefix("content-length: ")).map(|v| v.trim().parse().unwrap()).unwrap_or(0);
+            while buf.len() < end + 4 + len {
+                let mut more = [0u8; 4096];
+                let n = conn.read(&mut more).await.unwrap();
+                assert!(n > 0, "request body cut short");
+                buf.extend_from_slice(&more[..n]);
+            }
+            return Some(String::from_utf8_lossy(&buf).to_string());
+        }
+        let mut more = [0u8; 4096];
+        let n = conn.read(&mut more).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&more[..n]);
+    }
+}
+
+/// A server that answers each request on each connection with the next scripted answer
+/// (a list of writes, sent with a short pause between them; an empty write closes the
+/// connection, and so does an answer with no writes), reporting (connection number, request
+/// text) for each request.
+async fn server(answers: Vec<Vec<&'static [u8]>>) -> (String, mpsc::UnboundedReceiver<(usize, String)>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = format!("http://{}", l.local_addr().unwrap());
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut answers = answers.into_iter();
+        let mut n_conn = 0;
+        loop {
+            let (mut conn, _) = l.accept().await.unwrap();
+            n_conn += 1;
+            loop {
+                let Some(req) = read_request(&mut conn).await else { break };
+                let _ = tx.send((n_conn, req));
+                let Some(writes) = answers.next() else { return };
+                let close = writes.is_empty() || writes.contains(&&b""[..]);
+                for w in writes.into_iter().filter(|w| !w.is_empty()) {
+                    if conn.write_all(w).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+                if close {
+                    break;
+                }
+            }
+        }
+    });
+    (addr, rx)
+}
+
+#[tokio::test]
+async fn sends_host_path_and_length_and_reuses_the_connection() {
+    let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let (url, mut seen) = server(vec![vec![ok], vec![ok]]).await;
+    let c = client();
+    let t = Target::parse(&url).unwrap();
+    for _ in 0..2 {
+        let r = c.send(t, &post(b"{\"model\":\"m\"}")).await.unwrap();
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.headers[header::CONTENT_TYPE], "application/json");
+        assert_eq!(&r.bytes().await.unwrap()[..], b"{}");
+    }
+    let (c1, r1) = seen.recv().await.unwrap();
+    let (c2, _) = seen.recv().await.unwrap();
+    assert_eq!((c1, c2), (1, 1), "the second request must reuse the first connection");
+    assert!(r1.starts_with("POST /v1/chat/completions?x=1 HTTP/1.1\r\n"), "{r1}");
+    assert!(r1.contains(&format!("host: {}\r\n", t.authority)), "{r1}");
+    assert!(r1.contains("content-type: application/json\r\ncontent-length: 13\r\n\r\n{\"model\":\"m\"}"), "{r1}");
+}
+
+#[tokio::test]
+async fn chunked_bodies_arrive_piece_by_piece() {
+    let (url, _seen) = server(vec![vec![
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9;ext=1\r\ndata: ",
+        b"a\r\n\r\n",
+        b"8\r\ndata: b\n\r\n0\r\nx-trailer: 1\r\n\r\n",
+    ]])
+    .await;
+    let mut r = client().send(Target::parse(&url).unwrap(), &post(b"")).await.unwrap();
+    let mut pieces = Vec::new();
+    while let Some(b) = r.chunk().await.unwrap() {
+        pieces.push(String::from_utf8(b.to_vec()).unwrap());
+    }
+    assert_eq!(pieces.concat(), "data: a\r\ndata: b\n");
+    // The first write's partial chunk was handed out before the rest was sent.
+    assert_eq!(pieces[0], "data: ");
+    assert!(r.body.finished_reusable());
+}
+
+#[tokio::test]
+async fn a_body_without_length_is_read_to_close_and_not_reused() {
+    let (url, _seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\n\r\nall of it", b", and more", b""]]).await;
+    let c = client();
+    let t = Target::parse(&url).unwrap();
+    let r = c.send(t, &post(b"")).await.unwrap();
+    assert_eq!(&r.bytes().await.unwrap()[..], b"all of it, and more");
+    assert!(c.pool.checkout(t.authority).is_none(), "a close-delimited answer leaves nothing to reuse");
+}
+
+#[tokio::test]
+async fn a_pooled_connection_closed_while_idle_is_not_used() {
+    let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+    let (url, mut seen) = server(vec![vec![ok, b""], vec![ok]]).await;
+    let c = client();
+    let t = Target::parse(&url).unwrap();
+    assert_eq!(&c.send(t, &post(b"1")).await.unwrap().bytes().await.unwrap()[..], b"ok");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(&c.send(t, &post(b"2")).await.unwrap().bytes().await.unwrap()[..], b"ok");
+    let conns: Vec<usize> = [seen.recv().await.unwrap(), seen.recv().await.unwrap()].iter().map(|s| s.0).collect();
+    assert_eq!(conns, vec![1, 2], "the closed connection must be noticed at checkout, not sent on");
+}
+
+#[tokio::test]
+async fn an_idle_connection_the_worker_closed_is_replaced() {
+    let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+    // First answer then close (empty script entry closes after the next request arrives).
+    let (url, mut seen) = server(vec![vec![ok], vec![], vec![ok]]).await;
+    let c = client();
+    let t = Target::parse(&url).unwrap();
+    assert_eq!(&c.send(t, &post(b"1")).await.unwrap().bytes().await.unwrap()[..], b"ok");
+    // The second request lands on the pooled connection, which the server closes unanswered:
+    // the client must send it again on a new connection.
+    let r = c.send(t, &post(b"2")).await.unwrap();
+    assert_eq!(&r.bytes().await.unwrap()[..], b"ok");
+    let conns: Vec<usize> =
+        [seen.recv().await.unwrap(), seen.recv().await.unwrap(), seen.recv().await.unwrap()].iter().map(|s| s.0).collect();
+    assert_eq!(conns, vec![1, 1, 2]);
+}
+
+#[tokio::test]
+async fn interim_answers_are_skipped_and_close_is_honoured() {
+    let (url, _seen) =
+        server(vec![vec![b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\nyes"]]).await;
+    let c = client();
+    let t = Target::parse(&url).unwrap();
+    let r = c.send(t, &post(b"")).await.unwrap();
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.bytes().await.unwrap()[..], b"yes");
+    assert!(c.pool.checkout(t.authority).is_none(), "connection: close must not be pooled");
+}
+
+#[tokio::test]
+async fn broken_answers_are_errors() {
+    let (url, _seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", b""]]).await;
+    let r = client().send(Target::parse(&url).unwrap(), &post(b"")).await.unwrap();
+    assert!(matches!(r.bytes().await, Err(UpstreamError::Incomplete)));
+
+    let (url, _seen) = server(vec![vec![b"NOT HTTP\r\n\r\n"]]).await;
+    let e = client().send(Target::parse(&url).unwrap(), &post(b"")).await.unwrap_err();
+    assert!(matches!(e, UpstreamError::Protocol(_)), "{e:?}");
+
+    let (url, _seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab"]]).await;
+    let e = client().send(Target::parse(&url).unwrap(), &post(b"")).await.unwrap_err();
+    assert!(e.to_string().contains("Content-Length"), "{e}");
+
+    let (url, _seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"]]).await;
+    let mut r = client().send(Target::parse(&url).unwrap(), &post(b"")).await.unwrap();
+    assert!(matches!(r.chunk().await, Err(UpstreamError::Protocol(_))));
+
+    // Nobody listening.
+    let port = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}");
+    let e = client().send(Target::parse(&url).unwrap(), &post(b"")).await.unwrap_err();
+    assert!(e.is_connect(), "{e:?}");
+}
+
+#[test]
+fn targets() {
+    assert_eq!(Target::parse("http://127.0.0.1:8000").unwrap(), Target { authority: "127.0.0.1:8000", prefix: "" });
+    assert_eq!(Target::parse("http://gpu01:8000/vllm/").unwrap(), Target { authority: "gpu01:8000", prefix: "/vllm" });
+    assert_eq!(Target::parse("http://gpu01").unwrap().connect_addr(), "gpu01:80");
+    assert_eq!(Target::parse("http://[::1]:9").unwrap().connect_addr(), "[::1]:9");
+    assert_eq!(Target::parse("http://[::1]").unwrap().connect_addr(), "[::1]:80");
+    for bad in ["https://x:1", "http://", "ftp://x", "http://u:p@x:1", "http://a b:1"] {
+        assert!(Target::parse(bad).is_err(), "{bad}");
+    }
+}
