@@ -1,11 +1,14 @@
-//! A stable-Rust fuzz loop for the gateway's request parsing (cargo-fuzz needs nightly, which
-//! this project does not use). Seeds come from `fuzz/corpus/parse/`; each iteration mutates a
-//! seed (bit flips, byte inserts/deletes, splices, interesting bytes, truncation) and feeds it
-//! to the body parser under several content types and to the SSE event classifier, checking
-//! that nothing panics and that the invariants hold:
+//! A stable-Rust fuzz loop for the gateway's parsers, run by every `cargo test` (the
+//! coverage-guided libFuzzer targets in `fuzz/` take the same seeds). Seeds come from
+//! `fuzz/corpus/parse/` and `fuzz/corpus/upstream/`; each iteration mutates a seed (bit flips,
+//! byte inserts/deletes, splices, interesting bytes, truncation) and feeds it to the body parser
+//! under several content types and to the SSE event classifier, or to the worker-answer
+//! decoder, checking that nothing panics and that the invariants hold:
 //! - an accepted body names a model of 1..=MAX_MODEL_NAME bytes;
 //! - rewriting the body for the upstream keeps it parseable, with the new model name;
-//! - every refusal is an OpenAI error with a 4xx status.
+//! - every refusal is an OpenAI error with a 4xx status;
+//! - a decoded worker answer's body is no longer than the answer; a refused one is a protocol
+//!   error or an incomplete answer, nothing else.
 //!
 //! `GPUHUB_FUZZ_ITERS` (default 300000) and `GPUHUB_FUZZ_SEED` (default: time) control a run;
 //! the seed is printed so a finding can be replayed.
@@ -13,6 +16,7 @@
 
 use gpuhub_agent::gateway::parse::{MAX_MODEL_NAME, parse, upstream_body};
 use gpuhub_agent::gateway::stream::{classify, event_end};
+use gpuhub_agent::gateway::upstream::{self, UpstreamError};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -41,6 +45,11 @@ const INTERESTING: &[&[u8]] = &[
     b"1e999",
     b"-0",
     b"\\ud800",
+    b"HTTP/1.1 ",
+    b"transfer-encoding: chunked\r\n",
+    b"content-length: 5\r\n",
+    b"\r\n0\r\n\r\n",
+    b"ffffffffffffffff\r\n",
 ];
 const CONTENT_TYPES: &[Option<&str>] = &[
     None,
@@ -115,19 +124,53 @@ fn check(body: &[u8]) {
     }
 }
 
-#[test]
-fn fuzz_request_parsing() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/parse");
+/// A worker's answer, decoded as the gateway's client reads it: no panic, a body no longer
+/// than the input, and only the client's own error kinds.
+fn check_answer(bytes: &[u8]) -> bool {
+    match upstream::decode(bytes) {
+        Ok((_, body)) => {
+            assert!(body.len() <= bytes.len(), "decoded a body longer than the answer");
+            true
+        }
+        Err(UpstreamError::Protocol(_) | UpstreamError::Incomplete | UpstreamError::Closed) => false,
+        Err(e) => panic!("decoding bytes in memory failed with {e:?}"),
+    }
+}
+
+/// The seed corpus `fuzz/corpus/<name>`, the iteration count and the RNG for one run.
+fn setup(name: &str) -> (Vec<Vec<u8>>, u64, StdRng) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus").join(name);
     let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("seed corpus {}: {e}", dir.display()))
         .map(|e| std::fs::read(e.unwrap().path()).unwrap())
         .collect();
-    assert!(seeds.len() >= 5, "seed corpus too small");
+    assert!(seeds.len() >= 5, "seed corpus {} too small", dir.display());
     let iters: u64 = std::env::var("GPUHUB_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300_000);
     let seed: u64 =
         std::env::var("GPUHUB_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| gpuhub_agent::util::now_us() as u64);
-    println!("gateway fuzz: {iters} iterations, GPUHUB_FUZZ_SEED={seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
+    println!("gateway fuzz ({name}): {iters} iterations, GPUHUB_FUZZ_SEED={seed}");
+    (seeds, iters, StdRng::seed_from_u64(seed))
+}
+
+#[test]
+fn fuzz_worker_answers() {
+    let (seeds, iters, mut rng) = setup("upstream");
+    for s in &seeds {
+        assert!(check_answer(s), "seed answer rejected: {:?}", String::from_utf8_lossy(s));
+    }
+    let mut accepted = 0u64;
+    for _ in 0..iters {
+        let mut input = seeds[rng.gen_range(0..seeds.len())].clone();
+        mutate(&mut rng, &seeds, &mut input);
+        accepted += u64::from(check_answer(&input));
+    }
+    println!("gateway fuzz (upstream): done, {accepted} mutated answers decoded, no findings");
+    assert!(accepted > 0, "the mutator never produced a valid answer: it is not exercising the decoder");
+}
+
+#[test]
+fn fuzz_request_parsing() {
+    let (seeds, iters, mut rng) = setup("parse");
     let mut accepted = 0u64;
     for s in &seeds {
         check(s);
@@ -140,6 +183,6 @@ fn fuzz_request_parsing() {
             accepted += 1;
         }
     }
-    println!("gateway fuzz: done, {accepted} mutated inputs accepted, no findings");
+    println!("gateway fuzz (parse): done, {accepted} mutated inputs accepted, no findings");
     assert!(accepted > 0, "the mutator never produced a valid body: it is not exercising the parser");
 }

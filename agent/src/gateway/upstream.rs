@@ -119,14 +119,13 @@ struct Pool {
 impl Pool {
     /// The most recently used live connection to `authority`, if any.
     fn checkout(&self, authority: &str) -> Option<TcpStream> {
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let conns = idle.get_mut(authority)?;
-        while let Some(i) = conns.pop_back() {
+        loop {
+            let i = self.idle.lock().unwrap_or_else(PoisonError::into_inner).get_mut(authority)?.pop_back()?;
+            // The peek is a system call: not under the lock.
             if i.since.elapsed() < self.idle_timeout && still_open(&i.conn) {
                 return Some(i.conn);
             }
         }
-        None
     }
 
     fn checkin(&self, authority: &str, conn: TcpStream) {
@@ -284,45 +283,16 @@ fn is_reset(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted)
 }
 
+/// What a response head says: status, headers, body framing, whether the connection may be
+/// reused after the body.
+type Head = (StatusCode, HeaderMap, Framing, bool);
+
 /// Reads one response head from `conn` into `buf` and consumes it.
-async fn read_head(
-    conn: &mut TcpStream,
-    buf: &mut BytesMut,
-    method: &Method,
-) -> Result<(StatusCode, HeaderMap, Framing, bool), UpstreamError> {
+async fn read_head(conn: &mut TcpStream, buf: &mut BytesMut, method: &Method) -> Result<Head, UpstreamError> {
     let fresh = buf.is_empty();
     loop {
-        if !buf.is_empty() {
-            let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-            let mut parsed = httparse::Response::new(&mut slots);
-            match parsed.parse(buf) {
-                Ok(httparse::Status::Complete(len)) => {
-                    let code = parsed.code.unwrap_or(0);
-                    let version = parsed.version.unwrap_or(0);
-                    let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol(format!("status {code}")))?;
-                    // Header values share one copy of the head (no allocation per value).
-                    let head = Bytes::copy_from_slice(&buf[..len]);
-                    let base = buf.as_ptr() as usize;
-                    let mut headers = HeaderMap::with_capacity(parsed.headers.len());
-                    for h in parsed.headers.iter() {
-                        let name = HeaderName::from_bytes(h.name.as_bytes())
-                            .map_err(|_| UpstreamError::Protocol(format!("header name {:?}", crate::util::sanitize(h.name))))?;
-                        let at = h.value.as_ptr() as usize - base;
-                        let value = HeaderValue::from_maybe_shared(head.slice(at..at + h.value.len()))
-                            .map_err(|_| UpstreamError::Protocol(format!("value of header {name}")))?;
-                        headers.append(name, value);
-                    }
-                    buf.advance(len);
-                    let (framing, mut reusable) = framing(status, &headers, method)?;
-                    reusable &= version == 1 && !has_token(&headers, header::CONNECTION, "close");
-                    return Ok((status, headers, framing, reusable));
-                }
-                Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
-                    return Err(UpstreamError::Protocol(format!("its response head is over {} KiB", MAX_HEAD / 1024)));
-                }
-                Ok(httparse::Status::Partial) => {}
-                Err(e) => return Err(UpstreamError::Protocol(e.to_string())),
-            }
+        if let Some(head) = parse_head(buf, method)? {
+            return Ok(head);
         }
         buf.reserve(8 * 1024);
         match conn.read_buf(buf).await {
@@ -332,6 +302,65 @@ async fn read_head(
             Ok(_) => {}
             Err(e) => return Err(UpstreamError::Io(e)),
         }
+    }
+}
+
+/// Takes a complete response head off the front of `buf`; `None` while more bytes are needed.
+fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, UpstreamError> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut slots);
+    let len = match parsed.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
+            return Err(UpstreamError::Protocol(format!("its response head is over {} KiB", MAX_HEAD / 1024)));
+        }
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(UpstreamError::Protocol(e.to_string())),
+    };
+    let code = parsed.code.unwrap_or(0);
+    let version = parsed.version.unwrap_or(0);
+    let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol(format!("status {code}")))?;
+    // Header values share one copy of the head (no allocation per value).
+    let head = Bytes::copy_from_slice(&buf[..len]);
+    let base = buf.as_ptr() as usize;
+    let mut headers = HeaderMap::with_capacity(parsed.headers.len());
+    for h in parsed.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| UpstreamError::Protocol(format!("header name {:?}", crate::util::sanitize(h.name))))?;
+        let at = h.value.as_ptr() as usize - base;
+        let value = HeaderValue::from_maybe_shared(head.slice(at..at + h.value.len()))
+            .map_err(|_| UpstreamError::Protocol(format!("value of header {name}")))?;
+        headers.append(name, value);
+    }
+    buf.advance(len);
+    let (framing, mut reusable) = framing(status, &headers, method)?;
+    reusable &= version == 1 && !has_token(&headers, header::CONNECTION, "close");
+    Ok(Some((status, headers, framing, reusable)))
+}
+
+/// Decodes a whole answer to a POST held in memory, as the client would read it off a
+/// connection that then closed: the final status and the body. The fuzz targets' entry point.
+pub fn decode(bytes: &[u8]) -> Result<(StatusCode, Bytes), UpstreamError> {
+    let mut buf = BytesMut::from(bytes);
+    loop {
+        let Some((status, _, framing, reusable)) = parse_head(&mut buf, &Method::POST)? else {
+            return Err(if buf.is_empty() { UpstreamError::Closed } else { UpstreamError::Incomplete });
+        };
+        if status.is_informational() {
+            continue;
+        }
+        let mut body = Body { conn: None, buf, framing, reusable };
+        let mut out = BytesMut::new();
+        while let Some(b) = body.decode()? {
+            out.extend_from_slice(&b);
+        }
+        return match body.framing {
+            Framing::Done | Framing::Close => Ok((status, out.freeze())),
+            _ => Err(UpstreamError::Incomplete),
+        };
     }
 }
 
