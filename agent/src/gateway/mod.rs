@@ -17,6 +17,8 @@
 pub mod api;
 pub mod auth;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod journal;
 pub mod metrics;
 pub mod models_list;

@@ -197,9 +197,16 @@ impl Client {
     /// Sends `req` to `target` and reads the answer's head; the body is read from the
     /// returned [`Response`].
     pub async fn send(&self, target: Target<'_>, req: &Request<'_>) -> Result<Response, UpstreamError> {
-        let head = encode_head(target, req);
+        // A small body goes out with the head in one write.
+        let mut head = encode_head(target, req);
+        let rest = if req.body.len() <= COALESCE {
+            head.extend_from_slice(req.body);
+            &[][..]
+        } else {
+            req.body
+        };
         if let Some(conn) = self.pool.checkout(target.authority) {
-            match exchange(conn, &head, req.body, req.method).await {
+            match exchange(conn, &head, rest, req.method).await {
                 Ok(r) => return Ok(self.response(target, r)),
                 // The worker closed this idle connection without reading the request.
                 Err(UpstreamError::Closed) => tracing::debug!(upstream = %target.authority, "a pooled connection was closed; reconnecting"),
@@ -207,7 +214,7 @@ impl Client {
             }
         }
         let conn = self.connect(target).await?;
-        let r = exchange(conn, &head, req.body, req.method).await?;
+        let r = exchange(conn, &head, rest, req.method).await?;
         Ok(self.response(target, r))
     }
 
@@ -228,7 +235,8 @@ impl Client {
     }
 }
 
-/// The request head: request line, `Host`, the caller's headers, `Content-Length`.
+/// The request head: request line, `Host`, the caller's headers, `Content-Length` (with
+/// room for a small body after it).
 fn encode_head(target: Target<'_>, req: &Request<'_>) -> Vec<u8> {
     let mut h = Vec::with_capacity(256 + if req.body.len() <= COALESCE { req.body.len() } else { 0 });
     h.extend_from_slice(req.method.as_str().as_bytes());
@@ -249,19 +257,13 @@ fn encode_head(target: Target<'_>, req: &Request<'_>) -> Vec<u8> {
     h
 }
 
-/// Writes the request and reads the answer's head. [`UpstreamError::Closed`] means the
-/// connection ended before any byte of an answer (safe to send again on a new connection).
-async fn exchange(mut conn: TcpStream, head: &[u8], body: &[u8], method: &Method) -> Result<(StatusCode, HeaderMap, Body), UpstreamError> {
-    let written = if body.len() <= COALESCE {
-        let mut one = Vec::with_capacity(head.len() + body.len());
-        one.extend_from_slice(head);
-        one.extend_from_slice(body);
-        conn.write_all(&one).await
-    } else {
-        match conn.write_all(head).await {
-            Ok(()) => conn.write_all(body).await,
-            Err(e) => Err(e),
-        }
+/// Writes the request (`head`, then `rest` of the body) and reads the answer's head.
+/// [`UpstreamError::Closed`] means the connection ended before any byte of an answer (safe to
+/// send again on a new connection).
+async fn exchange(mut conn: TcpStream, head: &[u8], rest: &[u8], method: &Method) -> Result<(StatusCode, HeaderMap, Body), UpstreamError> {
+    let written = match conn.write_all(head).await {
+        Ok(()) if !rest.is_empty() => conn.write_all(rest).await,
+        other => other,
     };
     if let Err(e) = written {
         return Err(if is_reset(&e) { UpstreamError::Closed } else { UpstreamError::Io(e) });
