@@ -82,8 +82,10 @@ fn mutate(rng: &mut StdRng, seeds: &[Vec<u8>], input: &mut Vec<u8>) {
     }
 }
 
-/// The seed corpus `fuzz/corpus/<name>`, the iteration count and the RNG for one run.
-fn setup(name: &str) -> (Vec<Vec<u8>>, u64, StdRng) {
+/// Runs `check` on every seed of `fuzz/corpus/<name>` (each must be accepted), then on
+/// `GPUHUB_FUZZ_ITERS` mutated inputs (default 300000, `GPUHUB_FUZZ_SEED` replays a run); some
+/// mutated input must be accepted too, or the mutator is not exercising the code.
+fn fuzz(name: &str, check: fn(&[u8]) -> bool) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus").join(name);
     let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("seed corpus {}: {e}", dir.display()))
@@ -94,37 +96,26 @@ fn setup(name: &str) -> (Vec<Vec<u8>>, u64, StdRng) {
     let seed: u64 =
         std::env::var("GPUHUB_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| gpuhub_agent::util::now_us() as u64);
     println!("gateway fuzz ({name}): {iters} iterations, GPUHUB_FUZZ_SEED={seed}");
-    (seeds, iters, StdRng::seed_from_u64(seed))
+    let mut rng = StdRng::seed_from_u64(seed);
+    for s in &seeds {
+        assert!(check(s), "{name}: seed rejected: {:?}", String::from_utf8_lossy(s));
+    }
+    let mut accepted = 0u64;
+    for _ in 0..iters {
+        let mut input = seeds[rng.gen_range(0..seeds.len())].clone();
+        mutate(&mut rng, &seeds, &mut input);
+        accepted += u64::from(check(&input));
+    }
+    println!("gateway fuzz ({name}): done, {accepted} mutated inputs accepted, no findings");
+    assert!(accepted > 0, "{name}: the mutator never produced an accepted input: it is not exercising the code");
 }
 
 #[test]
 fn fuzz_worker_answers() {
-    let (seeds, iters, mut rng) = setup("upstream");
-    for s in &seeds {
-        assert!(check_answer(s), "seed answer rejected: {:?}", String::from_utf8_lossy(s));
-    }
-    let mut accepted = 0u64;
-    for _ in 0..iters {
-        let mut input = seeds[rng.gen_range(0..seeds.len())].clone();
-        mutate(&mut rng, &seeds, &mut input);
-        accepted += u64::from(check_answer(&input));
-    }
-    println!("gateway fuzz (upstream): done, {accepted} mutated answers decoded, no findings");
-    assert!(accepted > 0, "the mutator never produced a valid answer: it is not exercising the decoder");
+    fuzz("upstream", check_answer);
 }
 
 #[test]
 fn fuzz_request_parsing() {
-    let (seeds, iters, mut rng) = setup("parse");
-    let mut accepted = 0u64;
-    for s in &seeds {
-        assert!(check_request(s), "seed body rejected: {:?}", String::from_utf8_lossy(s));
-    }
-    for _ in 0..iters {
-        let mut input = seeds[rng.gen_range(0..seeds.len())].clone();
-        mutate(&mut rng, &seeds, &mut input);
-        accepted += u64::from(check_request(&input));
-    }
-    println!("gateway fuzz (parse): done, {accepted} mutated inputs accepted, no findings");
-    assert!(accepted > 0, "the mutator never produced a valid body: it is not exercising the parser");
+    fuzz("parse", check_request);
 }
