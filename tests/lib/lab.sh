@@ -134,7 +134,7 @@ agent_running() {
 agent_healthy() { curl -sf --max-time 2 http://127.0.0.1:8400/healthz >/dev/null 2>&1; }
 
 agent_start() {
-    local secs="${1:-60}" i
+    local secs="${1:-60}" i pid
     if agent_running && agent_healthy; then return 0; fi
     [ -x "$LAB_AGENT_BIN" ] || { echo "[lab] $LAB_AGENT_BIN missing: cargo build --release" >&2; return 1; }
     [ -f "$LAB_AGENT_CONFIG" ] || { echo "[lab] $LAB_AGENT_CONFIG missing" >&2; return 1; }
@@ -144,9 +144,13 @@ agent_start() {
         setsid "$LAB_AGENT_BIN" --config "$LAB_AGENT_CONFIG" run >>"$LAB_AGENT_LOG" 2>&1 </dev/null &
         echo $! > "$LAB_AGENT_PID"
     fi
+    # Watch the pid itself, not agent_running: until the child has exec'd the agent its comm is
+    # still the shell's, and a look at that moment would report a start that has not happened
+    # yet as an exit (and show the previous agent's last log lines as the reason).
+    pid="$(cat "$LAB_AGENT_PID")"
     for ((i = 0; i < secs * 4; i++)); do
         agent_healthy && return 0
-        agent_running || { echo "[lab] gpuhub-agent exited; last log lines:" >&2; tail -n 20 "$LAB_AGENT_LOG" >&2; return 1; }
+        kill -0 "$pid" 2>/dev/null || { echo "[lab] gpuhub-agent exited; last log lines:" >&2; tail -n 20 "$LAB_AGENT_LOG" >&2; return 1; }
         sleep 0.25
     done
     echo "[lab] gpuhub-agent not healthy after ${secs}s; last log lines:" >&2
@@ -192,10 +196,9 @@ JSON
 }
 
 # lab_user: make sure the unprivileged lab account exists (jobs as a real user).
+. "$LAB_REPO/tests/lib/prereq.sh"
 LAB_USER=gpuhublab
-lab_user() {
-    id -u "$LAB_USER" >/dev/null 2>&1 || useradd -m -s /bin/bash "$LAB_USER" || lab_fail "cannot create user $LAB_USER"
-}
+lab_user() { unprivileged_user >/dev/null; }
 
 # lab_wait_gpus_free [SECS]: wait (default 240 s) until no job holds or waits for GPUs or
 # shards, e.g. model workers the agent started in an earlier test (they stay up to their

@@ -1,8 +1,11 @@
 # A real MLflow tracking server for tests, from the repo's venv (tests/setup/deps.sh).
 # Source it, then:
 #   mlflow_start [PORT]   start `mlflow server` on 127.0.0.1:PORT (default 5000, the lab agent's
-#                         tracking URI) unless one already answers there; waits up to 120 s
-#   mlflow_stop           stop the server this helper started (pid file), if any
+#                         tracking URI); waits up to 120 s. A port that is already taken is an
+#                         error: on a shared node anyone can listen there, so a test never
+#                         talks to a server it did not start.
+#   mlflow_stop [PORT]    stop the server this helper started (pid file), if any; a test that
+#                         starts one stops it at exit (lab_cleanup_add "mlflow_stop PORT")
 #   MLFLOW_URL            http://127.0.0.1:PORT after mlflow_start
 # State (SQLite store, artifacts, log) lives in /var/tmp/gpuhub-mlflow-PORT; loopback only,
 # because MLflow has no authentication.
@@ -14,7 +17,10 @@ mlflow_start() {
     local port="${1:-5000}" dir i pid
     MLFLOW_URL="http://127.0.0.1:$port"
     dir="/var/tmp/gpuhub-mlflow-$port"
-    if curl -sf --max-time 2 "$MLFLOW_URL/health" >/dev/null 2>&1; then return 0; fi
+    if ss -Hltn "sport = :$port" | grep -q .; then
+        echo "[mlflow] 127.0.0.1:$port is already taken ($(ss -Hltnp "sport = :$port" | awk '{print $NF}' | head -n1)); stop it or pick another port" >&2
+        return 1
+    fi
     [ -x "$MLFLOW_BIN" ] || { echo "[mlflow] $MLFLOW_BIN missing: run tests/setup/deps.sh" >&2; return 1; }
     mkdir -p "$dir/artifacts"
     echo "[mlflow] starting mlflow server on $MLFLOW_URL (log $dir/server.log)"

@@ -8,6 +8,7 @@
 # GPUHUB_AGENT_BIN / GPUHUB_CLI_BIN override the binaries (default target/release/).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+. "$repo/tests/lib/prereq.sh"
 agent="${GPUHUB_AGENT_BIN:-$repo/target/release/gpuhub-agent}"
 cli="${GPUHUB_CLI_BIN:-$repo/target/release/gpuhub}"
 jobs=1000
@@ -154,6 +155,6 @@ run_backend sqlite
 if [ -n "${GPUHUB_TEST_PG_URL:-}" ]; then
     run_backend postgres
 else
-    echo "(GPUHUB_TEST_PG_URL not set: PostgreSQL run skipped; tests/lib/pg.sh starts one)"
+    prereq_missing "GPUHUB_TEST_PG_URL is not set, so the PostgreSQL run is left out" "export the URL tests/lib/pg.sh prints" || true
 fi
 echo "PASS: accounting-crash"

@@ -21,7 +21,7 @@ acct_type="$(scontrol show config 2>/dev/null | awk '$1 == "AccountingStorageTyp
 sacct_on=0
 if [ "$acct_type" = accounting_storage/slurmdbd ]; then
     sacct_on=1
-elif [ "${GPUHUB_REQUIRE_SACCT:-0}" = 1 ]; then
+elif [ "${GPUHUB_REQUIRE_SACCT:-0}" = 1 ] || [ "${GPUHUB_TEST_STRICT:-0}" = 1 ]; then
     lab_fail "GPUHUB_REQUIRE_SACCT=1 but the lab runs without slurmdbd (AccountingStorageType=${acct_type:-unknown}); bring it up with accounting: GPUHUB_LAB_ACCOUNTING=1 tests/lab/up.sh"
 fi
 spank_fixture

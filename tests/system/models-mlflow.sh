@@ -12,7 +12,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 . "$REPO/tests/lib/models.sh"
 . "$REPO/tests/lib/mlflow.sh"
 lab_require
-mlflow_start 5000 || { echo "FAIL: cannot start mlflow server" >&2; exit 1; }
+PORT="${GPUHUB_TEST_MLFLOW_PORT:-5078}"
+mlflow_start "$PORT" || lab_fail "mlflow server did not start"
+lab_cleanup_add "mlflow_stop $PORT"
 PY="$REPO/.venv/bin/python"
 NAME="gpuhub-test-mt-$(date +%s)-$$"
 

@@ -41,9 +41,8 @@ expect 2 'is a role' "$GPUHUB" names rename ocr dots.ocr
 expect 2 'same name' "$GPUHUB" names rename dots.ocr dots.ocr
 expect 2 '--since' "$GPUHUB" names callers svc-ocr --since 3w
 echo "== a non-admin cannot change names"
-if id nobody >/dev/null 2>&1; then
-    expect 2 'needs an admin' runuser -u nobody -- "$GPUHUB" names retire svc-ocr --force
-fi
+lab_user
+expect 2 'needs an admin' runuser -u "$LAB_USER" -- "$GPUHUB" names retire svc-ocr --force
 after="$(changes)"
 [ "$before" = "$after" ] || lab_fail "the registry changed: $before history rows before, $after after"
 [ "$("$GPUHUB" names list --json | jq -r '.names[] | select(.name == "svc-ocr") | .state')" = deprecated ] || lab_fail "svc-ocr is no longer deprecated"

@@ -11,6 +11,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
+. tests/lib/prereq.sh
 [ "$(id -u)" -eq 0 ] || { echo "FAIL: run as root (the agent treats root as admin)"; exit 1; }
 echo "+ cargo build --release --workspace (a no-op after tests/run-all.sh built it)"
 cargo build --release --quiet --workspace
@@ -76,15 +77,14 @@ for _ in 1 2 3; do "$CLI" backup --keep 2 > /dev/null; done
 n="$(find "$work/state/backups" -name 'gpuhub-*.db' | wc -l)"
 [ "$n" -eq 2 ] || fail "$n backups left after --keep 2, expected 2"
 
-echo "+ a non-admin user is refused"
-if id nobody >/dev/null 2>&1; then
-    chmod 755 "$work/run"
-    if runuser -u nobody -- env GPUHUB_SOCKET="$GPUHUB_SOCKET" "$CLI" backup > "$work/nobody.out" 2>&1; then
-        fail "user nobody could write a backup: $(cat "$work/nobody.out")"
-    fi
-    grep -qi "admin" "$work/nobody.out" || fail "refusal for nobody does not say why: $(cat "$work/nobody.out")"
-    echo "refused: $(cat "$work/nobody.out")"
+user="$(unprivileged_user)"
+echo "+ a non-admin user ($user) is refused"
+chmod 755 "$work/run"
+if runuser -u "$user" -- env GPUHUB_SOCKET="$GPUHUB_SOCKET" "$CLI" backup > "$work/user.out" 2>&1; then
+    fail "user $user could write a backup: $(cat "$work/user.out")"
 fi
+grep -qi "admin" "$work/user.out" || fail "refusal for $user does not say why: $(cat "$work/user.out")"
+echo "refused: $(cat "$work/user.out")"
 
 # ------------------------------------------------------------------ PostgreSQL
 stop_agent

@@ -36,9 +36,19 @@ echo "ok: scancel (job $sc_job)"
 
 echo "== waiting for the time limit of job $tl_job (up to 180 s)"
 lab_wait_job "$tl_job" 180 || lab_fail "job $tl_job still running 180 s after a 1-minute limit"
-state="$(scontrol show job "$tl_job" 2>/dev/null | grep -oE 'JobState=[A-Z_]+' | head -n1 || true)"
-echo "  $state"
-[ -z "$state" ] || [ "$state" = "JobState=TIMEOUT" ] || lab_fail "job $tl_job ended as $state, expected TIMEOUT"
+# slurmctld forgets a finished job after MinJobAge; then Slurm's accounting still knows how it ended.
+state="$(scontrol show job "$tl_job" 2>/dev/null | grep -oE 'JobState=[A-Z_]+' | head -n1 | cut -d= -f2 || true)"
+if [ -z "$state" ]; then
+    for ((i = 0; i < 60; i++)); do
+        state="$(sacct -n -X -P -j "$tl_job" -o State 2>/dev/null | head -n1 | awk '{print $1}')"
+        case "$state" in ""|RUNNING|PENDING|COMPLETING) sleep 0.5 ;; *) break ;; esac
+    done
+    echo "  sacct: State=$state"
+    [ -n "$state" ] || lab_fail "job $tl_job: neither scontrol nor sacct knows how it ended (is slurmdbd up? GPUHUB_LAB_ACCOUNTING=1 tests/lab/up.sh)"
+else
+    echo "  scontrol: JobState=$state"
+fi
+[ "$state" = TIMEOUT ] || lab_fail "job $tl_job ended as $state, expected TIMEOUT (its 1-minute limit)"
 lab_wait_record "$T_SPOOL" "$tl_job" job_end 30 || lab_fail "job $tl_job: no job_end record after its time limit"
 recs="$(lab_records "$T_SPOOL" "$tl_job")"
 sed 's/^/    /' <<<"$recs"

@@ -234,8 +234,7 @@ async fn story_sqlite() {
 
 #[tokio::test]
 async fn story_postgres() {
-    let Some(admin_url) = std::env::var("GPUHUB_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
-        eprintln!("story_postgres: GPUHUB_TEST_PG_URL not set; PostgreSQL half skipped (tests/lib/pg.sh starts one)");
+    let Some(admin_url) = crate::store::testing::pg_url("story_postgres") else {
         return;
     };
     sqlx::any::install_default_drivers();

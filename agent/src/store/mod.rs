@@ -178,7 +178,27 @@ pub(crate) mod testing {
     //! fresh database; `GPUHUB_TEST_KEEP_DB=1` keeps it for inspection.
     use super::*;
 
-    /// Returns one store per available backend, each on a fresh database.
+    /// The PostgreSQL server the tests may use: `GPUHUB_TEST_PG_URL`. Without it the
+    /// PostgreSQL half of a test is left out, except under `GPUHUB_TEST_STRICT=1` (set by
+    /// tests/run-all.sh), where a missing server fails the test instead of passing it on
+    /// SQLite alone.
+    #[allow(clippy::panic)]
+    pub fn pg_url(test: &str) -> Option<String> {
+        match std::env::var("GPUHUB_TEST_PG_URL").ok().filter(|u| !u.is_empty()) {
+            Some(url) => Some(url),
+            None if std::env::var("GPUHUB_TEST_STRICT").as_deref() == Ok("1") => panic!(
+                "{test}: GPUHUB_TEST_PG_URL is not set but GPUHUB_TEST_STRICT=1 requires the PostgreSQL half; \
+                 start a server with tests/lib/pg.sh and export its URL"
+            ),
+            None => {
+                eprintln!("{test}: GPUHUB_TEST_PG_URL not set; PostgreSQL half skipped (tests/lib/pg.sh starts one)");
+                None
+            }
+        }
+    }
+
+    /// Returns one store per backend, each on a fresh database: SQLite, and PostgreSQL when
+    /// [`pg_url`] has a server.
     pub async fn stores() -> Vec<(Store, Option<tempfile::TempDir>)> {
         let mut out = Vec::new();
         #[allow(clippy::unwrap_used)]
@@ -186,7 +206,7 @@ pub(crate) mod testing {
         let url = format!("sqlite://{}", dir.path().join("t.db").display());
         #[allow(clippy::unwrap_used)]
         out.push((Store::open(&url, None).await.unwrap(), Some(dir)));
-        if let Ok(pg) = std::env::var("GPUHUB_TEST_PG_URL") {
+        if let Some(pg) = pg_url("every-backend store test") {
             out.push((fresh_pg(&pg).await, None));
         }
         out

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""What the system tests left behind, for tests/run-all.sh (through tests/lib/leftovers.sh).
+
+    leftovers.py baseline DIR      record the processes and listening TCP ports there are now
+    leftovers.py scan DIR          print one line per leftover, "KEY<TAB>DESCRIPTION"
+
+A leftover is
+  - a process that carries this run's marker (GPUHUB_TEST_RUN in its environment, inherited by
+    everything the run starts, setsid'd daemons included), was not there at the baseline, and is
+    not one of the lab's own daemons (Slurm, munge, MariaDB, the test PostgreSQL) or the lab's
+    gpuhub-agent (/run/gpuhub/agent.pid);
+  - a listening TCP port that was not listening at the baseline;
+  - a Slurm job other than the lab agent's own model workers (they unload themselves when idle).
+"""
+import os
+import re
+import subprocess
+import sys
+
+LAB_DAEMONS = {"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "munged", "mariadbd", "mysqld", "mysqld_safe", "postgres"}
+LAB_AGENT_PID = "/run/gpuhub/agent.pid"
+LAB_WORKERS = "gpuhub-worker:/var/lib/gpuhub/workers"
+
+
+def read(path, mode="r"):
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def processes():
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            stat = read(f"/proc/{d}/stat")
+            if stat is None:
+                continue
+            # comm may contain spaces and parentheses: the fields after the last ')' are fixed.
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            out[int(d)] = (comm, ppid)
+    return out
+
+
+def ancestors(pid, procs):
+    seen = set()
+    while pid in procs and pid not in seen and pid > 1:
+        seen.add(pid)
+        pid = procs[pid][1]
+    return seen
+
+
+def listening():
+    try:
+        text = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    ports = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 4:
+            ports[f[3]] = " ".join(f[5:])
+    return ports
+
+
+def baseline(d):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "pids"), "w") as f:
+        f.write("\n".join(str(p) for p in processes()) + "\n")
+    with open(os.path.join(d, "ports"), "w") as f:
+        f.write("\n".join(listening()) + "\n")
+
+
+def scan(d):
+    marker = os.environ.get("GPUHUB_TEST_RUN", "").encode()
+    if not marker:
+        sys.exit("leftovers.py: GPUHUB_TEST_RUN is not set (tests/run-all.sh sets it)")
+    old_pids = {int(x) for x in (read(os.path.join(d, "pids")) or "").split()}
+    old_ports = set((read(os.path.join(d, "ports")) or "").split())
+    try:
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i|%u|%j|%T|%k"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        jobs = ""
+    lab_jobs = set()
+    for line in jobs.splitlines():
+        f = line.split("|")
+        if len(f) != 5:
+            continue
+        if f[4] == LAB_WORKERS:
+            lab_jobs.add(f[0].encode())
+        else:
+            print(f"job:{f[0]}\tSlurm job {f[0]} (user {f[1]}, name {f[2]}, {f[3]}, comment {f[4]!r})")
+    procs = processes()
+    me = ancestors(os.getpid(), procs)
+    agent = (read(LAB_AGENT_PID) or "").strip()
+    lab_procs = set()  # the lab's daemons, its agent and its agent's workers: theirs, not a test's
+    for pid, (comm, _ppid) in sorted(procs.items()):
+        if pid in me:
+            continue
+        if comm in LAB_DAEMONS or str(pid) == agent:
+            lab_procs.add(pid)
+            continue
+        env = read(f"/proc/{pid}/environ", "rb")
+        if env is None:
+            continue
+        env = env.split(b"\0")
+        if any(b"SLURM_JOB_ID=" + j in env for j in lab_jobs):
+            lab_procs.add(pid)
+            continue
+        if pid in old_pids or b"GPUHUB_TEST_RUN=" + marker not in env:
+            continue
+        args = (read(f"/proc/{pid}/cmdline", "rb") or b"").replace(b"\0", b" ").decode(errors="replace").strip()
+        try:
+            user = str(os.stat(f"/proc/{pid}").st_uid)
+        except OSError:
+            continue
+        print(f"pid:{pid}\tprocess {pid} (uid {user}, {comm}): {args[:300]}")
+    for addr, owner in sorted(listening().items()):
+        owners = {int(x) for x in re.findall(r"pid=(\d+)", owner)}
+        if addr not in old_ports and not owners & lab_procs:
+            print(f"port:{addr}\tlistening TCP port {addr} {owner}")
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ("baseline", "scan"):
+        sys.exit(__doc__)
+    (baseline if sys.argv[1] == "baseline" else scan)(sys.argv[2])

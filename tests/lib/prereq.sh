@@ -1,0 +1,22 @@
+# What a test does when something it needs is missing. Source it, then:
+#   prereq_missing WHAT FIX   a prerequisite is missing: under tests/run-all.sh (GPUHUB_TEST_STRICT=1)
+#                             print "FAIL: WHAT; FIX" and exit 1; run by hand, print "SKIP: ..." and
+#                             return 1 so the caller can leave that part out
+# run-all.sh exports GPUHUB_TEST_STRICT=1, so no part of a test is skipped silently there.
+prereq_missing() {
+    local what="$1" fix="$2"
+    if [ "${GPUHUB_TEST_STRICT:-0}" = 1 ]; then
+        echo "FAIL: $what; $fix (GPUHUB_TEST_STRICT=1: under tests/run-all.sh a missing prerequisite is a failure)" >&2
+        exit 1
+    fi
+    echo "SKIP: $what; $fix (GPUHUB_TEST_STRICT=1 makes this a failure)"
+    return 1
+}
+
+# unprivileged_user: print the name of an unprivileged login (gpuhublab), creating it if missing,
+# so a test of "a non-admin is refused" never depends on the distribution's `nobody`.
+unprivileged_user() {
+    id -u gpuhublab >/dev/null 2>&1 || useradd -m -s /bin/bash gpuhublab >/dev/null ||
+        { echo "FAIL: cannot create the unprivileged test user gpuhublab (useradd)" >&2; exit 1; }
+    echo gpuhublab
+}
