@@ -66,6 +66,7 @@ sleep 5 # warm-up: a few samples, attribution cache filled
 body="$(curl -fsS "$url")"
 job_series="$(grep -c '^gpuhub_job_gpu_memory_used_bytes{' <<<"$body" || true)"
 lines="$(grep -vc '^#' <<<"$body" || true)"
+dcgm_job="$(grep -c '^DCGM_FI_[A-Z_]*{.*hpc_job="[^"]' <<<"$body" || true)"   # per-job copies of the DCGM series
 [ "$job_series" -eq "$njobs" ] || { echo "FAIL: expected $njobs per-job series, got $job_series"; tail -n 20 "$T/agent.log"; exit 1; }
 
 clk="$(getconf CLK_TCK)"
@@ -86,7 +87,7 @@ p99="$(awk '$1 == "99%" { print $2 }' <<<"$wrk_out")"
 reqs="$(awk '/requests in/ { print $1 }' <<<"$wrk_out")"
 
 echo "agent telemetry benchmark: $ngpus fake H200s, $njobs running jobs (25/GPU, half shard jobs), sampling 1 s, slurm snapshots: $slurm"
-echo "  /metrics: $lines samples, $(printf %s "$body" | wc -c) bytes"
+echo "  /metrics: $lines samples, $(printf %s "$body" | wc -c) bytes; $dcgm_job of the samples are DCGM_FI_* copies per job"
 printf '  idle RSS:        %6.1f MiB after warm-up, %6.1f MiB at end, peak (VmHWM) %6.1f MiB   (target <= 30 MiB)\n' \
     "$(awk -v k="$rss_idle" 'BEGIN{print k/1024}')" "$(awk -v k="$rss_end" 'BEGIN{print k/1024}')" "$(awk -v k="$hwm" 'BEGIN{print k/1024}')"
 echo "  CPU:             $cpu_pct % of one core = $cpu_s_per_min CPU-s per minute over ${secs}s, no scrapes   (target <= 1 %)"

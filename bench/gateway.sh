@@ -42,7 +42,7 @@ run() {
     [ -z "$non2xx" ] || gw_fail "$1: $non2xx non-2xx answers (see $GW_DIR/wrk-$1.txt)"
 }
 
-echo "gateway benchmark: $(nproc) cores, wrk -t2, ${DURATION}s per run, paced runs: $CONNS connections at ~$RATE req/s"
+echo "gateway benchmark: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start, wrk -t2, ${DURATION}s per run, paced runs: $CONNS connections at ~$RATE req/s"
 echo "upstream: gpuhub-test-worker at $DIRECT; gateway: $GW_URL (pid $GW_AGENT_PID)"
 DELAY=$(( CONNS * 1000 / RATE ))
 WORKER_PID="${GW_PIDS[0]}"

@@ -57,6 +57,8 @@ for i in $(seq "$COLD"); do
     }' | tee -a "$MT_DIR/overheads"
 done
 sort -n -k7 "$MT_DIR/overheads" | awk '{o[NR] = $7} END {printf "gpuhub cold-start overhead: median %.1f ms, max %.1f ms over %d cold starts (target <= 100 ms)\n", o[int((NR + 1) / 2)], o[NR], NR}'
+med() { awk -v c="$1" '{print $c}' "$MT_DIR/overheads" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+echo "medians (ms): total $(med 2), Slurm job start $(med 3), worker's own start $(med 4), gpuhub before sbatch $(med 5), gpuhub after ready $(med 6)"
 
 echo "== warm path (${WARM_S}s each, wrk -t1 -c4, plain chat calls)"
 row="$(sqlite3 "$MT_DIR/state/gpuhub.db" "SELECT base_url || ' ' || api_key FROM model_workers WHERE model = 'mt-bench'")"
@@ -73,3 +75,4 @@ for target in "direct $wurl $wkey" "gateway http://$MT_GW $MT_KEY"; do
     printf '%-8s %s  p50 %s  p99 %s\n' "$1" "$(grep 'Requests/sec' "$MT_DIR/wrk.$1" | tr -s ' ')" \
         "$(awk '$1 == "50%" {print $2}' "$MT_DIR/wrk.$1")" "$(awk '$1 == "99%" {print $2}' "$MT_DIR/wrk.$1")"
 done
+echo "machine: $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end"

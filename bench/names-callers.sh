@@ -158,3 +158,4 @@ SQL
         *) echo "unknown backend $backend (sqlite, postgres)" >&2; exit 2 ;;
     esac
 done
+echo "machine: $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end"

@@ -73,7 +73,9 @@ fi
 # The plugin's own time per hook, from its debug lines in slurmd.log (SlurmdDebug=debug).
 echo "gpuhub hook durations in slurmd.log during this run (median / max, microseconds):"
 tail -c +"$LOG_FROM" "$LAB_SLURMD_LOG" | grep -oE 'gpuhub: [a-z_]+ took [0-9]+ us' | awk '{print $2, $4}' \
-    | sort -k1,1 -k2,2n | awk '{v[$1] = v[$1] " " $2; n[$1]++} END {for (h in v) {split(substr(v[h], 2), a, " "); printf "  %-14s n=%-4d median %6d  max %6d\n", h, n[h], a[int((n[h] + 1) / 2)], a[n[h]]}}' | sort
+    | sort -k1,1 -k2,2n | awk '{v[$1] = v[$1] " " $2; n[$1]++} END {for (h in v) {split(substr(v[h], 2), a, " "); printf "  %-14s n=%-4d median %6d  max %6d\n", h, n[h], a[int((n[h] + 1) / 2)], a[n[h]]}}' | sort | tee "$T/hooks"
+# job_epilog runs after srun has returned; every other hook is on srun's path.
+awk '$1 != "job_epilog" { s += $4 } END { printf "  sum of the medians above without job_epilog (the plugin'"'"'s time on srun'"'"'s path): %d us\n", s }' "$T/hooks"
 on_us="$(median < "$T/on")"; off_us="$(median < "$T/off")"
 recs="$(ls "$T_SPOOL/records" | wc -l)"
 awk -v extra="${GPUHUB_BENCH_ARGS:+, plugin args: $GPUHUB_BENCH_ARGS}" -v on="$on_us" -v off="$off_us" -v n="$ROUNDS" -v recs="$recs" 'BEGIN {
@@ -83,3 +85,4 @@ awk -v extra="${GPUHUB_BENCH_ARGS:+, plugin args: $GPUHUB_BENCH_ARGS}" -v on="$o
     printf "  difference:            %+7.1f ms (target <= +5 ms)\n", (on - off) / 1000
     printf "  records written by the \"with\" runs: %d\n", recs
 }'
+echo "machine: $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end, $(srun --version)"
