@@ -2,7 +2,8 @@
 # Builds the gpuhub RPMs (gpuhub-spank, gpuhub-agent, and the source RPM) into target/rpm/,
 # offline, from a source tarball with every crate vendored; then lists their contents, runs
 # rpmlint (rpm/rpmlintrc + rpm/rpmlint.toml: zero errors) and `systemd-analyze verify` on the
-# packaged units where systemd-analyze exists.
+# packaged units. A missing systemd-analyze or network namespace (unshare -n) is reported and
+# skipped by hand, and fails under GPUHUB_TEST_STRICT=1 (tests/run-all.sh; tests/lib/prereq.sh).
 #
 #   rpm/build.sh                        full build: rpmbuild compiles the workspace from the
 #                                       tarball with `cargo build --release --offline --frozen`
@@ -33,6 +34,9 @@ SPEC="$REPO/rpm/gpuhub.spec"
 
 log() { echo "[rpm] $*"; }
 die() { echo "[rpm] ERROR: $*" >&2; exit 1; }
+# prereq_missing WHAT FIX: a failure under GPUHUB_TEST_STRICT=1 (tests/run-all.sh), else SKIP.
+# shellcheck source=tests/lib/prereq.sh
+source "$REPO/tests/lib/prereq.sh"
 t_start=$(date +%s)
 
 for tool in rpmbuild rpm cargo tar gzip python3 sha256sum; do
@@ -50,6 +54,13 @@ spec_version="$(awk '$1=="Version:"{print $2; exit}' "$SPEC")"
 VERSION="$cargo_version"
 NV="gpuhub-$VERSION"
 
+# ------------------------------------------------------------------ crates: every platform's
+# licenses.sh (cargo tree), cargo vendor and cargo metadata below run --offline. cargo fetch
+# without --target downloads every platform's crates, which a Linux `cargo build` leaves out
+# (the Windows-only ones); it is a no-op, without network, when $CARGO_HOME/registry has them.
+(cd "$REPO" && cargo fetch --locked --quiet) ||
+    die "cargo fetch --locked failed: the crates of Cargo.lock are not all in ${CARGO_HOME:-~/.cargo}/registry and crates.io is unreachable; run rpm/build.sh once with network"
+
 # ------------------------------------------------------------------ License: tags == what is linked
 for crate in gpuhub-spank gpuhub-agent; do
     want="$("$REPO/rpm/licenses.sh" "$crate")" || die "rpm/licenses.sh $crate failed"
@@ -61,19 +72,8 @@ for crate in gpuhub-spank gpuhub-agent; do
   (rpm/licenses.sh $crate --list shows which crate brings which license; update the spec)"
 done
 
-# ------------------------------------------------------------------ Rust minimum: spec >= Cargo.lock
-spec_rust="$(awk '$1=="BuildRequires:" && $2=="rust" && $3==">=" {print $4; exit}' "$SPEC")"
-need_rust="$(cd "$REPO" && cargo metadata --format-version 1 --locked --offline 2>/dev/null | python3 -c '
-import json, sys
-d = json.load(sys.stdin)
-v = [tuple(int(x) for x in p["rust_version"].split(".")[:2]) for p in d["packages"] if p.get("rust_version")]
-print("%d.%d" % max(v) if v else "0.0")')" || die "cargo metadata failed"
-if [ "$(printf '%s\n%s\n' "$need_rust" "$spec_rust" | sort -V | tail -n1)" != "$spec_rust" ]; then
-    die "Cargo.lock needs Rust >= $need_rust but rpm/gpuhub.spec says BuildRequires: rust >= $spec_rust; raise it (and cargo's) to $need_rust"
-fi
-
 # ------------------------------------------------------------------ vendored crates (cached)
-# cargo vendor copies from ~/.cargo/registry; --locked keeps Cargo.lock as is. Windows-only
+# cargo vendor copies from $CARGO_HOME/registry; --locked keeps Cargo.lock as is. Windows-only
 # crates are stubbed (their import libraries are ~170 MB and never compiled on Linux): files
 # removed, an empty src/lib.rs, their entries dropped from .cargo-checksum.json (cargo checks
 # only the files listed there; the package checksum from Cargo.lock is kept), licenses kept.
@@ -85,8 +85,8 @@ if [ ! -d "$VENDOR_PARENT/vendor" ]; then
     find "$CACHE" -maxdepth 1 -name 'vendor-*' -exec rm -rf {} +
     tmp="$CACHE/tmp-vendor.$$"
     rm -rf "$tmp"; mkdir -p "$tmp"
-    (cd "$REPO" && cargo vendor --locked --versioned-dirs --quiet "$tmp/vendor" >/dev/null) ||
-        die "cargo vendor failed (offline? the crates must be in ~/.cargo/registry: run cargo fetch once)"
+    (cd "$REPO" && cargo vendor --locked --offline --versioned-dirs --quiet "$tmp/vendor" >/dev/null) ||
+        die "cargo vendor --offline failed after cargo fetch (see above)"
     python3 - "$tmp/vendor" <<'PY'
 import json, os, re, shutil, sys
 root = sys.argv[1]
@@ -112,6 +112,21 @@ PY
     mv "$tmp" "$VENDOR_PARENT"
 else
     log "reusing vendored crates ($VENDOR_PARENT)"
+fi
+
+# ------------------------------------------------------------------ Rust minimum: spec >= Cargo.lock
+# Read from the vendored crates, i.e. what rpmbuild compiles, offline: it depends neither on
+# what $CARGO_HOME/registry holds nor on the network (cargo metadata resolves every platform).
+spec_rust="$(awk '$1=="BuildRequires:" && $2=="rust" && $3==">=" {print $4; exit}' "$SPEC")"
+need_rust="$(cd "$REPO" && cargo metadata --format-version 1 --locked --offline \
+    --config 'source.crates-io.replace-with="vendored-sources"' \
+    --config "source.vendored-sources.directory=\"$VENDOR_PARENT/vendor\"" 2>"$CACHE/metadata.err" | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+v = [tuple(int(x) for x in p["rust_version"].split(".")[:2]) for p in d["packages"] if p.get("rust_version")]
+print("%d.%d" % max(v) if v else "0.0")')" || die "cargo metadata on the vendored crates ($VENDOR_PARENT/vendor) failed: $(cat "$CACHE/metadata.err")"
+if [ "$(printf '%s\n%s\n' "$need_rust" "$spec_rust" | sort -V | tail -n1)" != "$spec_rust" ]; then
+    die "Cargo.lock needs Rust >= $need_rust but rpm/gpuhub.spec says BuildRequires: rust >= $spec_rust; raise it (and cargo's) to $need_rust"
 fi
 
 # ------------------------------------------------------------------ source tarball
@@ -173,7 +188,9 @@ if unshare -n true 2>/dev/null; then
     netns=(unshare -n)
     log "rpmbuild -ba without network (unshare -n) (log: $OUT/rpmbuild.log)"
 else
-    log "rpmbuild -ba (no network namespace available; offline by --offline --frozen only) (log: $OUT/rpmbuild.log)"
+    prereq_missing "no network namespace for rpmbuild (unshare -n: $(unshare -n true 2>&1 | head -n1)), so the build is not proven offline" \
+        "run rpm/build.sh as root (unshare is in util-linux); in a container, allow it to create namespaces (CAP_SYS_ADMIN)" ||
+        log "rpmbuild -ba WITH network; offline by --offline --frozen only (log: $OUT/rpmbuild.log)"
 fi
 t_rpm=$(date +%s)
 if ! "${netns[@]}" rpmbuild "${args[@]}" -ba "$SPEC" > "$OUT/rpmbuild.log" 2>&1; then
@@ -246,7 +263,8 @@ if command -v systemd-analyze >/dev/null; then
     log "systemd-analyze verify: units clean"
     rm -rf "$vroot"
 else
-    log "systemd-analyze not installed: unit verification skipped"
+    prereq_missing "systemd-analyze not installed: the packaged units are not verified" \
+        "apt-get install systemd (tests/setup/deps.sh installs it; RHEL: dnf install systemd)" || true
 fi
 
 log "done in $(( $(date +%s) - t_start )) s: $(cd "$OUT" && ls *.rpm | tr '\n' ' ')"

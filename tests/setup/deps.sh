@@ -16,8 +16,10 @@ apt_pkgs=(
     # promtool + a real Prometheus that scrapes the agent
     prometheus
     # RPM packaging on Debian
-    # rpm rpmlint; elfutils: eu-strip for find-debuginfo (RHEL-style -debuginfo packages)
-    rpm rpmlint elfutils
+    # rpm rpmlint; elfutils: eu-strip for find-debuginfo (RHEL-style -debuginfo packages);
+    # systemd: systemd-analyze (rpm/build.sh verifies the units) and systemd-tmpfiles (the
+    # packages' tmpfiles.d), used as tools: nothing here boots systemd
+    rpm rpmlint elfutils systemd
     # load generation and timing for benchmarks; misc test tools
     wrk hyperfine jq curl procps python3-venv
 )

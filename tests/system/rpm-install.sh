@@ -20,6 +20,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 # shellcheck source=tests/lib/lab.sh
 source tests/lib/lab.sh
+# shellcheck source=tests/lib/prereq.sh
+source tests/lib/prereq.sh
 lab_require
 
 OUT="$REPO/target/rpm"
@@ -155,6 +157,7 @@ if command -v systemd-tmpfiles > /dev/null; then
     done
     echo "tmpfiles.d: spool 0700, runtime 0755, job map 0755"
 else
-    echo "systemd-tmpfiles not installed: tmpfiles.d check skipped"
+    prereq_missing "systemd-tmpfiles not installed: the packaged tmpfiles.d file is not checked" \
+        "apt-get install systemd (tests/setup/deps.sh installs it)" || true
 fi
 echo "PASS rpm-install"
