@@ -3,9 +3,10 @@
 #   tel_init                 temp dir $T (removed at exit), fake NVML built into $T/nvml
 #   tel_free_port            print a free loopback TCP port
 #   tel_gpu_line IDX USED UTIL   one `gpu` line of the fake NVML script (UUID GPU-tel-...IDX)
-#   tel_start_agent [SLURM]  write $T/agent.toml (fake NVML, 200 ms sampling, private paths and
-#                            ports; SLURM=true|false) and start the real gpuhub-agent; sets
-#                            TEL_METRICS_ADDR (host:port), TEL_METRICS_URL, TEL_AGENT_PID; stopped at exit
+#   tel_start_agent [SLURM] [TOML]  write $T/agent.toml (fake NVML, 200 ms sampling, private paths and
+#                            ports; SLURM=true|false; TOML: more sections appended, e.g. [accounting])
+#                            and start the real gpuhub-agent; sets TEL_METRICS_ADDR (host:port),
+#                            TEL_METRICS_URL, TEL_AGENT_PID; stopped at exit
 #   tel_fail MSG             print MSG and the agent log tail, exit 1
 TEL_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 TEL_AGENT="${GPUHUB_AGENT_BIN:-$TEL_REPO/target/release/gpuhub-agent}"
@@ -52,6 +53,7 @@ slurm_interval_ms = 1000
 hostname = \"gpu01\"
 enable_slurm = $slurm
 job_map_dir = \"$T/run/dcgm-job-map\""
+    [ -z "${2:-}" ] || printf '%s\n' "$2" >> "$T/agent.toml"
     echo "+ $TEL_AGENT --config $T/agent.toml run   (log $T/agent.log)"
     "$TEL_AGENT" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 &
     TEL_AGENT_PID=$!
