@@ -36,16 +36,18 @@ phases_summary() { phase ""; log "time per phase: ${_phases[*]} (total $SECONDS 
 die() { echo "[run-all] ERROR: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "run as root (the lab starts Slurm daemons): sudo tests/run-all.sh"
 export PATH="$HOME/.cargo/bin:$PATH"
+# One run at a time: the run re-executes itself under `flock -o`, so the lock is held by flock
+# alone and no daemon this run starts (the lab's munged, slurmdbd, agent) inherits it. In the
+# locked run flock is the parent: GPUHUB_RUN_ALL_LOCKED holds its pid (the pid exec kept).
+if [ "${GPUHUB_RUN_ALL_LOCKED:-}" != "$PPID" ]; then
+    flock -n /run/gpuhub-run-all.lock true || log "another tests/run-all.sh holds /run/gpuhub-run-all.lock; waiting for it"
+    exec flock -o /run/gpuhub-run-all.lock env GPUHUB_RUN_ALL_LOCKED="$$" bash "$REPO/tests/run-all.sh" "$@"
+fi
 export GPUHUB_TEST_STRICT=1
 # Every process this run starts inherits the marker, so what is still running at the end can be
 # told from what was there before, even after it left its process group (setsid, daemons).
 GPUHUB_TEST_RUN="run-all.$$.$(date +%s)"
 export GPUHUB_TEST_RUN
-exec 9>/run/gpuhub-run-all.lock
-if ! flock -n 9; then
-    log "another tests/run-all.sh holds /run/gpuhub-run-all.lock; waiting for it"
-    flock 9
-fi
 tests=()
 for t in tests/system/*.sh; do
     [ -f "$t" ] || continue
@@ -66,9 +68,13 @@ export GPUHUB_TEST_PG_URL
 # The throw-away server is this run's: stop it at the end, whatever happens.
 trap 'tests/lib/pg.sh stop' EXIT
 
+. tests/lib/leftovers.sh
+leftovers_baseline
+
 if [ "${GPUHUB_SKIP_CARGO:-0}" != 1 ]; then
     phase "cargo test (SQLite and PostgreSQL)"
     cargo test --release --workspace --locked --no-fail-fast || die "cargo test failed"
+    leftovers_note "cargo test"
     phase "fmt + clippy"; log "cargo fmt --check, cargo clippy (lints deny unwrap/expect/panic/print outside tests)"
     cargo fmt --all -- --check || die "cargo fmt --check: run cargo fmt --all"
     cargo clippy --release --workspace --all-targets --locked -- -D warnings || die "cargo clippy reported problems"
@@ -82,9 +88,8 @@ phase "lab (with slurmdbd accounting)"
 export GPUHUB_LAB_ACCOUNTING=1 GPUHUB_REQUIRE_SACCT=1
 tests/lab/up.sh || die "tests/lab/up.sh failed"
 
+leftovers_note "tests/lab/up.sh"
 mkdir -p "$LOGS"
-. tests/lib/leftovers.sh
-leftovers_baseline
 phase "system tests (${#tests[@]})"
 pass=0; fail=0; failed=()
 for t in "${tests[@]}"; do

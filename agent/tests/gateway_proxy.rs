@@ -415,5 +415,9 @@ async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
         rows[0]["latency_us"].as_i64().unwrap() - rows[0]["overhead_us"].as_i64().unwrap() >= 2_000_000,
         "loading time is not gateway overhead: {rows:#?}"
     );
+    // A stopping agent leaves local workers running (a restarted agent adopts them): unload it,
+    // so the test leaves no process behind.
+    let v = a.control("POST", "/v1/models/unload", Some(json!({"model": "slowload"}))).await.unwrap();
+    assert_eq!(v["unloaded"], true, "{v}");
     a.stop().await;
 }
