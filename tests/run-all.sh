@@ -30,9 +30,9 @@ _phases=(); _phase_name=""; _phase_start=$SECONDS
 phase() {
     [ -n "$_phase_name" ] && _phases+=("$_phase_name $((SECONDS - _phase_start))s")
     _phase_name="$1"; _phase_start=$SECONDS
-    log "$1"
+    [ -z "$1" ] || log "$1"
 }
-phases_summary() { phase ""; log "time per phase: ${_phases[*]} (total $SECONDS s)"; }
+phases_summary() { phase ""; local IFS=';'; log "time per phase: ${_phases[*]}; total $SECONDS s"; }
 die() { echo "[run-all] ERROR: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "run as root (the lab starts Slurm daemons): sudo tests/run-all.sh"
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -114,7 +114,9 @@ else
     fail=$((fail + 1)); failed+=(leftovers)
     log "FAIL leftovers: the tests left these behind (first seen after the test named):"
     sed 's/^/    /' "$LEFTOVERS_REPORT"
+    cp "$LEFTOVERS_REPORT" "$LOGS/leftovers.log"
 fi
+leftovers_done
 phases_summary
 [ "${#failed[@]}" -eq 0 ] || log "failed: ${failed[*]}"
 echo "system: $pass passed, $fail failed"

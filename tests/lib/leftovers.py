@@ -10,7 +10,9 @@ A leftover is
     not one of the lab's own daemons (Slurm, munge, MariaDB, the test PostgreSQL) or the lab's
     gpuhub-agent (/run/gpuhub/agent.pid);
   - a listening TCP port that was not listening at the baseline;
-  - a Slurm job other than the lab agent's own model workers (they unload themselves when idle).
+  - a Slurm job other than the lab agent's own model workers (they unload themselves when idle);
+  - a file or directory /tmp/gpuhub* that was not there at the baseline (every test's mktemp
+    template starts so; state the tests keep on purpose lives in /var/tmp/gpuhub-*).
 """
 import os
 import re
@@ -18,6 +20,9 @@ import subprocess
 import sys
 
 LAB_DAEMONS = {"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "munged", "mariadbd", "mysqld", "mysqld_safe", "postgres"}
+# Their children are theirs too (mysqld_safe's logger, slurmctld's slurmscriptd); not slurmstepd's,
+# which are a job's processes (and a job still there is a leftover of its own).
+LAB_DAEMON_TREES = LAB_DAEMONS - {"slurmstepd", "slurmd"}
 LAB_AGENT_PID = "/run/gpuhub/agent.pid"
 LAB_WORKERS = "gpuhub-worker:/var/lib/gpuhub/workers"
 
@@ -65,12 +70,21 @@ def listening():
     return ports
 
 
+def tmp_entries():
+    try:
+        return {n for n in os.listdir("/tmp") if n.startswith("gpuhub")}
+    except OSError:
+        return set()
+
+
 def baseline(d):
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "pids"), "w") as f:
         f.write("\n".join(str(p) for p in processes()) + "\n")
     with open(os.path.join(d, "ports"), "w") as f:
         f.write("\n".join(listening()) + "\n")
+    with open(os.path.join(d, "tmp"), "w") as f:
+        f.write("\n".join(sorted(tmp_entries())) + "\n")
 
 
 def scan(d):
@@ -99,7 +113,7 @@ def scan(d):
     for pid, (comm, _ppid) in sorted(procs.items()):
         if pid in me:
             continue
-        if comm in LAB_DAEMONS or str(pid) == agent:
+        if comm in LAB_DAEMONS or str(pid) == agent or any(procs[a][0] in LAB_DAEMON_TREES for a in ancestors(procs[pid][1], procs)):
             lab_procs.add(pid)
             continue
         env = read(f"/proc/{pid}/environ", "rb")
@@ -121,6 +135,9 @@ def scan(d):
         owners = {int(x) for x in re.findall(r"pid=(\d+)", owner)}
         if addr not in old_ports and not owners & lab_procs:
             print(f"port:{addr}\tlistening TCP port {addr} {owner}")
+    old_tmp = set((read(os.path.join(d, "tmp")) or "").split())
+    for name in sorted(tmp_entries() - old_tmp):
+        print(f"tmp:{name}\t/tmp/{name} (remove it in the test's cleanup)")
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("baseline", "scan"):

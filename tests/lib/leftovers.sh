@@ -5,6 +5,7 @@
 #   leftovers_check SECS     wait up to SECS for every leftover to be gone; else write them, each
 #                            with the test after which it was first seen, to $LEFTOVERS_REPORT and
 #                            return 1
+#   leftovers_done           remove the working files (the report is the caller's to copy first)
 LEFTOVERS_DIR="$(mktemp -d /tmp/gpuhub-leftovers.XXXXXX)"
 LEFTOVERS_REPORT="$LEFTOVERS_DIR/report"
 _LEFTOVERS_PY="$(dirname "${BASH_SOURCE[0]}")/leftovers.py"
@@ -32,3 +33,5 @@ leftovers_check() {
     done <<<"$now"
     return 1
 }
+
+leftovers_done() { rm -rf "$LEFTOVERS_DIR"; }

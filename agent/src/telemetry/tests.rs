@@ -17,24 +17,28 @@ const H200_BYTES: u64 = 150_754_820_096;
 pub(crate) const UUID0: &str = "GPU-11111111-2222-3333-4444-555555555500";
 pub(crate) const UUID1: &str = "GPU-11111111-2222-3333-4444-555555555501";
 
-/// Compiles the fake library once per test process.
+/// Compiles the fake library once per test process, into the build directory (not /tmp, where
+/// it would outlive the tests): built under a name of this process's own, then renamed over the
+/// shared name, so test processes running at once never see a half-written library.
 fn fake_lib_master() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
         let src = std::env::var_os("GPUHUB_FAKE_NVML_SRC")
             .map(PathBuf::from)
             .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c"));
-        let dir = std::env::temp_dir().join(format!("gpuhub-fake-nvml-{}", std::process::id()));
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fake-nvml-unit");
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("libnvidia-ml.so.1");
+        let tmp = dir.join(format!(".libnvidia-ml.so.1.{}", std::process::id()));
         let st = Command::new("cc")
             .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
-            .arg(&out)
+            .arg(&tmp)
             .arg(&src)
             .args(["-ldl", "-lpthread"])
             .status()
             .expect("run cc");
         assert!(st.success(), "building {} failed", src.display());
+        std::fs::rename(&tmp, &out).unwrap();
         out
     })
 }
