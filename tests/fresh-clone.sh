@@ -14,6 +14,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ -z "$(git -C "$REPO" status --porcelain --untracked-files=no)" ] ||
     echo "fresh-clone: note: uncommitted changes in $REPO are not part of the clone (HEAD $(git -C "$REPO" rev-parse --short HEAD))"
 work="$(mktemp -d /var/tmp/gpuhub-fresh.XXXXXX)"
+chmod 755 "$work"   # as CI's clone folder: the tests run the CLI as an unprivileged user too
 log="/var/tmp/gpuhub-fresh-clone.$(date +%Y%m%d-%H%M%S).log"
 [ "${GPUHUB_FRESH_KEEP:-0}" = 1 ] || trap 'rm -rf "$work"' EXIT
 git clone --quiet --no-hardlinks "$REPO" "$work/repo"

@@ -9,7 +9,7 @@ A leftover is
     everything the run starts, setsid'd daemons included), was not there at the baseline, and is
     not one of the lab's own daemons (Slurm, munge, MariaDB, the test PostgreSQL) or the lab's
     gpuhub-agent (/run/gpuhub/agent.pid);
-  - a listening TCP port that was not listening at the baseline;
+  - a listening TCP port that was not listening at the baseline, held by a process of this run;
   - a Slurm job other than the lab agent's own model workers (they unload themselves when idle);
   - a file or directory /tmp/gpuhub* that was not there at the baseline (every test's mktemp
     template starts so; state the tests keep on purpose lives in /var/tmp/gpuhub-*).
@@ -110,6 +110,7 @@ def scan(d):
     me = ancestors(os.getpid(), procs)
     agent = (read(LAB_AGENT_PID) or "").strip()
     lab_procs = set()  # the lab's daemons, its agent and its agent's workers: theirs, not a test's
+    ours = set()  # processes that carry this run's marker
     for pid, (comm, _ppid) in sorted(procs.items()):
         if pid in me:
             continue
@@ -123,7 +124,10 @@ def scan(d):
         if any(b"SLURM_JOB_ID=" + j in env for j in lab_jobs):
             lab_procs.add(pid)
             continue
-        if pid in old_pids or b"GPUHUB_TEST_RUN=" + marker not in env:
+        if b"GPUHUB_TEST_RUN=" + marker not in env:
+            continue
+        ours.add(pid)
+        if pid in old_pids:
             continue
         args = (read(f"/proc/{pid}/cmdline", "rb") or b"").replace(b"\0", b" ").decode(errors="replace").strip()
         try:
@@ -133,7 +137,8 @@ def scan(d):
         print(f"pid:{pid}\tprocess {pid} (uid {user}, {comm}): {args[:300]}")
     for addr, owner in sorted(listening().items()):
         owners = {int(x) for x in re.findall(r"pid=(\d+)", owner)}
-        if addr not in old_ports and not owners & lab_procs:
+        # A port whose owner is known and not of this run (another session's) is not a leftover.
+        if addr not in old_ports and not owners & lab_procs and (not owners or owners & ours):
             print(f"port:{addr}\tlistening TCP port {addr} {owner}")
     old_tmp = set((read(os.path.join(d, "tmp")) or "").split())
     for name in sorted(tmp_entries() - old_tmp):

@@ -20,3 +20,13 @@ unprivileged_user() {
         { echo "FAIL: cannot create the unprivileged test user gpuhublab (useradd)" >&2; exit 1; }
     echo gpuhublab
 }
+
+# unprivileged_exec_check USER PATH: fail with the reason when USER cannot run PATH (a checkout in
+# a 0700 directory, e.g. under mktemp -d), instead of a bare "Permission denied" from runuser.
+unprivileged_exec_check() {
+    runuser -u "$1" -- test -x "$2" && return 0
+    local d="$2"
+    while [ "$d" != / ]; do d="$(dirname "$d")"; runuser -u "$1" -- test -x "$d" || break; done
+    echo "FAIL: user $1 cannot run $2: $d (mode $(stat -c %a "$d")) is not searchable by other users; clone the repository where other users can read it (chmod o+rx $d)" >&2
+    exit 1
+}

@@ -42,6 +42,7 @@ expect 2 'same name' "$GPUHUB" names rename dots.ocr dots.ocr
 expect 2 '--since' "$GPUHUB" names callers svc-ocr --since 3w
 echo "== a non-admin cannot change names"
 lab_user
+unprivileged_exec_check "$LAB_USER" "$GPUHUB"
 expect 2 'needs an admin' runuser -u "$LAB_USER" -- "$GPUHUB" names retire svc-ocr --force
 after="$(changes)"
 [ "$before" = "$after" ] || lab_fail "the registry changed: $before history rows before, $after after"

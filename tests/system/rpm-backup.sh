@@ -78,6 +78,7 @@ n="$(find "$work/state/backups" -name 'gpuhub-*.db' | wc -l)"
 [ "$n" -eq 2 ] || fail "$n backups left after --keep 2, expected 2"
 
 user="$(unprivileged_user)"
+unprivileged_exec_check "$user" "$CLI"
 echo "+ a non-admin user ($user) is refused"
 chmod 755 "$work/run"
 if runuser -u "$user" -- env GPUHUB_SOCKET="$GPUHUB_SOCKET" "$CLI" backup > "$work/user.out" 2>&1; then
