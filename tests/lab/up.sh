@@ -267,10 +267,13 @@ fi
 # ---------------------------------------------------------------- agent
 if [ "$AGENT" = 1 ]; then
     # A running agent from an older build or config is replaced: the lab runs what was just built.
+    # So is one that another checkout started (its binary or config is not this one's).
     if agent_running; then
         apid="$(cat "$LAB_AGENT_PID")"
-        if readlink "/proc/$apid/exe" 2>/dev/null | grep -q '(deleted)' || [ "$LAB_AGENT_CONFIG" -nt "$LAB_AGENT_PID" ]; then
-            log "restarting gpuhub-agent (new binary or config)"
+        exe="$(readlink "/proc/$apid/exe" 2>/dev/null || true)"
+        if [ "$exe" != "$(readlink -f "$LAB_AGENT_BIN")" ] || [ "$LAB_AGENT_CONFIG" -nt "$LAB_AGENT_PID" ] ||
+            ! tr '\0' '\n' < "/proc/$apid/cmdline" | grep -qxF -- "$LAB_AGENT_CONFIG"; then
+            log "restarting gpuhub-agent (new binary or config: running ${exe:-?})"
             agent_stop
         fi
     fi

@@ -89,6 +89,8 @@ echo "   ok: job $old crashed, job $new serves"
 echo "== 5. kill -9 the agent -> adopted after restart"
 models_agent_kill9
 models_agent_start
+# The agent answers /healthz first and adopts its workers just after (state `starting`).
+models_wait_state mt-ocr ready 10
 [ "$(models_field mt-ocr worker_id)" = "$new" ] || models_fail "the restarted agent should adopt job $new, shows '$(models_field mt-ocr worker_id)'"
 models_call mt-ocr "after the agent restart"
 [ "$MC_STATUS" = 200 ] || models_fail "call after an agent restart: expected 200, got $MC_STATUS: $MC_BODY"
