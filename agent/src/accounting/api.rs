@@ -2,7 +2,9 @@
 //!
 //! - `GET /v1/usage/gpu?since=30d&by=user|account|gpu|partition` → `{since, by, shards_per_gpu,
 //!   rows: [{key, <by>, jobs, gpu_seconds, shard_seconds, gpu_equivalent_seconds}], total}`
-//! - `GET /v1/jobs/{job_id}` → the job's summary per node, with per-GPU NVML measurements.
+//! - `GET /v1/jobs/{job_id}` → the job's summary per node, with per-GPU NVML measurements, where
+//!   its allocation came from (`verified`: slurmctld, sacct, unverified, pending) and its
+//!   `anomalies` (`{kind, explain}`; a disagreement with Slurm adds `field, claimed, slurm, used, source`).
 //!
 //! A user sees their own jobs (the caller's uid from SO_PEERCRED); root and `admin.group` see all.
 
@@ -13,7 +15,9 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::Anomaly;
 use super::db::{self, JobGpuRow, JobRow};
+use super::reconcile;
 use super::usage::{self, UsageBy};
 use crate::AppState;
 use crate::control::Caller;
@@ -104,29 +108,48 @@ pub async fn job_json(pool: &sqlx::AnyPool, caller: &Caller, job_id: u32, spg: u
     if rows.is_empty() {
         return Ok(None);
     }
-    let nodes: Vec<Value> = rows
-        .iter()
-        .map(|(j, gpus)| {
-            let u = usage::aggregate(std::slice::from_ref(&(j.clone(), gpus.clone())), UsageBy::User, i64::MIN, now, spg);
-            let (g, s, e) = u.first().map_or((0.0, 0.0, 0.0), |r| (r.gpu_seconds, r.shard_seconds, r.gpu_equivalent_seconds));
-            let state = match (j.end_us, j.end_reason.as_deref()) {
-                (None, _) => "running",
-                (Some(_), Some("closed_after_reboot")) => "closed_after_reboot",
-                (Some(_), _) => "ended",
-            };
-            json!({
-                "node": j.node, "job_id": j.job_id, "user": j.user_name, "uid": j.uid, "account": j.account,
-                "partition": j.partition, "start_us": j.start_us.unwrap_or(j.first_seen_us), "end_us": j.end_us,
-                "state": state, "exit_code": j.exit_code, "shards": j.shards,
-                "anomalies": j.anomalies.split(',').filter(|a| !a.is_empty()).collect::<Vec<_>>(),
-                "seconds": usage::overlap_us(j, i64::MIN, now) as f64 / 1e6,
-                "gpu_seconds": g, "shard_seconds": s, "gpu_equivalent_seconds": e,
-                "gpus": gpus.iter().map(|g| json!({
-                    "index": g.gpu_index, "uuid": g.gpu_uuid, "mean_util": g.mean_util,
-                    "peak_vram_bytes": g.peak_vram_bytes, "energy_joules": g.energy_joules, "samples": g.samples,
-                })).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
+    let mut nodes: Vec<Value> = Vec::new();
+    for (j, gpus) in &rows {
+        let u = usage::aggregate(std::slice::from_ref(&(j.clone(), gpus.clone())), UsageBy::User, i64::MIN, now, spg);
+        let (g, s, e) = u.first().map_or((0.0, 0.0, 0.0), |r| (r.gpu_seconds, r.shard_seconds, r.gpu_equivalent_seconds));
+        let state = match (j.end_us, j.end_reason.as_deref()) {
+            (None, _) => "running",
+            (Some(_), Some("closed_after_reboot")) => "closed_after_reboot",
+            (Some(_), Some("closed_from_slurm")) => "closed_from_slurm",
+            (Some(_), Some("filled_from_slurm")) => "filled_from_slurm",
+            (Some(_), _) => "ended",
+        };
+        let (billed_gpus, _) = usage::billed(j, gpus);
+        let disagreements = reconcile::disagreements(pool, &j.node, j.job_id).await?;
+        // Each anomaly with what it means; a disagreement once per field, with both values.
+        let mut anomalies: Vec<Value> = Vec::new();
+        for kind in j.anomalies.split(',').filter(|a| !a.is_empty()) {
+            if kind == Anomaly::SlurmDisagrees.as_str() && !disagreements.is_empty() {
+                continue;
+            }
+            anomalies.push(json!({"kind": kind, "explain": Anomaly::parse(kind).map(Anomaly::explain)}));
+        }
+        for d in &disagreements {
+            anomalies.push(json!({
+                "kind": Anomaly::SlurmDisagrees.as_str(), "field": d.field, "claimed": d.claimed, "slurm": d.slurm,
+                "used": d.used, "source": d.source,
+                "explain": format!("the records claimed {} {}, Slurm ({}) says {}; billed {}", d.field, d.claimed, d.source, d.slurm, d.used),
+            }));
+        }
+        let verified = if j.verified.is_empty() { "pending" } else { j.verified.as_str() };
+        nodes.push(json!({
+            "node": j.node, "job_id": j.job_id, "user": j.user_name, "uid": j.uid, "account": j.account,
+            "partition": j.partition, "start_us": j.start_us.unwrap_or(j.first_seen_us), "end_us": j.end_us,
+            "state": state, "exit_code": j.exit_code, "shards": j.shards, "gpu_count": billed_gpus,
+            "verified": verified, "slurm_start_us": j.slurm_start_us, "slurm_end_us": j.slurm_end_us,
+            "anomalies": anomalies,
+            "seconds": usage::overlap_us(j, i64::MIN, now) as f64 / 1e6,
+            "gpu_seconds": g, "shard_seconds": s, "gpu_equivalent_seconds": e,
+            "gpus": gpus.iter().map(|g| json!({
+                "index": g.gpu_index, "uuid": g.gpu_uuid, "shards": g.shards, "mean_util": g.mean_util,
+                "peak_vram_bytes": g.peak_vram_bytes, "energy_joules": g.energy_joules, "samples": g.samples,
+            })).collect::<Vec<_>>(),
+        }));
+    }
     Ok(Some(json!({"job_id": job_id, "nodes": nodes})))
 }

@@ -65,6 +65,16 @@ pub fn usage_table(v: &Value, since: &str, by: UsageBy) -> String {
     out
 }
 
+/// Where a job's billed allocation came from, for people.
+fn allocation_source(v: &str) -> &'static str {
+    match v {
+        "slurmctld" => "as slurmctld allocated it (scontrol show job -d)",
+        "sacct" => "as Slurm's accounting recorded it (sacct AllocTRES: counts, no GPU indices)",
+        "unverified" => "from the plugin's records only: slurmctld and sacct did not know the job (unverified)",
+        _ => "from the plugin's records; not checked against Slurm yet",
+    }
+}
+
 /// `gpuhub job JOBID [--json]`.
 pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitCode> {
     let v = client::request(socket, "GET", &format!("/v1/jobs/{job_id}"), None).await?;
@@ -105,9 +115,23 @@ pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitC
             };
             output::line(&format!("  GPU {} {}: {measured}", g["index"], sanitize(g["uuid"].as_str().unwrap_or(""))));
         }
-        if let Some(a) = n["anomalies"].as_array().filter(|a| !a.is_empty()) {
-            let list: Vec<&str> = a.iter().filter_map(Value::as_str).collect();
-            output::line(&format!("  note: {} (see docs/accounting.md)", list.join(", ")));
+        output::line(&format!("  allocation: {}", allocation_source(n["verified"].as_str().unwrap_or("pending"))));
+        for a in n["anomalies"].as_array().into_iter().flatten() {
+            let kind = sanitize(a["kind"].as_str().unwrap_or("?"));
+            match a["field"].as_str() {
+                Some(field) => output::line(&format!(
+                    "  Slurm disagrees on {}: the records claimed {}, Slurm ({}) says {}; billed {}",
+                    sanitize(field),
+                    sanitize(a["claimed"].as_str().unwrap_or("?")),
+                    sanitize(a["source"].as_str().unwrap_or("?")),
+                    sanitize(a["slurm"].as_str().unwrap_or("?")),
+                    sanitize(a["used"].as_str().unwrap_or("?")),
+                )),
+                None => output::line(&format!(
+                    "  note: {kind}: {} (see docs/accounting.md)",
+                    sanitize(a["explain"].as_str().unwrap_or("see docs/accounting.md"))
+                )),
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -8,6 +8,7 @@ use gpuhub_wire::spool::{GpuRef, Record};
 use sqlx::{Any, AnyPool, Transaction};
 
 use super::Anomaly;
+use super::reconcile::{self, Disagreement};
 use crate::telemetry::JobGpuStats;
 
 /// One `acct_jobs` row.
@@ -27,6 +28,42 @@ pub struct JobRow {
     pub end_reason: Option<String>,
     pub shards: i64,
     pub anomalies: String,
+    /// `''`, `slurmctld`, `sacct` or `unverified` (migration 0006).
+    pub verified: String,
+    pub slurm_gpus: Option<i64>,
+    pub slurm_start_us: Option<i64>,
+    pub slurm_end_us: Option<i64>,
+}
+
+impl JobRow {
+    /// An empty row for a job first seen at `t`.
+    pub fn new(node: &str, job_id: i64, uid: i64, user: &str, t: i64) -> Self {
+        JobRow {
+            node: node.to_string(),
+            job_id,
+            uid,
+            user_name: user.to_string(),
+            account: None,
+            partition: None,
+            start_us: None,
+            end_us: None,
+            first_seen_us: t,
+            last_seen_us: t,
+            exit_code: None,
+            end_reason: None,
+            shards: 0,
+            anomalies: String::new(),
+            verified: String::new(),
+            slurm_gpus: None,
+            slurm_start_us: None,
+            slurm_end_us: None,
+        }
+    }
+
+    /// Slurm's allocation stands for this job (claims in later records are only compared).
+    pub fn is_verified(&self) -> bool {
+        self.verified == "slurmctld" || self.verified == "sacct"
+    }
 }
 
 /// One `acct_job_gpus` row.
@@ -40,10 +77,22 @@ pub struct JobGpuRow {
     pub peak_vram_bytes: Option<i64>,
     pub energy_joules: Option<f64>,
     pub samples: Option<i64>,
+    /// Shards held on this GPU (Slurm's, migration 0006); `None`: a whole GPU or unknown.
+    pub shards: Option<i64>,
 }
 
-const JOB_COLS: &str = "node, job_id, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, exit_code, end_reason, shards, anomalies";
-const GPU_COLS: &str = "node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples";
+pub(crate) const JOB_COLS: &str = "node, job_id, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, exit_code, end_reason, shards, anomalies, verified, slurm_gpus, slurm_start_us, slurm_end_us";
+pub(crate) const GPU_COLS: &str = "node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples, shards";
+
+/// What folding one record found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Folded {
+    pub anomalies: Vec<Anomaly>,
+    /// Claims of the record that a verified job's Slurm allocation contradicts (new ones).
+    pub disagreements: Vec<Disagreement>,
+    /// The job was not verified against Slurm yet.
+    pub unverified: bool,
+}
 
 /// Inserts the record and folds it into its job, in one transaction. Returns `None` when the
 /// record was already ingested (a file re-read after a crash): nothing else is touched.
@@ -53,7 +102,7 @@ pub async fn ingest_record(
     known_gpus: Option<&BTreeMap<u32, String>>,
     stats: &[JobGpuStats],
     now_us: i64,
-) -> Result<Option<Vec<Anomaly>>, sqlx::Error> {
+) -> Result<Option<Folded>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let job = rec.job();
     let inserted = sqlx::query(
@@ -73,9 +122,9 @@ pub async fn ingest_record(
         tx.rollback().await?;
         return Ok(None);
     }
-    let anomalies = fold(&mut tx, rec, known_gpus, stats).await?;
+    let folded = fold(&mut tx, rec, known_gpus, stats, now_us).await?;
     tx.commit().await?;
-    Ok(Some(anomalies))
+    Ok(Some(folded))
 }
 
 async fn fold(
@@ -83,7 +132,8 @@ async fn fold(
     rec: &Record,
     known_gpus: Option<&BTreeMap<u32, String>>,
     stats: &[JobGpuStats],
-) -> Result<Vec<Anomaly>, sqlx::Error> {
+    now_us: i64,
+) -> Result<Folded, sqlx::Error> {
     let id = rec.job();
     let t = rec.time_us();
     let existing: Option<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2"))
@@ -91,65 +141,80 @@ async fn fold(
         .bind(i64::from(id.job_id))
         .fetch_optional(&mut **tx)
         .await?;
-    let mut row = existing.unwrap_or_else(|| JobRow {
-        node: id.node.clone(),
-        job_id: i64::from(id.job_id),
-        uid: i64::from(id.uid),
-        user_name: id.user.clone(),
-        account: None,
-        partition: None,
-        start_us: None,
-        end_us: None,
-        first_seen_us: t,
-        last_seen_us: t,
-        exit_code: None,
-        end_reason: None,
-        shards: 0,
-        anomalies: String::new(),
-    });
-    if !id.user.is_empty() {
-        row.user_name = id.user.clone();
+    let mut row = existing.unwrap_or_else(|| JobRow::new(&id.node, i64::from(id.job_id), i64::from(id.uid), &id.user, t));
+    // A verified job keeps Slurm's values; the record's claims are only compared.
+    let verified = row.is_verified();
+    let mut disagreements = Vec::new();
+    if verified {
+        let slurm_gpus = reconcile::load_gpus(tx, &row.node, row.job_id).await?;
+        disagreements = reconcile::check_claims(&row, &slurm_gpus, rec);
+    } else {
         row.uid = i64::from(id.uid);
-    }
-    if id.account.is_some() {
-        row.account = id.account.clone();
-    }
-    if id.partition.is_some() {
-        row.partition = id.partition.clone();
+        if !id.user.is_empty() {
+            row.user_name = id.user.clone();
+        }
+        if id.account.as_ref().is_some_and(|a| !a.is_empty()) {
+            row.account = id.account.clone();
+        }
+        if id.partition.as_ref().is_some_and(|p| !p.is_empty()) {
+            row.partition = id.partition.clone();
+        }
     }
     row.first_seen_us = row.first_seen_us.min(t);
     row.last_seen_us = row.last_seen_us.max(t);
+    let (lo, hi) = (row.slurm_start_us, row.slurm_end_us);
 
     let mut anomalies = Vec::new();
     let mut gpus: &[GpuRef] = &[];
     match rec {
         Record::JobStart { gpus: g, .. } => {
-            row.start_us = Some(t);
+            let used = if verified { reconcile::bounded_time(t, lo, lo, hi) } else { t };
+            if used != t {
+                disagreements.push(Disagreement {
+                    field: "start",
+                    claimed: format!("{:.3}", t as f64 / 1e6),
+                    slurm: format!("{:.3}", used as f64 / 1e6),
+                    used: format!("{:.3}", used as f64 / 1e6),
+                });
+            }
+            row.start_us = Some(used);
             gpus = g;
             // The end was ingested first (records out of order): the start is here now.
             remove_anomaly(&mut row.anomalies, Anomaly::EndWithoutStart.as_str());
+            // A job filled in from Slurm whose start record turns up after all.
+            remove_anomaly(&mut row.anomalies, Anomaly::StartFromSlurm.as_str());
             if let Some(end) = row.end_us
-                && end < t
+                && end < used
             {
                 anomalies.push(Anomaly::ClockBackwards);
             }
         }
         Record::JobEnd { gpus: g, exit_code, .. } => {
-            row.end_us = Some(t);
+            let used = if verified { reconcile::bounded_time(t, hi, lo, hi) } else { t };
+            if used != t {
+                disagreements.push(Disagreement {
+                    field: "end",
+                    claimed: format!("{:.3}", t as f64 / 1e6),
+                    slurm: format!("{:.3}", used as f64 / 1e6),
+                    used: format!("{:.3}", used as f64 / 1e6),
+                });
+            }
+            row.end_us = Some(used);
             row.exit_code = exit_code.map(i64::from);
             row.end_reason = Some("ended".into());
-            // A job closed as lost in a reboot whose real end record turns up after all.
+            // A job closed as lost in a reboot, or from Slurm, whose real end record turns up after all.
             remove_anomaly(&mut row.anomalies, Anomaly::NeverEnded.as_str());
+            remove_anomaly(&mut row.anomalies, Anomaly::EndFromSlurm.as_str());
             gpus = g;
             match row.start_us {
-                Some(start) if t < start => anomalies.push(Anomaly::ClockBackwards),
+                Some(start) if used < start => anomalies.push(Anomaly::ClockBackwards),
                 Some(_) => {}
                 None => anomalies.push(Anomaly::EndWithoutStart),
             }
         }
         Record::StepStart { gpus: g, shards, .. } => {
             gpus = g;
-            if let Some(n) = shards {
+            if !verified && let Some(n) = shards {
                 row.shards = row.shards.max(i64::from(*n));
             }
         }
@@ -168,19 +233,29 @@ async fn fold(
             }
         }
     }
+    let source = row.verified.clone();
+    let disagreements = if disagreements.is_empty() {
+        disagreements
+    } else {
+        reconcile::store_disagreements(tx, &mut row, &source, disagreements, now_us).await?
+    };
     // Report each anomaly once per job (both records of a job may name the same unknown GPU).
     anomalies.retain(|a| add_anomaly(&mut row.anomalies, a.as_str()));
     upsert_job(tx, &row).await?;
     for g in gpus {
-        sqlx::query(
-            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid) VALUES ($1, $2, $3, $4) ON CONFLICT (node, job_id, gpu_index) DO UPDATE SET gpu_uuid = COALESCE(excluded.gpu_uuid, acct_job_gpus.gpu_uuid)",
-        )
-        .bind(&row.node)
-        .bind(row.job_id)
-        .bind(i64::from(g.index))
-        .bind(g.uuid.clone().or_else(|| known_gpus.and_then(|k| k.get(&g.index).cloned())))
-        .execute(&mut **tx)
-        .await?;
+        // A verified job's GPUs are Slurm's: a record only adds the UUID of one of them.
+        let sql = if verified {
+            "UPDATE acct_job_gpus SET gpu_uuid = COALESCE($4, gpu_uuid) WHERE node = $1 AND job_id = $2 AND gpu_index = $3"
+        } else {
+            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid) VALUES ($1, $2, $3, $4) ON CONFLICT (node, job_id, gpu_index) DO UPDATE SET gpu_uuid = COALESCE(excluded.gpu_uuid, acct_job_gpus.gpu_uuid)"
+        };
+        sqlx::query(sql)
+            .bind(&row.node)
+            .bind(row.job_id)
+            .bind(i64::from(g.index))
+            .bind(g.uuid.clone().or_else(|| known_gpus.and_then(|k| k.get(&g.index).cloned())))
+            .execute(&mut **tx)
+            .await?;
     }
     if matches!(rec, Record::JobEnd { .. }) {
         for s in stats {
@@ -198,15 +273,15 @@ async fn fold(
             .await?;
         }
     }
-    Ok(anomalies)
+    Ok(Folded { anomalies, disagreements, unverified: row.verified.is_empty() })
 }
 
-fn remove_anomaly(list: &mut String, a: &str) {
+pub(crate) fn remove_anomaly(list: &mut String, a: &str) {
     *list = list.split(',').filter(|x| !x.is_empty() && *x != a).collect::<Vec<_>>().join(",");
 }
 
 /// Adds `a` to the comma list; `false` when it was already there.
-fn add_anomaly(list: &mut String, a: &str) -> bool {
+pub(crate) fn add_anomaly(list: &mut String, a: &str) -> bool {
     if list.split(',').any(|x| x == a) {
         return false;
     }
@@ -217,13 +292,14 @@ fn add_anomaly(list: &mut String, a: &str) -> bool {
     true
 }
 
-async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<(), sqlx::Error> {
+pub(crate) async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<(), sqlx::Error> {
     sqlx::query(&format!(
-        "INSERT INTO acct_jobs ({JOB_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+        "INSERT INTO acct_jobs ({JOB_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
          ON CONFLICT (node, job_id) DO UPDATE SET uid = excluded.uid, user_name = excluded.user_name, account = excluded.account, \
          partition = excluded.partition, start_us = excluded.start_us, end_us = excluded.end_us, first_seen_us = excluded.first_seen_us, \
          last_seen_us = excluded.last_seen_us, exit_code = excluded.exit_code, end_reason = excluded.end_reason, shards = excluded.shards, \
-         anomalies = excluded.anomalies"
+         anomalies = excluded.anomalies, verified = excluded.verified, slurm_gpus = excluded.slurm_gpus, \
+         slurm_start_us = excluded.slurm_start_us, slurm_end_us = excluded.slurm_end_us"
     ))
     .bind(&row.node)
     .bind(row.job_id)
@@ -239,6 +315,10 @@ async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<
     .bind(&row.end_reason)
     .bind(row.shards)
     .bind(&row.anomalies)
+    .bind(&row.verified)
+    .bind(row.slurm_gpus)
+    .bind(row.slurm_start_us)
+    .bind(row.slurm_end_us)
     .execute(&mut **tx)
     .await?;
     Ok(())
@@ -328,6 +408,13 @@ pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuR
         out.push((j, gpus));
     }
     Ok(out)
+}
+
+/// The node (one of `nodes`) whose store already has `job_id`, if any.
+pub async fn node_of_job(pool: &AnyPool, job_id: u32, nodes: &[String]) -> Result<Option<String>, sqlx::Error> {
+    let rows: Vec<(String,)> =
+        sqlx::query_as("SELECT node FROM acct_jobs WHERE job_id = $1 ORDER BY node").bind(i64::from(job_id)).fetch_all(pool).await?;
+    Ok(rows.into_iter().map(|r| r.0).find(|n| nodes.contains(n)))
 }
 
 /// Number of ingested records (tests, `gpuhub doctor`).

@@ -1,7 +1,7 @@
 //! The spool ingest task (see the module docs of [`crate::accounting`] for the exactly-once
 //! argument). One task, one file at a time, in name order (names start with the record time).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +9,9 @@ use std::time::Duration;
 use gpuhub_wire::spool::{QUARANTINE_DIR, RECORDS_DIR, Record};
 use tokio_util::sync::CancellationToken;
 
-use super::{AccountingMetrics, GpuView, KindLabels, db};
+use super::reconcile::{self, Action, Inputs};
+use super::slurm::{SlurmSource, SlurmState};
+use super::{AccountingMetrics, Anomaly, FieldLabels, GpuView, KindLabels, db};
 use crate::store::Store;
 
 /// A record file larger than this is not a record (the plugin writes < 2 KiB).
@@ -19,6 +21,34 @@ const MAX_RECORD_BYTES: u64 = 1024 * 1024;
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(30);
 const SETTING_HEARTBEAT: &str = "accounting.heartbeat_us";
 const SETTING_NODES: &str = "accounting.local_nodes";
+/// Since when the agent watches Slurm for jobs it has no records of (set at the first start
+/// with Slurm reconciliation on): older jobs are not created from Slurm.
+const SETTING_WATCH_SINCE: &str = "accounting.slurm_watch_since_us";
+/// Unverified jobs that ended longer ago than this are not looked up any more.
+const VERIFY_WINDOW_US: i64 = 7 * 86_400 * 1_000_000;
+
+/// How the ingest talks to Slurm ([`super::reconcile`]).
+pub struct SlurmLink {
+    pub source: Arc<dyn SlurmSource>,
+    /// This node's Slurm name (`telemetry.slurm_node_name`).
+    pub node: String,
+    /// Reconciliation interval.
+    pub interval: Duration,
+}
+
+#[derive(Default)]
+struct SlurmMemo {
+    /// Job id -> the last look that listed it live here.
+    last_listed: BTreeMap<u32, i64>,
+    watch_since_us: i64,
+    /// sacct backfill since this (the heartbeat before a restart), once.
+    backfill_since_us: Option<i64>,
+    /// Jobs whose records this pass folded before they were verified.
+    touched: BTreeSet<u32>,
+    failed_at: Option<tokio::time::Instant>,
+    last_error: Option<String>,
+    last_reconcile: Option<tokio::time::Instant>,
+}
 
 /// What one pass did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -40,6 +70,8 @@ pub struct Ingestor {
     nodes: BTreeSet<String>,
     /// Files whose quarantine failed; logged once.
     stuck: HashSet<String>,
+    slurm: Option<SlurmLink>,
+    memo: SlurmMemo,
 }
 
 impl std::fmt::Debug for Ingestor {
@@ -50,7 +82,22 @@ impl std::fmt::Debug for Ingestor {
 
 impl Ingestor {
     pub fn new(store: Store, spool_dir: impl Into<PathBuf>, gpus: Arc<dyn GpuView>, metrics: AccountingMetrics) -> Self {
-        Self { store, spool_dir: spool_dir.into(), gpus, metrics, nodes: BTreeSet::new(), stuck: HashSet::new() }
+        Self {
+            store,
+            spool_dir: spool_dir.into(),
+            gpus,
+            metrics,
+            nodes: BTreeSet::new(),
+            stuck: HashSet::new(),
+            slurm: None,
+            memo: SlurmMemo::default(),
+        }
+    }
+
+    /// Verifies jobs against Slurm and reconciles with it ([`super::reconcile`]).
+    pub fn with_slurm(mut self, link: SlurmLink) -> Self {
+        self.slurm = Some(link);
+        self
     }
 
     /// Runs until `shutdown`: drain the spool, close jobs lost in a reboot, then a pass every
@@ -66,7 +113,10 @@ impl Ingestor {
         if let Ok(Some(nodes)) = self.store.get_setting(SETTING_NODES).await {
             self.nodes.extend(nodes.split(',').filter(|n| !n.is_empty()).map(str::to_string));
         }
-        self.pass().await;
+        if self.slurm.is_some() {
+            self.start_watching(heartbeat_before).await;
+        }
+        self.tick(true).await;
         match boot_time_us() {
             Some(boot) => self.close_after_reboot(boot, heartbeat_before).await,
             None => tracing::warn!("accounting: cannot read the boot time from /proc/stat; jobs lost in a reboot stay open"),
@@ -83,7 +133,12 @@ impl Ingestor {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(interval) => {}
             }
-            self.pass().await;
+            let due = match (&self.slurm, self.memo.last_reconcile) {
+                (Some(link), Some(t)) => t.elapsed() >= link.interval,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            self.tick(due).await;
         }
         tracing::info!("accounting: ingest stopped");
     }
@@ -102,6 +157,210 @@ impl Ingestor {
                 tracing::error!("accounting: closing jobs lost in a reboot failed: {e}; retried at the next start");
                 self.metrics.ingest_errors.inc();
             }
+        }
+    }
+
+    /// Reads (or sets, at the first start) since when Slurm is watched; after a restart, the
+    /// next look also asks sacct for jobs that ran here since the last heartbeat.
+    pub async fn start_watching(&mut self, heartbeat_before: Option<i64>) {
+        let now = crate::util::now_us();
+        let since = match self.store.get_setting(SETTING_WATCH_SINCE).await {
+            Ok(Some(v)) => v.parse::<i64>().ok(),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!("accounting: cannot read {SETTING_WATCH_SINCE}: {e}; watching Slurm from now");
+                Some(now)
+            }
+        };
+        let since = match since {
+            Some(s) => s,
+            None => {
+                if let Err(e) = self.store.set_setting(SETTING_WATCH_SINCE, &now.to_string()).await {
+                    tracing::warn!("accounting: cannot write {SETTING_WATCH_SINCE}: {e}");
+                }
+                now
+            }
+        };
+        self.memo.watch_since_us = since;
+        self.memo.backfill_since_us = heartbeat_before.map(|h| h.max(since)).filter(|h| *h < now);
+    }
+
+    /// This node's names: the configured Slurm name and those its records carry.
+    fn local_nodes(&self) -> BTreeSet<String> {
+        let mut n = self.nodes.clone();
+        if let Some(link) = &self.slurm
+            && !link.node.is_empty()
+        {
+            n.insert(link.node.clone());
+        }
+        n
+    }
+
+    async fn look(&mut self, want: Vec<u32>, since: Option<i64>) -> Option<SlurmState> {
+        let source = self.slurm.as_ref()?.source.clone();
+        let st = match tokio::task::spawn_blocking(move || source.query(&want, since)).await {
+            Ok(st) => st,
+            Err(e) => {
+                tracing::error!("accounting: the Slurm look failed: {e}");
+                return None;
+            }
+        };
+        if st.errors.is_empty() {
+            if self.memo.last_error.take().is_some() {
+                tracing::info!("accounting: Slurm answers again");
+            }
+        } else {
+            let msg = st.errors.join("; ");
+            if self.memo.last_error.as_deref() != Some(msg.as_str()) {
+                tracing::warn!("accounting: Slurm: {msg}");
+            }
+            self.memo.last_error = Some(msg);
+        }
+        if st.ctld_ok && st.acct_ok {
+            self.memo.failed_at = None;
+        } else {
+            self.metrics.slurm_errors.inc();
+            self.memo.failed_at = Some(tokio::time::Instant::now());
+        }
+        Some(st)
+    }
+
+    /// One ingest pass, with Slurm when linked: each new job is verified (one look per pass
+    /// for all of them), and on a reconciliation tick (`reconcile`) open jobs Slurm no longer
+    /// runs are closed and jobs it ran that the store lacks are created. The look is taken
+    /// before the pass (see [`super::reconcile`]).
+    pub async fn tick(&mut self, reconcile: bool) -> PassReport {
+        let Some(link) = &self.slurm else { return self.pass().await };
+        let default_node = link.node.clone();
+        let nodes = self.local_nodes();
+        let node_list: Vec<String> = nodes.iter().cloned().collect();
+        let pool = self.store.pool().clone();
+        let now = crate::util::now_us();
+        let mut before = None;
+        if reconcile {
+            self.memo.last_reconcile = Some(tokio::time::Instant::now());
+            let open = reconcile::open_jobs(&pool, &node_list).await;
+            let unverified = reconcile::unverified_jobs(&pool, &node_list, now - VERIFY_WINDOW_US).await;
+            match (open, unverified) {
+                (Ok(open), Ok(unverified)) => {
+                    let want: BTreeSet<u32> = open.iter().chain(unverified.iter()).filter_map(|j| u32::try_from(j.job_id).ok()).collect();
+                    let since = self.memo.backfill_since_us;
+                    if let Some(st) = self.look(want.into_iter().collect(), since).await {
+                        if st.acct_ok {
+                            self.memo.backfill_since_us = None;
+                        }
+                        before = Some((st, open));
+                    }
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::error!("accounting: cannot read open jobs for reconciliation: {e}; retried next interval");
+                    self.metrics.ingest_errors.inc();
+                }
+            }
+        }
+        let report = self.pass().await;
+        let touched = std::mem::take(&mut self.memo.touched);
+        let (st, open) = match before {
+            Some(b) => b,
+            None => {
+                let backoff = self.slurm.as_ref().map_or(Duration::ZERO, |l| l.interval);
+                if touched.is_empty() || self.memo.failed_at.is_some_and(|t| t.elapsed() < backoff) {
+                    return report;
+                }
+                match self.look(touched.iter().copied().collect(), None).await {
+                    Some(st) => (st, Vec::new()),
+                    None => return report,
+                }
+            }
+        };
+        let unverified: Vec<db::JobRow> = match reconcile::unverified_jobs(&pool, &node_list, now - VERIFY_WINDOW_US).await {
+            Ok(u) => u.into_iter().filter(|j| reconcile || u32::try_from(j.job_id).is_ok_and(|id| touched.contains(&id))).collect(),
+            Err(e) => {
+                tracing::error!("accounting: cannot read unverified jobs: {e}; retried next interval");
+                return report;
+            }
+        };
+        let candidates: BTreeSet<u32> = st.ctld.keys().chain(st.acct.keys()).copied().collect();
+        let known = if reconcile {
+            match reconcile::known_ids(&pool, &nodes, &candidates).await {
+                Ok(k) => k,
+                Err(e) => {
+                    tracing::error!("accounting: cannot read known jobs: {e}; retried next interval");
+                    return report;
+                }
+            }
+        } else {
+            BTreeSet::new()
+        };
+        let grace =
+            i64::try_from(self.slurm.as_ref().map_or(Duration::ZERO, |l| l.interval).as_micros()).unwrap_or(i64::MAX).max(5_000_000);
+        let actions = reconcile::plan(
+            &Inputs {
+                nodes: &nodes,
+                default_node: &default_node,
+                unverified: &unverified,
+                open: &open,
+                known: &known,
+                watch_since_us: self.memo.watch_since_us,
+                last_listed: &self.memo.last_listed,
+                reconcile,
+                grace_us: grace,
+            },
+            &st,
+        );
+        if st.ctld_ok {
+            for id in reconcile::listed_live(&st, &nodes) {
+                self.memo.last_listed.insert(id, st.taken_us);
+            }
+            self.memo.last_listed.retain(|_, t| *t > st.taken_us - 86_400 * 1_000_000);
+        }
+        for action in &actions {
+            match reconcile::apply(&pool, action, crate::util::now_us()).await {
+                Ok(applied) => self.report_applied(action, applied),
+                Err(e) => {
+                    tracing::error!("accounting: store error while reconciling with Slurm: {e}; retried next interval");
+                    self.metrics.ingest_errors.inc();
+                    break;
+                }
+            }
+        }
+        report
+    }
+
+    fn report_applied(&self, action: &Action, applied: reconcile::Applied) {
+        let (node, job, source) = match action {
+            Action::Verify { node, job_id, job, .. } => (node.as_str(), *job_id, job.source.as_str()),
+            Action::Unverified { node, job_id } => (node.as_str(), *job_id, "slurm"),
+            Action::Close { node, job_id, job, how, end_us } => {
+                if applied.anomalies.contains(&Anomaly::EndFromSlurm) {
+                    tracing::warn!(
+                        "accounting: job {job_id} on {node}: end record never arrived; closed from Slurm at {:.0} ({how})",
+                        *end_us as f64 / 1e6
+                    );
+                }
+                (node.as_str(), *job_id, job.as_ref().map_or("slurm", |(j, _)| j.source.as_str()))
+            }
+            Action::Create { node, job, .. } => (node.as_str(), job.job_id, job.source.as_str()),
+        };
+        for a in &applied.anomalies {
+            self.metrics.anomalies.get_or_create(&KindLabels { kind: a.as_str().into() }).inc();
+            if !matches!(action, Action::Close { .. }) {
+                tracing::warn!("accounting: job {job} on {node}: {}", a.explain());
+            }
+        }
+        self.report_disagreements(job, node, source, &applied.disagreements);
+    }
+
+    fn report_disagreements(&self, job: u32, node: &str, source: &str, list: &[reconcile::Disagreement]) {
+        for d in list {
+            self.metrics.disagreements.get_or_create(&FieldLabels { field: d.field.into() }).inc();
+            tracing::warn!(
+                "accounting: job {job} on {node}: its records claim {} {}, Slurm ({source}) says {}; billed {} (Slurm wins)",
+                d.field,
+                d.claimed,
+                d.slurm,
+                d.used
+            );
         }
     }
 
@@ -149,10 +408,25 @@ impl Ingestor {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Outcome::Gone),
             Err(e) => return Ok(self.quarantine(path, name, &format!("cannot read: {e}"))),
         };
-        let rec = match Record::parse(&bytes) {
+        let mut rec = match Record::parse(&bytes) {
             Ok(r) => r,
             Err(reason) => return Ok(self.quarantine(path, name, &reason)),
         };
+        // A record that does not know its node (a step record) is this node's: the node its
+        // job's other records name, else the configured Slurm node, else the only node seen.
+        let (Record::JobStart { job, .. } | Record::JobEnd { job, .. } | Record::StepStart { job, .. } | Record::StepEnd { job, .. }) =
+            &mut rec;
+        if job.node.is_empty() {
+            let nodes: Vec<String> = self.nodes.iter().cloned().collect();
+            let fallback = match &self.slurm {
+                Some(link) if !link.node.is_empty() => Some(link.node.clone()),
+                _ if nodes.len() == 1 => nodes.first().cloned(),
+                _ => None,
+            };
+            if let Some(n) = db::node_of_job(self.store.pool(), job.job_id, &nodes).await?.or(fallback) {
+                job.node = n;
+            }
+        }
         let stats = match &rec {
             Record::JobEnd { job, .. } => self.gpus.job_gpu_stats(job.job_id),
             _ => Vec::new(),
@@ -164,9 +438,14 @@ impl Ingestor {
                 tracing::debug!("accounting: {name} was already ingested (re-read after a restart); removing it");
                 Outcome::Duplicate
             }
-            Some(anomalies) => {
+            Some(folded) => {
                 self.metrics.ingested.get_or_create(&KindLabels { kind: rec.kind().into() }).inc();
-                for a in anomalies {
+                if folded.unverified {
+                    self.memo.touched.insert(rec.job().job_id);
+                }
+                let source = if folded.disagreements.is_empty() { "" } else { "stored allocation" };
+                self.report_disagreements(rec.job().job_id, &rec.job().node, source, &folded.disagreements);
+                for a in folded.anomalies {
                     self.metrics.anomalies.get_or_create(&KindLabels { kind: a.as_str().into() }).inc();
                     tracing::warn!("accounting: job {} on {} ({}): {}", rec.job().job_id, rec.job().node, rec.kind(), a.explain());
                 }

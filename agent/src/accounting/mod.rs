@@ -10,6 +10,10 @@
 //!   `<spool_dir>/quarantine/` with a `.reason` file beside it; nothing is deleted silently.
 //! - [`db`]: the SQL (both backends; tables in `migrations/*/0002_accounting.sql`).
 //! - [`usage`]: the arithmetic (pure, tested without a database).
+//! - [`slurm`]: what Slurm says about a job (`scontrol show job -d -o`, `sacct`): parsers and
+//!   the thin command layer.
+//! - [`reconcile`]: the records checked against Slurm (Slurm wins), jobs closed or filled in
+//!   from Slurm; a pure planner and the writes.
 //! - [`api`]: control-socket routes `GET /v1/usage/gpu` and `GET /v1/jobs/{id}`; users see
 //!   their own jobs (SO_PEERCRED uid), admins all.
 //! - [`cli`]: `gpuhub usage` and `gpuhub job` output.
@@ -25,6 +29,8 @@ pub mod api;
 pub mod cli;
 pub mod db;
 pub mod ingest;
+pub mod reconcile;
+pub mod slurm;
 pub mod usage;
 
 use std::collections::BTreeMap;
@@ -48,6 +54,14 @@ pub enum Anomaly {
     EndWithoutStart,
     UnknownGpu,
     NeverEnded,
+    /// A record claimed GPUs, shards, user, account, partition or times Slurm contradicts.
+    SlurmDisagrees,
+    /// The job's end record never arrived; closed from Slurm.
+    EndFromSlurm,
+    /// The job's start record never arrived; filled in from Slurm.
+    StartFromSlurm,
+    /// Neither slurmctld nor sacct knows the job; its records stand unverified.
+    Unverified,
 }
 
 impl Anomaly {
@@ -57,7 +71,26 @@ impl Anomaly {
             Anomaly::EndWithoutStart => "end_without_start",
             Anomaly::UnknownGpu => "unknown_gpu",
             Anomaly::NeverEnded => "never_ended",
+            Anomaly::SlurmDisagrees => "slurm_disagrees",
+            Anomaly::EndFromSlurm => "end_from_slurm",
+            Anomaly::StartFromSlurm => "start_from_slurm",
+            Anomaly::Unverified => "unverified",
         }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            Anomaly::ClockBackwards,
+            Anomaly::EndWithoutStart,
+            Anomaly::UnknownGpu,
+            Anomaly::NeverEnded,
+            Anomaly::SlurmDisagrees,
+            Anomaly::EndFromSlurm,
+            Anomaly::StartFromSlurm,
+            Anomaly::Unverified,
+        ]
+        .into_iter()
+        .find(|a| a.as_str() == s)
     }
 
     /// What the admin reads in the log.
@@ -69,6 +102,16 @@ impl Anomaly {
                 "it names a GPU index/UUID NVML does not report; accounted as Slurm allocated it (check gres.conf against nvidia-smi)"
             }
             Anomaly::NeverEnded => "no end record before the node rebooted; closed at the agent's last heartbeat (or the boot time)",
+            Anomaly::SlurmDisagrees => {
+                "its records claim values Slurm's allocation contradicts; billed as Slurm allocated it (see the disagreements)"
+            }
+            Anomaly::EndFromSlurm => "end record never arrived; closed from Slurm (check that the epilog can write the spool)",
+            Anomaly::StartFromSlurm => {
+                "start record never arrived; filled in from Slurm (the spool was unwritable or the plugstack pointed elsewhere)"
+            }
+            Anomaly::Unverified => {
+                "neither slurmctld nor sacct knows the job (MinJobAge passed and no slurmdbd?); billed from its records, unverified"
+            }
         }
     }
 }
@@ -100,6 +143,11 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FieldLabels {
+    pub field: String,
+}
+
 /// Accounting's series (register in the `gpuhub`-prefixed registry).
 #[derive(Clone, Debug, Default)]
 pub struct AccountingMetrics {
@@ -110,6 +158,8 @@ pub struct AccountingMetrics {
     pub ingest_errors: Counter,
     pub backlog: Gauge,
     pub last_pass: Gauge<f64, std::sync::atomic::AtomicU64>,
+    pub disagreements: Family<FieldLabels, Counter>,
+    pub slurm_errors: Counter,
 }
 
 impl AccountingMetrics {
@@ -127,6 +177,16 @@ impl AccountingMetrics {
             m.quarantined.clone(),
         );
         r.register("accounting_anomalies", "Jobs with inconsistent records, by kind (see docs/accounting.md)", m.anomalies.clone());
+        r.register(
+            "accounting_slurm_disagreements",
+            "Claims in usage records that Slurm's allocation contradicts, by field (billed as Slurm says; see gpuhub job)",
+            m.disagreements.clone(),
+        );
+        r.register(
+            "accounting_slurm_errors",
+            "Looks at Slurm (scontrol/sacct) for accounting that failed or timed out (retried next interval)",
+            m.slurm_errors.clone(),
+        );
         r.register("accounting_ingest_errors", "Ingest passes stopped by a store error (retried)", m.ingest_errors.clone());
         r.register("accounting_spool_backlog", "Record files waiting in the spool after the last pass", m.backlog.clone());
         r.register_with_unit(

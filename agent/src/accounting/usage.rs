@@ -7,6 +7,9 @@
 //! - otherwise: GPU-seconds = GPUs x time, each GPU its own time;
 //! - GPU-equivalent seconds = GPU-seconds + shard-seconds / shards-per-GPU.
 //!
+//! A job verified against Slurm (`slurm_gpus` set, [`super::reconcile`]) is billed Slurm's
+//! whole GPUs and shards instead, whatever its records claimed.
+//!
 //! Sums are kept in integer microseconds and converted once, so a table and its total agree.
 //! An end before the start (a clock that went backwards) counts zero.
 
@@ -75,6 +78,14 @@ pub fn overlap_us(job: &JobRow, since_us: i64, now_us: i64) -> i64 {
     (end - start.max(since_us)).max(0)
 }
 
+/// Whole GPUs and shards a job is billed for: Slurm's when verified, else its records'.
+pub fn billed(job: &JobRow, gpus: &[JobGpuRow]) -> (i64, i64) {
+    match job.slurm_gpus {
+        Some(g) => (g.max(0), job.shards.max(0)),
+        None => super::reconcile::claimed_billing(job, gpus),
+    }
+}
+
 /// Groups the jobs' usage by `by`; rows sorted by GPU-equivalent seconds, largest first.
 pub fn aggregate(jobs: &[(JobRow, Vec<JobGpuRow>)], by: UsageBy, since_us: i64, now_us: i64, shards_per_gpu: u32) -> Vec<UsageRow> {
     let mut sums: BTreeMap<String, Sum> = BTreeMap::new();
@@ -83,6 +94,42 @@ pub fn aggregate(jobs: &[(JobRow, Vec<JobGpuRow>)], by: UsageBy, since_us: i64, 
         let t = i128::from(overlap_us(job, since_us, now_us));
         let shard_job = job.shards > 0;
         match by {
+            UsageBy::Gpu if job.slurm_gpus.is_some() => {
+                let (whole, shards) = billed(job, gpus);
+                if gpus.iter().any(|g| g.shards.is_some()) {
+                    // Slurm's GPU indices, with the shards held on each.
+                    for g in gpus {
+                        let s = sums.entry(format!("gpu{}", g.gpu_index)).or_default();
+                        s.jobs += 1;
+                        match g.shards {
+                            Some(n) if n > 0 => s.shard_us += i128::from(n) * t,
+                            _ => s.gpu_us += t,
+                        }
+                    }
+                } else {
+                    // Counts without indices (sacct): shards on the first GPU the records name,
+                    // whole GPUs on the others; what no record names is `gpu?`.
+                    let mut rows = gpus.iter();
+                    if shards > 0 {
+                        let key = rows.next().map_or_else(|| "gpu?".to_string(), |g| format!("gpu{}", g.gpu_index));
+                        let s = sums.entry(key).or_default();
+                        s.jobs += 1;
+                        s.shard_us += i128::from(shards) * t;
+                    }
+                    let mut left = whole;
+                    for g in rows.take(usize::try_from(whole).unwrap_or(0)) {
+                        let s = sums.entry(format!("gpu{}", g.gpu_index)).or_default();
+                        s.jobs += 1;
+                        s.gpu_us += t;
+                        left -= 1;
+                    }
+                    if left > 0 {
+                        let s = sums.entry("gpu?".into()).or_default();
+                        s.jobs += 1;
+                        s.gpu_us += i128::from(left) * t;
+                    }
+                }
+            }
             UsageBy::Gpu => {
                 for (i, g) in gpus.iter().enumerate() {
                     let s = sums.entry(format!("gpu{}", g.gpu_index)).or_default();
@@ -112,13 +159,9 @@ pub fn aggregate(jobs: &[(JobRow, Vec<JobGpuRow>)], by: UsageBy, since_us: i64, 
                 };
                 let s = sums.entry(key).or_default();
                 s.jobs += 1;
-                if shard_job {
-                    if !gpus.is_empty() {
-                        s.shard_us += i128::from(job.shards) * t;
-                    }
-                } else {
-                    s.gpu_us += gpus.len() as i128 * t;
-                }
+                let (whole, shards) = billed(job, gpus);
+                s.gpu_us += i128::from(whole) * t;
+                s.shard_us += i128::from(shards) * t;
             }
         }
     }
@@ -158,6 +201,10 @@ mod tests {
             end_reason: None,
             shards,
             anomalies: String::new(),
+            verified: String::new(),
+            slurm_gpus: None,
+            slurm_start_us: None,
+            slurm_end_us: None,
         }
     }
 
@@ -172,6 +219,7 @@ mod tests {
                 peak_vram_bytes: None,
                 energy_joules: None,
                 samples: None,
+                shards: None,
             })
             .collect()
     }
@@ -207,6 +255,33 @@ mod tests {
         let rows = aggregate(&jobs, UsageBy::Account, 5 * s, 20 * s, 14);
         assert_eq!(rows[0].gpu_seconds, 5.0 + 12.0, "job 1 clipped to 5 s, job 2 running 12 s, job 3 zero");
         assert_eq!(rows[0].jobs, 3);
+    }
+
+    #[test]
+    fn verified_jobs_bill_slurms_allocation() {
+        let s = 1_000_000;
+        // The records claim 1 shard on a gpu:2 job (SLURM_SHARDS_ON_NODE pre-set); Slurm: 2 GPUs.
+        let mut j = job(1, "a", Some(0), Some(3 * s), 1);
+        let claimed = vec![(j.clone(), gpus(1, &[0, 1]))];
+        let rows = aggregate(&claimed, UsageBy::User, 0, 10 * s, 14);
+        assert_eq!((rows[0].gpu_seconds, rows[0].shard_seconds), (0.0, 3.0), "unverified: the claim");
+        j.slurm_gpus = Some(2);
+        j.shards = 0;
+        let verified = vec![(j.clone(), gpus(1, &[0]))];
+        let rows = aggregate(&verified, UsageBy::User, 0, 10 * s, 14);
+        assert_eq!((rows[0].gpu_seconds, rows[0].shard_seconds), (6.0, 0.0), "verified: Slurm's 2 GPUs");
+        let by_gpu = aggregate(&verified, UsageBy::Gpu, 0, 10 * s, 14);
+        let total: f64 = by_gpu.iter().map(|r| r.gpu_seconds).sum();
+        assert_eq!(total, 6.0, "sacct counts without indices: the unnamed GPU is gpu? ({by_gpu:?})");
+        // With indices and shards per GPU.
+        j.slurm_gpus = Some(0);
+        j.shards = 7;
+        let mut g = gpus(1, &[1]);
+        g[0].shards = Some(7);
+        let rows = aggregate(&[(j.clone(), g.clone())], UsageBy::Gpu, 0, 10 * s, 14);
+        assert_eq!((rows[0].key.as_str(), rows[0].shard_seconds), ("gpu1", 21.0));
+        let rows = aggregate(&[(j, Vec::new())], UsageBy::Account, 0, 10 * s, 14);
+        assert_eq!(rows[0].shard_seconds, 21.0, "a verified shard job without GPU rows still bills its shards");
     }
 
     #[test]

@@ -170,6 +170,11 @@ pub enum CommandError {
 
 /// Runs `bin args..` with a hard timeout; returns stdout.
 pub fn run_command(bin: &std::path::Path, args: &[&str], timeout: Duration) -> Result<String, CommandError> {
+    run_command_env(bin, args, &[], timeout)
+}
+
+/// [`run_command`] with extra environment variables (e.g. `SLURM_TIME_FORMAT=%s`).
+pub fn run_command_env(bin: &std::path::Path, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Result<String, CommandError> {
     let cmd = bin.display().to_string();
     // Own process group, so a timeout kills the command's children too (a wrapper script's
     // `sleep` would otherwise hold the pipes open).
@@ -177,6 +182,7 @@ pub fn run_command(bin: &std::path::Path, args: &[&str], timeout: Duration) -> R
         .process_group(0)
         .args(args)
         .env("LC_ALL", "C")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -1,0 +1,566 @@
+//! The agent's records reconciled with Slurm's, and Slurm wins.
+//!
+//! The plugin's step records carry what a job's environment says (GPUs, shards, account,
+//! partition), which the user can pre-set; only the job id, the uid and the prolog/epilog's
+//! JobStart/JobEnd times are trusted. So:
+//!
+//! 1. **Verification.** A job first seen in the spool is looked up in slurmctld (one
+//!    `scontrol show job -d -o` per ingest pass, [`super::slurm`]), else in sacct (counts, no
+//!    GPU indices), and its allocation on this node becomes what is billed: GPU indices and
+//!    shards per GPU, user and uid, account, partition, Slurm's start/end. Each claim that
+//!    differs is a [`Disagreement`] (stored, shown by `gpuhub job`, counted in
+//!    `gpuhub_accounting_slurm_disagreements_total{field}`). A job neither knows stays on its
+//!    records, marked `unverified`.
+//! 2. **Reconciliation** ([`plan`], every `accounting.reconcile_interval_ms`, default
+//!    `telemetry.slurm_interval_ms`): a job open in the store that slurmctld no longer lists as
+//!    running on this node is closed (end from slurmctld's or sacct's EndTime, else the last
+//!    snapshot that listed it); a job Slurm lists on this node since the agent started watching
+//!    that the store lacks is created from Slurm. Slurm is looked at *before* the spool pass
+//!    of the same tick, so a job missing from the look had finished its epilog (and written its
+//!    end record) before the pass read the spool.
+//! 3. **Late records** fold into the same row (idempotent); their times are used only within
+//!    Slurm's `[start, end]` (± [`TIME_TOLERANCE_US`]), else Slurm's.
+//!
+//! [`plan`] is pure (a [`SlurmState`] in, actions out); the `apply_*` functions write them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuhub_wire::spool::Record;
+use sqlx::{Any, AnyPool, Transaction};
+
+use super::Anomaly;
+use super::db::{self, GPU_COLS, JOB_COLS, JobGpuRow, JobRow};
+use super::slurm::{Alloc, SlurmJob, SlurmState, expand_hostlist, is_finished, is_live};
+
+/// Slurm keeps whole seconds and the prolog/epilog run just after its start/end: a record's
+/// time within this of Slurm's bounds is the record's.
+pub const TIME_TOLERANCE_US: i64 = 2_000_000;
+
+/// A claim in the records that Slurm's allocation contradicts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disagreement {
+    /// `uid`, `user`, `account`, `partition`, `gpus`, `gpu_indices`, `shards`, `node`, `start`, `end`.
+    pub field: &'static str,
+    pub claimed: String,
+    pub slurm: String,
+    /// The value billed (Slurm's).
+    pub used: String,
+}
+
+fn dis(field: &'static str, claimed: impl ToString, slurm: impl ToString) -> Disagreement {
+    let slurm = slurm.to_string();
+    Disagreement { field, claimed: claimed.to_string(), used: slurm.clone(), slurm }
+}
+
+fn opt(s: &Option<String>) -> String {
+    s.clone().unwrap_or_else(|| "(none)".into())
+}
+
+fn set_str(s: &BTreeSet<u32>) -> String {
+    if s.is_empty() {
+        return "(none)".into();
+    }
+    s.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Whole GPUs and shards as the records alone would bill them (no Slurm): a job with a shard
+/// count holds shards on its GPU, else its GPUs.
+pub fn claimed_billing(row: &JobRow, gpus: &[JobGpuRow]) -> (i64, i64) {
+    if row.shards > 0 { (0, if gpus.is_empty() { 0 } else { row.shards }) } else { (gpus.len() as i64, 0) }
+}
+
+/// The time a record's start/end is billed at on a verified job.
+pub fn bounded_time(t: i64, slurm_own: Option<i64>, lo: Option<i64>, hi: Option<i64>) -> i64 {
+    let within = lo.is_none_or(|l| t >= l - TIME_TOLERANCE_US) && hi.is_none_or(|h| t <= h + TIME_TOLERANCE_US);
+    if within { t } else { slurm_own.unwrap_or(t) }
+}
+
+fn fmt_us(t: i64) -> String {
+    format!("{:.3}", t as f64 / 1e6)
+}
+
+/// Applies Slurm's view of a job to its row and GPU rows; returns what the records claimed
+/// differently. `alloc` is what the job holds on this node.
+pub fn verify(row: &mut JobRow, gpus: &mut Vec<JobGpuRow>, sj: &SlurmJob, alloc: &Alloc) -> Vec<Disagreement> {
+    let mut d = Vec::new();
+    if let Some(uid) = sj.uid
+        && i64::from(uid) != row.uid
+    {
+        d.push(dis("uid", row.uid, uid));
+        row.uid = i64::from(uid);
+    }
+    if !sj.user.is_empty() {
+        if !row.user_name.is_empty() && row.user_name != sj.user {
+            d.push(dis("user", &row.user_name, &sj.user));
+        }
+        row.user_name = sj.user.clone();
+    }
+    let claimed = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+    if let Some(c) = claimed(&row.account)
+        && Some(&c) != sj.account.as_ref()
+    {
+        d.push(dis("account", c, opt(&sj.account)));
+    }
+    row.account = sj.account.clone();
+    if let Some(c) = claimed(&row.partition)
+        && Some(&c) != sj.partition.as_ref()
+    {
+        d.push(dis("partition", c, opt(&sj.partition)));
+    }
+    row.partition = sj.partition.clone();
+
+    let has_claims = !gpus.is_empty() || row.shards > 0;
+    let (cg, cs) = claimed_billing(row, gpus);
+    if has_claims && row.verified.is_empty() {
+        if cg != i64::from(alloc.gpus) {
+            d.push(dis("gpus", cg, alloc.gpus));
+        }
+        if cs != i64::from(alloc.shards) {
+            d.push(dis("shards", cs, alloc.shards));
+        }
+    }
+    if let Some(na) = &alloc.indices {
+        let slurm_set: BTreeSet<u32> = na.gpus.iter().copied().chain(na.shards.keys().copied()).collect();
+        let claimed_set: BTreeSet<u32> = gpus.iter().filter_map(|g| u32::try_from(g.gpu_index).ok()).collect();
+        if !claimed_set.is_empty() && claimed_set != slurm_set {
+            d.push(dis("gpu_indices", set_str(&claimed_set), set_str(&slurm_set)));
+        }
+        let old: BTreeMap<i64, JobGpuRow> = gpus.drain(..).map(|g| (g.gpu_index, g)).collect();
+        for i in slurm_set {
+            let idx = i64::from(i);
+            let mut g = old.get(&idx).cloned().unwrap_or(JobGpuRow {
+                node: row.node.clone(),
+                job_id: row.job_id,
+                gpu_index: idx,
+                gpu_uuid: None,
+                mean_util: None,
+                peak_vram_bytes: None,
+                energy_joules: None,
+                samples: None,
+                shards: None,
+            });
+            g.shards = Some(i64::from(na.shards.get(&i).copied().unwrap_or(0)));
+            gpus.push(g);
+        }
+    }
+    row.slurm_gpus = Some(i64::from(alloc.gpus));
+    row.shards = i64::from(alloc.shards);
+    row.verified = sj.source.as_str().to_string();
+    row.slurm_start_us = sj.start_us;
+    row.slurm_end_us = if is_finished(&sj.state) { sj.end_us } else { None };
+    let (lo, hi) = (row.slurm_start_us, row.slurm_end_us);
+    match row.start_us {
+        Some(s) => {
+            let u = bounded_time(s, lo, lo, hi);
+            if u != s {
+                d.push(Disagreement { field: "start", claimed: fmt_us(s), slurm: opt(&lo.map(fmt_us)), used: fmt_us(u) });
+                row.start_us = Some(u);
+            }
+        }
+        None => row.start_us = lo,
+    }
+    if let Some(e) = row.end_us {
+        let u = bounded_time(e, hi, lo, hi);
+        if u != e {
+            d.push(Disagreement { field: "end", claimed: fmt_us(e), slurm: opt(&hi.map(fmt_us)), used: fmt_us(u) });
+            row.end_us = Some(u);
+        }
+    }
+    d
+}
+
+/// Compares a new record's claims with a verified job (nothing of the record is applied but
+/// its times, which the caller bounds).
+pub fn check_claims(row: &JobRow, gpus: &[JobGpuRow], rec: &Record) -> Vec<Disagreement> {
+    let mut d = Vec::new();
+    let id = rec.job();
+    if i64::from(id.uid) != row.uid {
+        d.push(dis("uid", id.uid, row.uid));
+    }
+    if !id.user.is_empty() && id.user != row.user_name {
+        d.push(dis("user", &id.user, &row.user_name));
+    }
+    if let Some(a) = id.account.as_ref().filter(|a| !a.is_empty())
+        && Some(a) != row.account.as_ref()
+    {
+        d.push(dis("account", a, opt(&row.account)));
+    }
+    if let Some(p) = id.partition.as_ref().filter(|p| !p.is_empty())
+        && Some(p) != row.partition.as_ref()
+    {
+        d.push(dis("partition", p, opt(&row.partition)));
+    }
+    let indexed = !gpus.is_empty() && gpus.iter().all(|g| g.shards.is_some());
+    let slurm_set: BTreeSet<u32> = gpus.iter().filter_map(|g| u32::try_from(g.gpu_index).ok()).collect();
+    let slurm_gpus = row.slurm_gpus.unwrap_or(0);
+    let (claim, is_job_record) = match rec {
+        Record::JobStart { gpus, .. } | Record::JobEnd { gpus, .. } => (gpus.as_slice(), true),
+        Record::StepStart { gpus, .. } => (gpus.as_slice(), false),
+        Record::StepEnd { .. } => (&[][..], false),
+    };
+    let claim_set: BTreeSet<u32> = claim.iter().map(|g| g.index).collect();
+    if indexed {
+        let bad = if is_job_record { !claim_set.is_empty() && claim_set != slurm_set } else { !claim_set.is_subset(&slurm_set) };
+        if bad {
+            d.push(dis("gpu_indices", set_str(&claim_set), set_str(&slurm_set)));
+        }
+    } else if row.shards == 0 {
+        let n = claim_set.len() as i64;
+        if (is_job_record && !claim_set.is_empty() && n != slurm_gpus) || (!is_job_record && n > slurm_gpus) {
+            d.push(dis("gpus", n, slurm_gpus));
+        }
+    }
+    if let Record::StepStart { shards: Some(n), .. } = rec
+        && i64::from(*n) != row.shards
+    {
+        d.push(dis("shards", n, row.shards));
+    }
+    d
+}
+
+/// What to do after a look at Slurm.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Apply Slurm's allocation to a job not verified yet.
+    Verify { node: String, job_id: u32, job: SlurmJob, alloc: Alloc },
+    /// Neither slurmctld nor sacct knows the job: its records stand.
+    Unverified { node: String, job_id: u32 },
+    /// An open job Slurm no longer runs here: close it at `end_us`.
+    Close { node: String, job_id: u32, end_us: i64, how: String, job: Option<(SlurmJob, Alloc)> },
+    /// A job Slurm ran here that the store lacks.
+    Create { node: String, job: SlurmJob, alloc: Alloc },
+}
+
+/// What [`plan`] looks at besides Slurm.
+#[derive(Debug, Clone)]
+pub struct Inputs<'a> {
+    /// This node's names (configured, and those its records carry).
+    pub nodes: &'a BTreeSet<String>,
+    /// The node column of jobs created from Slurm, unless the job ran on another of `nodes`
+    /// (the name this node's records carry).
+    pub default_node: &'a str,
+    /// Jobs not verified yet (`verified = ''`).
+    pub unverified: &'a [JobRow],
+    /// Jobs of this node with no end.
+    pub open: &'a [JobRow],
+    /// Job ids the store has for this node (among Slurm's candidates).
+    pub known: &'a BTreeSet<u32>,
+    /// Jobs that started before this are not created from Slurm (the agent was not watching).
+    pub watch_since_us: i64,
+    /// Job id -> the last look that listed it live on this node.
+    pub last_listed: &'a BTreeMap<u32, i64>,
+    /// Close and create (a reconciliation tick), or verify only (an ingest pass).
+    pub reconcile: bool,
+    /// A job must have started this long before the look to be closed or created (its records
+    /// may still be on the way).
+    pub grace_us: i64,
+}
+
+/// Decides, from one look at Slurm, what to change in the store. Pure.
+pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
+    let mut out = Vec::new();
+    let nodes_of = |row: &JobRow| {
+        let mut n = inp.nodes.clone();
+        n.insert(row.node.clone());
+        n
+    };
+    let mut handled = BTreeSet::new();
+    if inp.reconcile && st.ctld_ok {
+        for row in inp.open {
+            let Ok(id) = u32::try_from(row.job_id) else { continue };
+            let start = row.start_us.unwrap_or(row.first_seen_us);
+            if start >= st.taken_us - inp.grace_us {
+                continue;
+            }
+            let nodes = nodes_of(row);
+            let ctld = st.ctld.get(&id);
+            if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) {
+                continue;
+            }
+            let (end, how) = if let Some(e) = ctld.filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
+                (e, "slurmctld's EndTime")
+            } else if let Some(e) = st.acct.get(&id).filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
+                (e, "sacct's End")
+            } else if let Some(t) = inp.last_listed.get(&id) {
+                (*t, "the last Slurm snapshot that listed it")
+            } else {
+                (st.taken_us, "the first Slurm snapshot without it (the agent never saw it running)")
+            };
+            let job = st.job(id).and_then(|j| j.alloc_on(&nodes).map(|a| (j.clone(), a)));
+            handled.insert(id);
+            out.push(Action::Close { node: row.node.clone(), job_id: id, end_us: end.max(start), how: how.into(), job });
+        }
+    }
+    for row in inp.unverified {
+        let Ok(id) = u32::try_from(row.job_id) else { continue };
+        if handled.contains(&id) {
+            continue;
+        }
+        match st.job(id) {
+            Some(j) if j.node_list.is_empty() => {}
+            Some(j) => {
+                let alloc = j.alloc_on(&nodes_of(row)).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
+                out.push(Action::Verify { node: row.node.clone(), job_id: id, job: j.clone(), alloc });
+            }
+            None if st.ctld_ok && st.acct_ok => out.push(Action::Unverified { node: row.node.clone(), job_id: id }),
+            None => {}
+        }
+    }
+    if inp.reconcile && st.ctld_ok {
+        let mut seen = BTreeSet::new();
+        for j in st.ctld.values().chain(st.acct.values()) {
+            if !seen.insert(j.job_id) || inp.known.contains(&j.job_id) || !(is_live(&j.state) || is_finished(&j.state)) {
+                continue;
+            }
+            let Some(start) = j.start_us else { continue };
+            if start < inp.watch_since_us || start >= st.taken_us - inp.grace_us {
+                continue;
+            }
+            if let Some(alloc) = j.alloc_on(inp.nodes) {
+                // Under the name its records would carry (the spool's), so a late record
+                // folds into this row.
+                let ran_on: BTreeSet<String> =
+                    j.per_node.keys().chain(std::iter::once(&j.node_list)).flat_map(|l| expand_hostlist(l)).collect();
+                let node = inp
+                    .nodes
+                    .iter()
+                    .filter(|n| ran_on.contains(*n))
+                    .find(|n| n.as_str() != inp.default_node)
+                    .map_or(inp.default_node, String::as_str);
+                out.push(Action::Create { node: node.to_string(), job: j.clone(), alloc });
+            }
+        }
+    }
+    out
+}
+
+/// Job ids slurmctld lists live on `nodes` (for `last_listed`).
+pub fn listed_live(st: &SlurmState, nodes: &BTreeSet<String>) -> Vec<u32> {
+    st.ctld.values().filter(|j| is_live(&j.state) && j.on_any(nodes)).map(|j| j.job_id).collect()
+}
+
+/// What applying an action changed, for the log and the metrics.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub anomalies: Vec<Anomaly>,
+    /// Disagreements stored for the first time (per job and field).
+    pub disagreements: Vec<Disagreement>,
+}
+
+async fn load(tx: &mut Transaction<'static, Any>, node: &str, job_id: i64) -> Result<Option<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
+    let row: Option<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2"))
+        .bind(node)
+        .bind(job_id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let Some(row) = row else { return Ok(None) };
+    let gpus = load_gpus(tx, node, job_id).await?;
+    Ok(Some((row, gpus)))
+}
+
+pub(crate) async fn load_gpus(tx: &mut Transaction<'static, Any>, node: &str, job_id: i64) -> Result<Vec<JobGpuRow>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 ORDER BY gpu_index"))
+        .bind(node)
+        .bind(job_id)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+async fn replace_gpus(tx: &mut Transaction<'static, Any>, row: &JobRow, gpus: &[JobGpuRow]) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM acct_job_gpus WHERE node = $1 AND job_id = $2").bind(&row.node).bind(row.job_id).execute(&mut **tx).await?;
+    for g in gpus {
+        sqlx::query(
+            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples, shards) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(&row.node)
+        .bind(row.job_id)
+        .bind(g.gpu_index)
+        .bind(&g.gpu_uuid)
+        .bind(g.mean_util)
+        .bind(g.peak_vram_bytes)
+        .bind(g.energy_joules)
+        .bind(g.samples)
+        .bind(g.shards)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Stores disagreements (the first per job and field); returns those that were new and marks
+/// the row `slurm_disagrees`.
+pub(crate) async fn store_disagreements(
+    tx: &mut Transaction<'static, Any>,
+    row: &mut JobRow,
+    source: &str,
+    list: Vec<Disagreement>,
+    now_us: i64,
+) -> Result<Vec<Disagreement>, sqlx::Error> {
+    let mut new = Vec::new();
+    for d in list {
+        let n = sqlx::query(
+            "INSERT INTO acct_disagreements (node, job_id, field, claimed, slurm, used, source, detected_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+             ON CONFLICT (node, job_id, field) DO NOTHING",
+        )
+        .bind(&row.node)
+        .bind(row.job_id)
+        .bind(d.field)
+        .bind(&d.claimed)
+        .bind(&d.slurm)
+        .bind(&d.used)
+        .bind(source)
+        .bind(now_us)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if n > 0 {
+            new.push(d);
+        }
+    }
+    if !new.is_empty() {
+        db::add_anomaly(&mut row.anomalies, Anomaly::SlurmDisagrees.as_str());
+    }
+    Ok(new)
+}
+
+/// One stored disagreement.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct DisagreementRow {
+    pub field: String,
+    pub claimed: String,
+    pub slurm: String,
+    pub used: String,
+    pub source: String,
+}
+
+/// A job's disagreements on a node.
+pub async fn disagreements(pool: &AnyPool, node: &str, job_id: i64) -> Result<Vec<DisagreementRow>, sqlx::Error> {
+    sqlx::query_as("SELECT field, claimed, slurm, used, source FROM acct_disagreements WHERE node = $1 AND job_id = $2 ORDER BY field")
+        .bind(node)
+        .bind(job_id)
+        .fetch_all(pool)
+        .await
+}
+
+/// Writes one action. A job that changed in between (verified, closed, created by a record)
+/// is left as it is.
+pub async fn apply(pool: &AnyPool, action: &Action, now_us: i64) -> Result<Applied, sqlx::Error> {
+    let mut out = Applied::default();
+    let mut tx = pool.begin().await?;
+    match action {
+        Action::Verify { node, job_id, job, alloc } => {
+            let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
+            if row.is_verified() {
+                return Ok(out);
+            }
+            let d = verify(&mut row, &mut gpus, job, alloc);
+            out.disagreements = store_disagreements(&mut tx, &mut row, job.source.as_str(), d, now_us).await?;
+            remove_unverified(&mut row);
+            db::upsert_job(&mut tx, &row).await?;
+            replace_gpus(&mut tx, &row, &gpus).await?;
+        }
+        Action::Unverified { node, job_id } => {
+            let Some((mut row, _)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
+            if !row.verified.is_empty() {
+                return Ok(out);
+            }
+            row.verified = "unverified".into();
+            if db::add_anomaly(&mut row.anomalies, Anomaly::Unverified.as_str()) {
+                out.anomalies.push(Anomaly::Unverified);
+            }
+            db::upsert_job(&mut tx, &row).await?;
+        }
+        Action::Close { node, job_id, end_us, how, job } => {
+            let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
+            if row.end_us.is_some() {
+                return Ok(out);
+            }
+            if let Some((sj, alloc)) = job
+                && !row.is_verified()
+            {
+                let d = verify(&mut row, &mut gpus, sj, alloc);
+                out.disagreements = store_disagreements(&mut tx, &mut row, sj.source.as_str(), d, now_us).await?;
+                remove_unverified(&mut row);
+                replace_gpus(&mut tx, &row, &gpus).await?;
+            }
+            row.end_us = Some((*end_us).max(row.start_us.unwrap_or(row.first_seen_us)));
+            if row.slurm_end_us.is_none() && how != "the first Slurm snapshot without it (the agent never saw it running)" {
+                row.slurm_end_us = Some(*end_us);
+            }
+            row.end_reason = Some("closed_from_slurm".into());
+            if db::add_anomaly(&mut row.anomalies, Anomaly::EndFromSlurm.as_str()) {
+                out.anomalies.push(Anomaly::EndFromSlurm);
+            }
+            db::upsert_job(&mut tx, &row).await?;
+        }
+        Action::Create { node, job, alloc } => {
+            if load(&mut tx, node, i64::from(job.job_id)).await?.is_some() {
+                return Ok(out);
+            }
+            let start = job.start_us.unwrap_or(now_us);
+            let mut row = JobRow::new(node, i64::from(job.job_id), i64::from(job.uid.unwrap_or(u32::MAX)), &job.user, start);
+            let mut gpus = Vec::new();
+            verify(&mut row, &mut gpus, job, alloc);
+            row.start_us = job.start_us;
+            out.anomalies.push(Anomaly::StartFromSlurm);
+            db::add_anomaly(&mut row.anomalies, Anomaly::StartFromSlurm.as_str());
+            if is_finished(&job.state) {
+                row.end_us = job.end_us.or(Some(now_us));
+                row.last_seen_us = row.end_us.unwrap_or(start);
+                row.end_reason = Some("filled_from_slurm".into());
+                db::add_anomaly(&mut row.anomalies, Anomaly::EndFromSlurm.as_str());
+                out.anomalies.push(Anomaly::EndFromSlurm);
+            }
+            db::upsert_job(&mut tx, &row).await?;
+            replace_gpus(&mut tx, &row, &gpus).await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(out)
+}
+
+fn remove_unverified(row: &mut JobRow) {
+    db::remove_anomaly(&mut row.anomalies, Anomaly::Unverified.as_str());
+}
+
+/// Jobs of `nodes` not verified yet, ended after `since_us` or open.
+pub async fn unverified_jobs(pool: &AnyPool, nodes: &[String], since_us: i64) -> Result<Vec<JobRow>, sqlx::Error> {
+    let mut out = Vec::new();
+    for node in nodes {
+        let rows: Vec<JobRow> = sqlx::query_as(&format!(
+            "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND verified = '' AND (end_us IS NULL OR end_us >= $2) ORDER BY job_id"
+        ))
+        .bind(node)
+        .bind(since_us)
+        .fetch_all(pool)
+        .await?;
+        out.extend(rows);
+    }
+    Ok(out)
+}
+
+/// Jobs of `nodes` with no end.
+pub async fn open_jobs(pool: &AnyPool, nodes: &[String]) -> Result<Vec<JobRow>, sqlx::Error> {
+    let mut out = Vec::new();
+    for node in nodes {
+        let rows: Vec<JobRow> =
+            sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NULL ORDER BY job_id"))
+                .bind(node)
+                .fetch_all(pool)
+                .await?;
+        out.extend(rows);
+    }
+    Ok(out)
+}
+
+/// Which of `ids` the store has on one of `nodes`.
+pub async fn known_ids(pool: &AnyPool, nodes: &BTreeSet<String>, ids: &BTreeSet<u32>) -> Result<BTreeSet<u32>, sqlx::Error> {
+    let (Some(lo), Some(hi)) = (ids.first(), ids.last()) else { return Ok(BTreeSet::new()) };
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT node, job_id FROM acct_jobs WHERE job_id >= $1 AND job_id <= $2")
+        .bind(i64::from(*lo))
+        .bind(i64::from(*hi))
+        .fetch_all(pool)
+        .await?;
+    Ok(rows.into_iter().filter(|(n, _)| nodes.contains(n)).filter_map(|(_, j)| u32::try_from(j).ok()).filter(|j| ids.contains(j)).collect())
+}

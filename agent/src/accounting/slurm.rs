@@ -1,0 +1,626 @@
+//! What Slurm itself says about a job: the allocation the agent bills (see
+//! [`crate::accounting::reconcile`]), read from slurmctld and slurmdbd, never from a job's
+//! environment.
+//!
+//! - `scontrol show job -d -o` (all jobs slurmctld knows, one line each; running jobs carry one
+//!   `Nodes=... GRES=gpu:h200:2(IDX:0-1)` section per node group, shard jobs
+//!   `GRES=shard:h200:7(IDX:0)` on 22.05 or `shard:h200:7(7/14,0/14)` on later releases;
+//!   finished jobs still listed (`MinJobAge`) keep only the job-wide `TRES=...,gres/gpu=2`).
+//! - `sacct -n -P -X -o JobID,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID`
+//!   for jobs slurmctld no longer knows: counts, no GPU indices.
+//!
+//! Both run with `SLURM_TIME_FORMAT=%s` (times as Unix seconds), `LC_ALL=C` and the telemetry
+//! timeout (`telemetry.slurm_timeout_ms`), off the async runtime. One `scontrol` per call for
+//! all jobs, and `sacct` only for the ids scontrol lacks, in chunks: a burst of 1,000 records
+//! costs one or two commands, not 1,000.
+//!
+//! Free text a user controls (the job name, `--comment`, the command) is printed by `scontrol`
+//! unquoted in the same line; a line in which a field the agent reads occurs twice, or a
+//! per-node section lies outside its place, is refused as ambiguous and the job is looked up
+//! in `sacct` (whose `-P` fields here are all Slurm's own) instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::telemetry::slurm::run_command_env;
+
+/// Where an allocation came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Slurmctld,
+    Sacct,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Slurmctld => "slurmctld",
+            Source::Sacct => "sacct",
+        }
+    }
+}
+
+/// GPUs of a job on one node, with indices (`scontrol -d` of a running job).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeAlloc {
+    /// Whole GPUs (node-global indices).
+    pub gpus: BTreeSet<u32>,
+    /// GPU index -> shards the job holds on it.
+    pub shards: BTreeMap<u32, u32>,
+}
+
+/// One job as Slurm knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmJob {
+    pub job_id: u32,
+    pub source: Source,
+    /// `RUNNING`, `COMPLETING`, `COMPLETED`, `CANCELLED` (first word of sacct's `CANCELLED by 0`), ...
+    pub state: String,
+    pub user: String,
+    pub uid: Option<u32>,
+    pub account: Option<String>,
+    pub partition: Option<String>,
+    pub node_list: String,
+    pub start_us: Option<i64>,
+    pub end_us: Option<i64>,
+    /// Job-wide totals (`TRES` / `AllocTRES`).
+    pub gpus: u32,
+    pub shards: u32,
+    /// Per-node allocation with indices (running jobs in `scontrol -d` only).
+    pub per_node: BTreeMap<String, NodeAlloc>,
+}
+
+/// What a job holds on one node, as billed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alloc {
+    pub gpus: u32,
+    pub shards: u32,
+    /// With GPU indices when slurmctld gave them.
+    pub indices: Option<NodeAlloc>,
+}
+
+/// States in which a job holds its allocation (it started and has not ended).
+pub fn is_live(state: &str) -> bool {
+    matches!(state, "RUNNING" | "COMPLETING" | "SUSPENDED" | "CONFIGURING" | "STOPPED" | "RESIZING" | "SIGNALING" | "STAGE_OUT")
+}
+
+/// States after a job's end.
+pub fn is_finished(state: &str) -> bool {
+    matches!(
+        state,
+        "COMPLETED"
+            | "CANCELLED"
+            | "FAILED"
+            | "TIMEOUT"
+            | "NODE_FAIL"
+            | "PREEMPTED"
+            | "BOOT_FAIL"
+            | "DEADLINE"
+            | "OUT_OF_MEMORY"
+            | "REVOKED"
+            | "SPECIAL_EXIT"
+    )
+}
+
+impl SlurmJob {
+    /// True when the job ran (or runs) on one of `nodes`.
+    pub fn on_any(&self, nodes: &BTreeSet<String>) -> bool {
+        self.per_node.keys().chain(std::iter::once(&self.node_list)).any(|l| expand_hostlist(l).iter().any(|n| nodes.contains(n)))
+    }
+
+    /// The allocation on one of `nodes`, or `None` when the job did not run there.
+    pub fn alloc_on(&self, nodes: &BTreeSet<String>) -> Option<Alloc> {
+        for (group, na) in &self.per_node {
+            if expand_hostlist(group).iter().any(|n| nodes.contains(n)) {
+                let shards = na.shards.values().sum();
+                return Some(Alloc { gpus: u32::try_from(na.gpus.len()).unwrap_or(u32::MAX), shards, indices: Some(na.clone()) });
+            }
+        }
+        let all = expand_hostlist(&self.node_list);
+        if !all.iter().any(|n| nodes.contains(n)) {
+            return None;
+        }
+        // Job-wide totals: per node on a homogeneous multi-node job.
+        let n = u32::try_from(all.len().max(1)).unwrap_or(1);
+        Some(Alloc { gpus: self.gpus / n, shards: self.shards / n, indices: None })
+    }
+}
+
+/// Expands a Slurm host list: `gpu01`, `gpu[01-03,05]`, `a1,b[1-2]`. At most 4096 names.
+pub fn expand_hostlist(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut depth = 0;
+    let mut start = 0;
+    let mut items = Vec::new();
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&s[start..]);
+    for item in items.into_iter().map(str::trim).filter(|i| !i.is_empty()) {
+        let (Some(open), Some(close)) = (item.find('['), item.rfind(']')) else {
+            out.push(item.to_string());
+            continue;
+        };
+        if close < open {
+            continue;
+        }
+        let (prefix, suffix) = (&item[..open], &item[close + 1..]);
+        for range in item[open + 1..close].split(',') {
+            let (a, b) = range.split_once('-').unwrap_or((range, range));
+            let width = a.len();
+            if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
+                for n in a..=b.min(a.saturating_add(4096)) {
+                    out.push(format!("{prefix}{n:0width$}{suffix}"));
+                    if out.len() >= 4096 {
+                        return out;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Splits on commas outside parentheses.
+fn split_top(s: &str) -> Vec<&str> {
+    let mut depth = 0i32;
+    let mut start = 0;
+    let mut items = Vec::new();
+    for (i, c) in s.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&s[start..]);
+    items.into_iter().map(str::trim).filter(|i| !i.is_empty()).collect()
+}
+
+/// Parses one node's `GRES=` of `scontrol show job -d`: `gpu:h200:2(IDX:0-1)`,
+/// `shard:h200:2(IDX:0)` (22.05), `shard:h200:7(7/14,0/14)` (per GPU: held/configured), or
+/// several of them comma-separated. `None` when a GPU count has no indices.
+pub fn parse_node_gres(s: &str) -> Option<NodeAlloc> {
+    let mut na = NodeAlloc::default();
+    for item in split_top(s) {
+        let (head, inner) = match item.split_once('(') {
+            Some((h, rest)) => (h, rest.trim_end_matches(')')),
+            None => (item, ""),
+        };
+        let mut parts = head.split(':');
+        let name = parts.next().unwrap_or("");
+        let rest: Vec<&str> = parts.collect();
+        let count = match rest.last() {
+            Some(last) => last.parse::<u32>().unwrap_or(if rest.len() == 1 { 1 } else { 0 }),
+            None => 1,
+        };
+        if count == 0 || (name != "gpu" && name != "shard") {
+            continue;
+        }
+        let idx = inner.strip_prefix("IDX:").map(gpuhub_wire::spool::parse_index_list);
+        match (name, idx) {
+            ("gpu", Some(idx)) if !idx.is_empty() => na.gpus.extend(idx),
+            ("gpu", _) => return None,
+            ("shard", Some(idx)) if !idx.is_empty() => {
+                // 22.05 names the GPU(s), not the split: all on the first (shards of one job
+                // sit on one GPU unless MULTIPLE_SHARING_GRES_PJ).
+                *na.shards.entry(idx[0]).or_default() += count;
+            }
+            _ if inner.contains('/') => {
+                for (i, per) in inner.split(',').enumerate() {
+                    let held = per.split('/').next().and_then(|h| h.trim().parse::<u32>().ok()).unwrap_or(0);
+                    if held > 0 {
+                        *na.shards.entry(u32::try_from(i).unwrap_or(u32::MAX)).or_default() += held;
+                    }
+                }
+            }
+            _ => return None,
+        }
+    }
+    Some(na)
+}
+
+/// GPU and shard totals of a TRES list: `cpu=1,mem=500M,node=1,billing=1,gres/gpu=2`
+/// (`gres/gpu:h200=2` counts when the untyped total is missing).
+pub fn parse_tres(s: &str) -> (u32, u32) {
+    let (mut g, mut s_, mut gt, mut st) = (None, None, 0u32, 0u32);
+    for kv in s.split(',') {
+        let Some((k, v)) = kv.split_once('=') else { continue };
+        let Ok(n) = v.trim().parse::<u32>() else { continue };
+        match k.trim() {
+            "gres/gpu" => g = Some(n),
+            "gres/shard" => s_ = Some(n),
+            k if k.starts_with("gres/gpu:") => gt = gt.saturating_add(n),
+            k if k.starts_with("gres/shard:") => st = st.saturating_add(n),
+            _ => {}
+        }
+    }
+    (g.unwrap_or(gt), s_.unwrap_or(st))
+}
+
+fn time_s(v: &str) -> Option<i64> {
+    v.trim().parse::<i64>().ok().filter(|t| *t > 0).map(|t| t * 1_000_000)
+}
+
+fn null(v: &str) -> Option<String> {
+    match v.trim() {
+        "" | "(null)" | "N/A" | "None" => None,
+        v => Some(v.to_string()),
+    }
+}
+
+/// A line of Slurm output that was not used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{command}: line {line}: {problem}")]
+pub struct LineError {
+    pub command: &'static str,
+    pub line: usize,
+    pub problem: String,
+}
+
+/// Parses `scontrol show job -d -o` (run with `SLURM_TIME_FORMAT=%s`). A job id printed on two
+/// lines (a job name with a newline) is dropped on both.
+pub fn parse_scontrol(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
+    let mut jobs = BTreeMap::new();
+    let mut errors = Vec::new();
+    let mut dup = BTreeSet::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line == "No jobs in the system" {
+            continue;
+        }
+        match parse_scontrol_line(line) {
+            Ok(j) => {
+                if jobs.contains_key(&j.job_id) {
+                    dup.insert(j.job_id);
+                }
+                jobs.insert(j.job_id, j);
+            }
+            Err(problem) => errors.push(LineError { command: "scontrol", line: i + 1, problem }),
+        }
+    }
+    for id in dup {
+        jobs.remove(&id);
+        errors.push(LineError {
+            command: "scontrol",
+            line: 0,
+            problem: format!("job {id} is printed twice (a job name with a newline?); looked up in sacct"),
+        });
+    }
+    (jobs, errors)
+}
+
+/// Fields read from a line; each must occur once, before the per-node sections' end.
+const ONCE: &[&str] = &["JobId", "UserId", "Account", "JobState", "StartTime", "EndTime", "Partition", "NodeList", "TRES", "MinCPUsNode"];
+
+fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
+    // key=value tokens; a token without `=` continues the previous value (a name with spaces).
+    let mut fields: Vec<(&str, String)> = Vec::new();
+    for tok in line.split_ascii_whitespace() {
+        match tok.split_once('=') {
+            Some((k, v)) if !k.is_empty() => fields.push((k, v.to_string())),
+            _ => {
+                if let Some(last) = fields.last_mut() {
+                    last.1.push(' ');
+                    last.1.push_str(tok);
+                }
+            }
+        }
+    }
+    if fields.first().map(|f| f.0) != Some("JobId") {
+        return Err("does not start with JobId=".into());
+    }
+    let pos = |k: &str| fields.iter().position(|f| f.0 == k);
+    for k in ONCE {
+        let n = fields.iter().filter(|f| f.0 == *k).count();
+        if n != 1 {
+            return Err(format!("{k}= occurs {n} times (free text that imitates scontrol's fields?); looked up in sacct"));
+        }
+    }
+    let get = |k: &str| pos(k).map(|p| fields[p].1.as_str()).unwrap_or("");
+    let (tres_at, min_at) = (pos("TRES").unwrap_or(0), pos("MinCPUsNode").unwrap_or(0));
+    let job_id: u32 = get("JobId").trim().parse().map_err(|_| format!("JobId={} is not a number", get("JobId")))?;
+    let (user, uid) = match get("UserId").split_once('(') {
+        Some((name, rest)) => (name.to_string(), rest.trim_end_matches(')').parse::<u32>().ok()),
+        None => (get("UserId").to_string(), None),
+    };
+    let (gpus, shards) = parse_tres(get("TRES"));
+    let mut per_node = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for (i, (k, v)) in fields.iter().enumerate() {
+        match *k {
+            "Nodes" | "GRES" if i < tres_at || i > min_at => {
+                return Err(format!("{k}= outside the per-node sections (free text that imitates scontrol's fields?); looked up in sacct"));
+            }
+            "Nodes" => current = Some(v.clone()),
+            "GRES" => {
+                let Some(node) = current.take() else {
+                    return Err("GRES= without Nodes=".into());
+                };
+                // A finished job's sections have an empty GRES=: no indices, totals stand.
+                if v.trim().is_empty() {
+                    continue;
+                }
+                match parse_node_gres(v) {
+                    Some(na) => {
+                        per_node.insert(node, na);
+                    }
+                    None => return Err(format!("GRES={v} for {node}: GPUs without indices")),
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(SlurmJob {
+        job_id,
+        source: Source::Slurmctld,
+        state: get("JobState").trim().to_string(),
+        user,
+        uid,
+        account: null(get("Account")),
+        partition: null(get("Partition")),
+        node_list: null(get("NodeList")).unwrap_or_default(),
+        start_us: time_s(get("StartTime")),
+        end_us: time_s(get("EndTime")),
+        gpus,
+        shards,
+        per_node,
+    })
+}
+
+/// `sacct` fields, in this order.
+pub const SACCT_FIELDS: &str = "JobID,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID";
+
+/// Parses `sacct -n -P -X -o SACCT_FIELDS` (with `SLURM_TIME_FORMAT=%s`); array and
+/// heterogeneous job lines (`12_3`, `12+0`) are skipped.
+pub fn parse_sacct(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
+    let mut jobs = BTreeMap::new();
+    let mut errors = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split('|').collect();
+        if f.len() != 10 {
+            errors.push(LineError { command: "sacct", line: i + 1, problem: format!("expected 10 |-separated fields, got {}", f.len()) });
+            continue;
+        }
+        let Ok(job_id) = f[0].trim().parse::<u32>() else { continue };
+        let (gpus, shards) = parse_tres(f[1]);
+        jobs.insert(
+            job_id,
+            SlurmJob {
+                job_id,
+                source: Source::Sacct,
+                state: f[7].split_whitespace().next().unwrap_or("").to_string(),
+                user: f[8].trim().to_string(),
+                uid: f[9].trim().parse().ok(),
+                account: null(f[2]),
+                partition: null(f[3]),
+                node_list: null(f[4]).filter(|n| n != "None assigned").unwrap_or_default(),
+                start_us: time_s(f[5]),
+                end_us: time_s(f[6]),
+                gpus,
+                shards,
+                per_node: BTreeMap::new(),
+            },
+        );
+    }
+    (jobs, errors)
+}
+
+/// One look at Slurm.
+#[derive(Debug, Clone, Default)]
+pub struct SlurmState {
+    /// When the look started (Unix microseconds).
+    pub taken_us: i64,
+    /// slurmctld answered (then a job missing from `ctld` is not running).
+    pub ctld_ok: bool,
+    /// Every job slurmctld listed.
+    pub ctld: BTreeMap<u32, SlurmJob>,
+    /// sacct answered for the ids asked.
+    pub acct_ok: bool,
+    /// Jobs sacct listed (asked by id, or ran on this node since a time).
+    pub acct: BTreeMap<u32, SlurmJob>,
+    /// What failed, for the log.
+    pub errors: Vec<String>,
+}
+
+impl SlurmState {
+    /// The best record of a job: slurmctld's, else sacct's.
+    pub fn job(&self, id: u32) -> Option<&SlurmJob> {
+        self.ctld.get(&id).or_else(|| self.acct.get(&id))
+    }
+}
+
+/// Asks Slurm. [`CommandSlurm`] in the agent, a fixed state in tests. Blocking.
+pub trait SlurmSource: Send + Sync {
+    /// slurmctld's jobs, and sacct's for the ids of `want` slurmctld does not list; with
+    /// `since_us`, also every job sacct saw on `node` since then.
+    fn query(&self, want: &[u32], since_us: Option<i64>) -> SlurmState;
+}
+
+/// The commands.
+#[derive(Debug, Clone)]
+pub struct CommandSlurm {
+    pub scontrol: PathBuf,
+    pub sacct: PathBuf,
+    pub timeout: Duration,
+    /// The Slurm node name (`telemetry.slurm_node_name`), for `sacct -N`.
+    pub node: String,
+}
+
+const SACCT_CHUNK: usize = 500;
+
+impl CommandSlurm {
+    fn sacct(&self, args: &[&str], st: &mut SlurmState) {
+        let mut all = vec!["-n", "-P", "-X", "-o", SACCT_FIELDS];
+        all.extend_from_slice(args);
+        match run_command_env(&self.sacct, &all, &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
+            Ok(out) => {
+                let (jobs, errs) = parse_sacct(&out);
+                st.errors.extend(errs.iter().map(ToString::to_string));
+                for (id, j) in jobs {
+                    st.acct.entry(id).or_insert(j);
+                }
+            }
+            Err(e) => {
+                st.acct_ok = false;
+                st.errors.push(format!("{e} (accounting falls back to the plugin's records for jobs slurmctld no longer lists)"));
+            }
+        }
+    }
+}
+
+impl SlurmSource for CommandSlurm {
+    fn query(&self, want: &[u32], since_us: Option<i64>) -> SlurmState {
+        let mut st = SlurmState { taken_us: crate::util::now_us(), acct_ok: true, ..SlurmState::default() };
+        match run_command_env(&self.scontrol, &["show", "job", "-d", "-o"], &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
+            Ok(out) => {
+                let (jobs, errs) = parse_scontrol(&out);
+                st.ctld_ok = true;
+                st.ctld = jobs;
+                st.errors.extend(errs.iter().map(ToString::to_string));
+            }
+            // `scontrol show job` with no jobs at all exits 0; a failure is slurmctld down.
+            Err(e) => st.errors.push(format!("{e} (check that slurmctld answers `scontrol ping`)")),
+        }
+        let missing: Vec<String> = want.iter().filter(|id| !st.ctld.contains_key(id)).map(u32::to_string).collect();
+        for chunk in missing.chunks(SACCT_CHUNK) {
+            let ids = chunk.join(",");
+            self.sacct(&["-j", &ids], &mut st);
+        }
+        if let Some(since) = since_us {
+            let ago = format!("now-{}", ((st.taken_us - since) / 1_000_000).max(1) + 60);
+            let node = self.node.clone();
+            self.sacct(&["-a", "-N", &node, "-S", &ago, "-E", "now", "-s", "R,CD,CA,F,TO,NF,PR,OOM,DL,BF,CG,RQ,S"], &mut st);
+        }
+        st
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    // Captured on the lab (Slurm 22.05, `SLURM_TIME_FORMAT=%s scontrol show job -d -o`); long
+    // tails cut after MinMemoryCPU where they do not matter.
+    const RUNNING_SHARD: &str = "JobId=22 JobName=gpuhub-worker-mt-chat UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901738 Nice=0 Account=root QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:03 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=1796120479 EligibleTime=1796120479 AccrueTime=1796120479 StartTime=1796120479 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796120479 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:1132 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=500M,node=1,billing=1,gres/shard=2 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=shard:h200:2   Nodes=gpu01 CPU_IDs=15 Mem=500 GRES=shard:h200:2(IDX:0) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=/var/tmp/gpuhub-models-test.JM5wGz/workers/mt-chat.sbatch WorkDir=/work/main Comment=gpuhub-worker:/var/tmp/gpuhub-models-test.JM5wGz/workers  StdErr=/var/tmp/x.log StdIn=/dev/null StdOut=/var/tmp/x.log Power= TresPerNode=gres:shard:2 ";
+    const DONE_GPU2: &str = "JobId=15 JobName=acct-gpu2 UserId=gpuhublab(1001) GroupId=gpuhublab(1001) MCS_label=N/A Priority=4294901745 Nice=0 Account=(null) QOS=normal JobState=COMPLETED Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:02 TimeLimit=00:02:00 TimeMin=N/A SubmitTime=1796120410 EligibleTime=1796120410 AccrueTime=1796120410 StartTime=1796120410 EndTime=1796120412 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796120410 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:1132 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=500M,node=1,billing=1,gres/gpu=2 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:h200:2   Nodes=gpu01 CPU_IDs=0 Mem=500 GRES= MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sh WorkDir=/tmp Power= TresPerNode=gres:gpu:2 ";
+
+    const RUNNING_GPU2: &str = "JobId=77 JobName=acct-gpu2 UserId=gpuhublab(1001) GroupId=gpuhublab(1001) MCS_label=N/A Priority=4294901683 Nice=0 Account=(null) QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:00 TimeLimit=00:02:00 TimeMin=N/A SubmitTime=1796121759 EligibleTime=1796121759 AccrueTime=1796121759 StartTime=1796121759 EndTime=1796121879 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796121759 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:1132 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=500M,node=1,billing=1,gres/gpu=2 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:h200:2   Nodes=gpu01 CPU_IDs=0 Mem=500 GRES=gpu:h200:2(IDX:0-1) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sh WorkDir=/tmp Power= TresPerNode=gres:gpu:2";
+
+    fn nodes(n: &[&str]) -> BTreeSet<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn scontrol_running_shard_job_and_finished_gpu_job() {
+        let (jobs, errs) = parse_scontrol(&format!("{RUNNING_SHARD}\n{DONE_GPU2}\n"));
+        assert!(errs.is_empty(), "{errs:?}");
+        let j = &jobs[&22];
+        assert_eq!((j.user.as_str(), j.uid, j.account.as_deref(), j.partition.as_deref()), ("root", Some(0), Some("root"), Some("gpu")));
+        assert_eq!((j.state.as_str(), j.start_us, j.end_us), ("RUNNING", Some(1_796_120_479_000_000), None));
+        assert_eq!((j.gpus, j.shards), (0, 2));
+        let a = j.alloc_on(&nodes(&["gpu01"])).unwrap();
+        assert_eq!((a.gpus, a.shards), (0, 2));
+        assert_eq!(a.indices.unwrap().shards, BTreeMap::from([(0, 2)]));
+        assert!(j.alloc_on(&nodes(&["gpu02"])).is_none());
+        let d = &jobs[&15];
+        assert_eq!((d.user.as_str(), d.uid, d.account.clone()), ("gpuhublab", Some(1001), None), "Account=(null) is no account");
+        assert_eq!((d.end_us, d.gpus, d.state.as_str()), (Some(1_796_120_412_000_000), 2, "COMPLETED"));
+        let a = d.alloc_on(&nodes(&["gpu01"])).unwrap();
+        assert_eq!((a.gpus, a.shards, a.indices), (2, 0, None), "a finished job keeps counts, not indices");
+    }
+
+    #[test]
+    fn per_node_gres_forms() {
+        let na = parse_node_gres("gpu:h200:2(IDX:0-1)").unwrap();
+        assert_eq!(na.gpus, BTreeSet::from([0, 1]));
+        let na = parse_node_gres("shard:h200:7(7/14,0/14)").unwrap();
+        assert_eq!(na.shards, BTreeMap::from([(0, 7)]));
+        let na = parse_node_gres("shard:h200:7(0/14,7/14)").unwrap();
+        assert_eq!(na.shards, BTreeMap::from([(1, 7)]));
+        let na = parse_node_gres("gpu:1(IDX:1),shard:h200:3(IDX:0)").unwrap();
+        assert_eq!((na.gpus.clone(), na.shards.clone()), (BTreeSet::from([1]), BTreeMap::from([(0, 3)])));
+        assert_eq!(parse_node_gres("gpu:h200:0(IDX:N/A)").unwrap(), NodeAlloc::default());
+        assert!(parse_node_gres("gpu:h200:2").is_none(), "GPUs without indices are not an allocation with indices");
+        assert_eq!(parse_tres("cpu=1,mem=500M,node=1,billing=1,gres/gpu=2"), (2, 0));
+        assert_eq!(parse_tres("billing=1,cpu=1,gres/gpu:h200=1,gres/shard=7"), (1, 7));
+        assert_eq!(parse_tres(""), (0, 0));
+    }
+
+    #[test]
+    fn running_gpu_job_with_indices() {
+        // Captured on the lab: `srun --gres=gpu:2` while it ran.
+        let (jobs, errs) = parse_scontrol(RUNNING_GPU2);
+        assert!(errs.is_empty(), "{errs:?}");
+        let j = jobs.values().next().unwrap();
+        assert_eq!((j.state.as_str(), j.user.as_str(), j.uid, j.gpus), ("RUNNING", "gpuhublab", Some(1001), 2));
+        assert!(j.end_us.is_some(), "a running job's EndTime is its time limit, not an end");
+        let a = j.alloc_on(&nodes(&["gpu01"])).unwrap();
+        assert_eq!(a.indices.unwrap().gpus, BTreeSet::from([0, 1]));
+    }
+
+    #[test]
+    fn imitated_fields_make_the_line_ambiguous() {
+        // A job name that imitates a per-node section or the owner.
+        for fake in ["x Nodes=gpu01 CPU_IDs=0 Mem=1 GRES=gpu:h200:0(IDX:N/A)", "x UserId=bob(1002)"] {
+            let line = DONE_GPU2.replace("JobName=acct-gpu2", &format!("JobName={fake}"));
+            let (jobs, errs) = parse_scontrol(&line);
+            assert!(jobs.is_empty(), "{fake}: {jobs:?}");
+            assert!(errs[0].problem.contains("sacct"), "{errs:?}");
+        }
+        let line = RUNNING_SHARD.replace("Comment=gpuhub-worker", "Comment=a Nodes=gpu01 GRES=gpu:h200:2(IDX:0-1)");
+        assert!(parse_scontrol(&line).0.is_empty());
+        // A job name with a newline that prints a second line for job 22.
+        let (jobs, errs) = parse_scontrol(&format!("{RUNNING_SHARD}\n{}", RUNNING_SHARD.replace("JobState=RUNNING", "JobState=COMPLETED")));
+        assert!(jobs.is_empty() && errs.iter().any(|e| e.problem.contains("twice")), "{jobs:?} {errs:?}");
+        assert!(parse_scontrol("No jobs in the system\n").0.is_empty());
+    }
+
+    #[test]
+    fn sacct_lines() {
+        // Captured: SLURM_TIME_FORMAT=%s sacct -n -P -X -o JobID,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID
+        let text = "\
+21|billing=1,cpu=1,gres/shard=1,mem=500M,node=1|root|gpu|gpu01|1796120464|1796120478|COMPLETED|root|0
+22|billing=1,cpu=1,gres/shard=2,mem=500M,node=1|root|gpu|gpu01|1796120479|1796120483|CANCELLED by 0|root|0
+15|billing=1,cpu=1,gres/gpu=2,mem=500M,node=1||gpu|gpu01|1796120410|1796120412|COMPLETED|gpuhublab|1001
+23||root|gpu|None assigned|Unknown|Unknown|PENDING|root|0
+24_1|billing=1|root|gpu|gpu01|1|2|COMPLETED|root|0
+short|line
+";
+        let (jobs, errs) = parse_sacct(text);
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(jobs.len(), 4);
+        assert_eq!((jobs[&22].state.as_str(), jobs[&22].shards, jobs[&22].end_us), ("CANCELLED", 2, Some(1_796_120_483_000_000)));
+        assert_eq!((jobs[&15].gpus, jobs[&15].account.clone(), jobs[&15].uid), (2, None, Some(1001)));
+        assert_eq!((jobs[&23].node_list.as_str(), jobs[&23].start_us), ("", None));
+        assert_eq!(jobs[&15].alloc_on(&nodes(&["gpu01"])).unwrap().gpus, 2);
+    }
+
+    #[test]
+    fn hostlists() {
+        assert_eq!(expand_hostlist("gpu01"), vec!["gpu01"]);
+        assert_eq!(expand_hostlist("gpu[01-03,05],cpu1"), vec!["gpu01", "gpu02", "gpu03", "gpu05", "cpu1"]);
+        assert!(expand_hostlist("").is_empty());
+        assert_eq!(expand_hostlist("n[0-99999999]").len(), 4096, "bounded");
+    }
+
+    #[test]
+    fn live_and_finished_states() {
+        assert!(is_live("RUNNING") && is_live("COMPLETING") && !is_live("PENDING") && !is_live("COMPLETED"));
+        assert!(is_finished("CANCELLED") && is_finished("TIMEOUT") && !is_finished("RUNNING"));
+    }
+}
