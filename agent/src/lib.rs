@@ -180,10 +180,30 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
                 .await
         })
     };
-    let ingest = tokio::spawn(
-        accounting::Ingestor::new(store.clone(), config.file.paths.spool_dir.clone(), state.telemetry.clone(), acct_metrics)
-            .run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()),
-    );
+    let mut ingestor = accounting::Ingestor::new(store.clone(), config.file.paths.spool_dir.clone(), state.telemetry.clone(), acct_metrics);
+    let tcfg = &config.file.telemetry;
+    if tcfg.enable_slurm && config.file.accounting.slurm_reconcile {
+        let dir = tcfg.slurm_bin_dir.clone().or_else(|| config.file.slurm.bin_dir.clone());
+        let bin = |name: &str| dir.as_ref().map_or_else(|| std::path::PathBuf::from(name), |d| d.join(name));
+        let node = tcfg.effective_node_name();
+        ingestor = ingestor.with_slurm(accounting::ingest::SlurmLink {
+            source: Arc::new(accounting::slurm::CommandSlurm {
+                scontrol: bin("scontrol"),
+                sacct: bin("sacct"),
+                timeout: std::time::Duration::from_millis(tcfg.slurm_timeout_ms.clamp(100, 600_000)),
+                node: node.clone(),
+            }),
+            node,
+            interval: std::time::Duration::from_millis(
+                config.file.accounting.reconcile_interval_ms.unwrap_or(tcfg.slurm_interval_ms).max(1_000),
+            ),
+        });
+    } else {
+        tracing::info!(
+            "accounting: not reconciled with Slurm (telemetry.enable_slurm or accounting.slurm_reconcile is off); records are billed as they claim"
+        );
+    }
+    let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
     let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, registry, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
 

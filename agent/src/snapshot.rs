@@ -72,7 +72,10 @@ pub fn ensure_job_key(path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Reads the job-credential key (the gateway verifies job tokens with it).
+/// Reads the job-credential key (the gateway verifies job tokens with it) with
+/// `gpuhub_wire::token::parse_key`, the function the plugin signs with: whitespace at both
+/// ends trimmed, at least 16 bytes.
 pub fn read_job_key(path: &Path) -> std::io::Result<Vec<u8>> {
-    Ok(std::fs::read_to_string(path)?.trim().as_bytes().to_vec())
+    let raw = std::fs::read(path)?;
+    gpuhub_wire::token::parse_key(&raw).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} {e}", path.display())))
 }

@@ -271,17 +271,16 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     assert_eq!((s, e["code"].as_str()), (403, Some("model_not_allowed")));
     let models: Value = client().get(a.url("/v1/models")).bearer_auth(&narrow).send().await.unwrap().json().await.unwrap();
     assert_eq!(models["data"].as_array().unwrap().len(), 1);
-    // Job tokens, minted with the node's key like the SPANK plugin does.
-    let job_key = std::fs::read_to_string(a.dir.path().join("state/job-token.key")).unwrap();
-    let claims =
-        gpuhub_wire::token::JobClaims { uid: 1000, user: "frank".into(), job_id: 4242, expires: gpuhub_agent::util::now_s() + 600 };
-    let token = gpuhub_wire::token::mint(job_key.trim().as_bytes(), &claims).unwrap();
+    // Job tokens, minted with the node's key like the SPANK plugin does, for this process's
+    // uid and its passwd name (the gateway checks the name against the uid).
+    let (uid, me) = whoami();
+    let token = job_token(&a, uid, &me, 4242);
     assert_eq!(post(&a, &token, "/v1/chat/completions", body.clone()).await.status(), 200);
     let forged = token.replace(".4242.", ".4243.");
     assert_eq!(error_of(post(&a, &forged, "/v1/chat/completions", body.clone()).await).await.0, 401);
     let rows = a.rows(10).await;
-    let job = rows.iter().find(|r| r["user_name"] == "frank").unwrap();
-    assert_eq!((job["job_id"].as_i64(), job["app"].as_str()), (Some(4242), Some("job")));
+    let job = rows.iter().find(|r| r["user_name"] == me.as_str() && r["app"] == "job").unwrap();
+    assert_eq!(job["job_id"].as_i64(), Some(4242));
     assert!(rows.iter().any(|r| r["user_name"] == "dave" && r["app"] == "sso"));
     // Control API: only admins manage keys (the test runs as root); listing shows no secrets.
     let list = a.control("GET", "/v1/keys", None).await.unwrap();
@@ -419,5 +418,81 @@ async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
     // so the test leaves no process behind.
     let v = a.control("POST", "/v1/models/unload", Some(json!({"model": "slowload"}))).await.unwrap();
     assert_eq!(v["unloaded"], true, "{v}");
+    a.stop().await;
+}
+
+fn whoami() -> (u32, String) {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    (uid, gpuhub_agent::control::peer::user_name(uid).expect("this process's uid has a passwd entry"))
+}
+
+/// A job token signed with the agent's key read as the plugin reads it (a trailing newline in
+/// the key file is not part of the key).
+fn job_token(a: &Agent, uid: u32, user: &str, job_id: u32) -> String {
+    let raw = std::fs::read(a.dir.path().join("state/job-token.key")).unwrap();
+    let key = gpuhub_wire::token::parse_key(&raw).unwrap();
+    let claims = gpuhub_wire::token::JobClaims { uid, user: user.into(), job_id, expires: gpuhub_agent::util::now_s() + 600 };
+    gpuhub_wire::token::mint(&key, &claims).unwrap()
+}
+
+/// Drops a record into the agent's spool, as the plugin would.
+fn spool(a: &Agent, rec: &gpuhub_wire::spool::Record) {
+    let dir = a.dir.path().join("spool").join(gpuhub_wire::spool::RECORDS_DIR);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(gpuhub_wire::spool::record_file_name(rec, std::process::id())), rec.to_json()).unwrap();
+}
+
+#[tokio::test]
+async fn job_tokens_are_bound_to_the_uid_and_the_job_and_user_allow_lists_apply() {
+    let (uid, me) = whoami();
+    // The user's own allow-list: `chat` only, whatever the credential. Quoted key: a passwd
+    // name may hold dots.
+    let a = start(&format!("[gateway.user_models]\n\"{me}\" = [\"chat\"]\n")).await;
+    let chat = json!({"model": "chat"});
+    let token = job_token(&a, uid, &me, 5151);
+    assert_eq!(post(&a, &token, "/v1/chat/completions", chat.clone()).await.status(), 200);
+
+    // A name that is not the uid's is refused even with a valid MAC (the uid decides).
+    let forged = job_token(&a, uid, "somebody.else", 5151);
+    let (s, e) = error_of(post(&a, &forged, "/v1/chat/completions", chat.clone()).await).await;
+    assert_eq!(s, 401, "{e}");
+
+    // The allow-list applies to the job token and to an unrestricted API key of the same user.
+    let (s, e) = error_of(post(&a, &token, "/v1/chat/completions", json!({"model": "slow"})).await).await;
+    assert_eq!((s, e["code"].as_str()), (403, Some("model_not_allowed")));
+    let m = e["message"].as_str().unwrap();
+    assert!(
+        m.contains(&format!("user `{me}` may not use model `slow`")) && m.contains(&format!("gateway.user_models.{me} in <inline>")),
+        "{m}"
+    );
+    let (key, _) = a.key(&me, "app", &[]).await;
+    assert_eq!(error_of(post(&a, &key, "/v1/chat/completions", json!({"model": "slow"})).await).await.0, 403);
+    assert_eq!(post(&a, &key, "/v1/chat/completions", chat.clone()).await.status(), 200);
+    let models: Value = client().get(a.url("/v1/models")).bearer_auth(&token).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+    assert_eq!(ids, vec!["chat"], "{models}");
+    // Another user's key is not restricted by this user's list.
+    let (other, _) = a.key("someone-else", "app", &[]).await;
+    assert_eq!(post(&a, &other, "/v1/chat/completions", json!({"model": "fail"})).await.status(), 502, "allowed, and the upstream fails");
+
+    // The job ends (its JobEnd record reaches the spool): its token is refused within the
+    // ingest interval plus the one-second cache, while another running job's token still works.
+    let ident = gpuhub_wire::spool::JobIdentity { job_id: 5151, uid, user: me.clone(), account: None, partition: None, node: "n1".into() };
+    let now = gpuhub_agent::util::now_us();
+    spool(&a, &gpuhub_wire::spool::Record::JobStart { v: 1, time_us: now - 1_000_000, job: ident.clone(), gpus: vec![] });
+    spool(&a, &gpuhub_wire::spool::Record::JobEnd { v: 1, time_us: now, job: ident, exit_code: Some(0), gpus: vec![] });
+    let t = Instant::now();
+    let e = loop {
+        let r = post(&a, &token, "/v1/chat/completions", chat.clone()).await;
+        if r.status() == 401 {
+            break error_of(r).await.1;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the token of an ended job was still accepted after 10 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(e["message"].as_str().unwrap().contains("job 5151 has ended"), "{e}");
+    let running = job_token(&a, uid, &me, 5152);
+    assert_eq!(post(&a, &running, "/v1/chat/completions", chat.clone()).await.status(), 200);
     a.stop().await;
 }

@@ -46,8 +46,9 @@ pub fn read_snapshot(path: &Path) -> Result<Snapshot, String> {
     Snapshot::parse(&bytes).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Reads the job-token key (the file's bytes, used as-is). Refuses a key that users could read (they could then mint tokens
-/// for anyone) or one too short to be a key.
+/// Reads the job-token key: the file's bytes through `gpuhub_wire::token::parse_key` (ASCII
+/// whitespace at both ends trimmed, at least 16 bytes left), the same function the agent
+/// verifies with. Refuses a key that users could read (they could then mint tokens for anyone).
 pub fn read_job_key(path: &Path) -> Result<Vec<u8>, String> {
     let (f, meta) = open_regular(path, MAX_KEY_BYTES)?;
     if meta.uid() != 0 || meta.mode() & 0o077 != 0 {
@@ -58,12 +59,8 @@ pub fn read_job_key(path: &Path) -> Result<Vec<u8>, String> {
             meta.mode() & 0o7777
         ));
     }
-    // The key is the file's raw bytes, not trimmed: the agent verifies with the same bytes.
-    let key = read_capped(f, path, MAX_KEY_BYTES)?;
-    if key.len() < 16 {
-        return Err(format!("{} holds {} bytes; a job key needs at least 16", path.display(), key.len()));
-    }
-    Ok(key)
+    let raw = read_capped(f, path, MAX_KEY_BYTES)?;
+    gpuhub_wire::token::parse_key(&raw).map_err(|e| format!("{} {e}", path.display()))
 }
 
 #[cfg(test)]
@@ -106,11 +103,12 @@ mod tests {
         std::fs::write(&p, b"0123456789abcdef0123456789abcdef\n").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         if unsafe { libc::geteuid() } == 0 {
-            assert_eq!(read_job_key(&p).unwrap(), b"0123456789abcdef0123456789abcdef\n");
+            // `echo KEY > file`: the newline is not part of the key (the agent trims it too).
+            assert_eq!(read_job_key(&p).unwrap(), b"0123456789abcdef0123456789abcdef");
         }
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(read_job_key(&p).unwrap_err().contains("chmod 600"));
-        std::fs::write(&p, b"short").unwrap();
+        std::fs::write(&p, b"0123456789abcde\n").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         if unsafe { libc::geteuid() } == 0 {
             assert!(read_job_key(&p).unwrap_err().contains("at least 16"));

@@ -1,7 +1,9 @@
 //! JOB_SCRIPT context: `slurmstepd spank prolog|epilog`, forked by slurmd once per job per
 //! node, as root. Sees every allocation (also `salloc` without steps, with
 //! `PrologFlags=Alloc`), and runs after `scancel` and time limits too, so JobStart/JobEnd
-//! here are the authoritative job boundaries. Variables come from plain `getenv`.
+//! here are the authoritative job boundaries. Variables come from plain `getenv`: the
+//! environment slurmd builds for this hook as root, not the user's (`records` cites where in
+//! Slurm's source); the job id and uid come from `spank_get_item` all the same.
 //!
 //! A crash here drains the node and `spank_job_control_*` crashes in this context on 22.05:
 //! this module calls neither; every error is returned to the guard, logged, and the hook
@@ -47,10 +49,18 @@ fn gpu_indices(rec: &Record) -> Vec<u32> {
     }
 }
 
+fn log_notes(notes: &records::Notes, rec: &Record) {
+    if let Some(line) = notes.line(Some(rec.job().job_id)) {
+        log::error(&line);
+    }
+}
+
 /// `slurm_spank_job_prolog`.
 pub fn prolog(sp: Spank, cfg: &Config) -> Result<(), String> {
-    let job = records::identity(&process_env, sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID))?;
-    let rec = records::job_start(job, &process_env, &uuids(cfg), records::now_us());
+    let mut notes = records::Notes::default();
+    let job = records::job_script_identity(&process_env, sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID), &mut notes)?;
+    let rec = records::job_start(job, &process_env, &uuids(cfg), records::now_us(), &mut notes);
+    log_notes(&notes, &rec);
     write_record_logged(cfg, &rec);
     update_map(cfg, &rec, &gpu_indices(&rec), true);
     Ok(())
@@ -58,8 +68,10 @@ pub fn prolog(sp: Spank, cfg: &Config) -> Result<(), String> {
 
 /// `slurm_spank_job_epilog`.
 pub fn epilog(sp: Spank, cfg: &Config) -> Result<(), String> {
-    let job = records::identity(&process_env, sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID))?;
-    let rec = records::job_end(job, &process_env, &uuids(cfg), records::now_us());
+    let mut notes = records::Notes::default();
+    let job = records::job_script_identity(&process_env, sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID), &mut notes)?;
+    let rec = records::job_end(job, &process_env, &uuids(cfg), records::now_us(), &mut notes);
+    log_notes(&notes, &rec);
     write_record_logged(cfg, &rec);
     update_map(cfg, &rec, &gpu_indices(&rec), false);
     // The job's records were written without fsync (most of them while srun waits); make them

@@ -12,12 +12,18 @@
 //! environment into the script and everything it starts. The extern step (`PrologFlags=Contain`)
 //! runs no user code and is skipped, as is the pending-step placeholder.
 //!
+//! Identity: the job id and uid from `spank_get_item`, the user from the password database,
+//! the node from slurmstepd's own environment; never the step's environment, which the user
+//! writes (`records` has the details). The step's environment is read only for what it claims
+//! about GPUs and shards (recorded as hints), the MLflow run tags, and the user's opt-outs.
+//!
 //! No threads, no network, no waiting on the agent: a spool file and `spank_setenv` calls.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
-use gpuhub_wire::spool::{JobIdentity, parse_index_list};
+use gpuhub_wire::bounds::MAX_FIELD_BYTES;
+use gpuhub_wire::spool::{JobIdentity, Record};
 use gpuhub_wire::token::{self, JobClaims};
 
 use crate::config::Config;
@@ -34,12 +40,15 @@ fn recorded_step(step_id: u32) -> bool {
     step_id != sys::SLURM_EXTERN_CONT && step_id != sys::SLURM_PENDING_STEP
 }
 
-fn lookup(sp: Spank) -> impl Fn(&str) -> Option<String> {
-    move |k: &str| {
-        sp.getenv(k).or_else(|| {
-            // slurmstepd's own environment carries SLURMD_NODENAME even where the step's lacks it.
-            if k == "SLURMD_NODENAME" { process_env(k) } else { None }
-        })
+/// The identity of this step: ids from `spank_get_item`, the user from the password database,
+/// the node from slurmstepd's own environment. The step's environment (the user's) is not read.
+fn identity(sp: Spank, notes: &mut records::Notes) -> Result<JobIdentity, String> {
+    records::step_identity(sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID), process_env("SLURMD_NODENAME"), notes)
+}
+
+fn log_notes(notes: &records::Notes, job_id: Option<u32>) {
+    if let Some(line) = notes.line(job_id) {
+        log::error(&line);
     }
 }
 
@@ -62,11 +71,18 @@ fn mint_token(cfg: &Config, job: &JobIdentity) -> Option<String> {
     let claims = JobClaims { uid: job.uid, user: job.user.clone(), job_id: job.job_id, expires: now_s + cfg.token_ttl_s };
     let t = token::mint(&key, &claims);
     if t.is_none() {
-        log::error(&format!(
-            "gpuhub: no gateway token for job {}: user name \"{}\" cannot be carried in a token",
-            job.job_id,
-            job.user.escape_debug()
-        ));
+        if job.user.is_empty() {
+            log::error(&format!(
+                "gpuhub: no gateway token for job {}: uid {} has no usable name in the password database (fix: make NSS resolve it on this node)",
+                job.job_id, job.uid
+            ));
+        } else {
+            log::error(&format!(
+                "gpuhub: no gateway token for job {}: user name \"{}\" cannot be carried in a token (letters, digits and . _ - @ only)",
+                job.job_id,
+                job.user.escape_debug()
+            ));
+        }
     }
     t
 }
@@ -77,29 +93,38 @@ pub fn init_post_opt(sp: Spank, cfg: &Config) -> Result<(), String> {
     if !recorded_step(step_id) {
         return Ok(());
     }
-    let get = lookup(sp);
-    let job = records::identity(&get, sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID))?;
+    let mut notes = records::Notes::default();
+    let job = identity(sp, &mut notes)?;
+    // The step's environment: only for what it claims about GPUs and shards (hints the agent
+    // checks against Slurm), the MLflow run tags below and the user's opt-outs.
+    let get = move |k: &str| sp.getenv(k);
     if let Ok(mut g) = STEP.lock() {
         *g = Some((job.clone(), step_id));
     }
     let snapshot = files::read_snapshot(&cfg.snapshot);
     let uuids = snapshot.as_ref().map(|s| s.gpus.clone()).unwrap_or_default();
-    let rec = records::step_start(job.clone(), step_id, &get, &uuids, records::now_us());
+    let rec = records::step_start(job.clone(), step_id, &get, &uuids, records::now_us(), &mut notes);
     write_record_logged(cfg, &rec);
+    let (gpus, shards) = match &rec {
+        Record::StepStart { gpus, shards, .. } => (gpus.iter().map(|g| g.index).collect::<Vec<u32>>(), *shards),
+        _ => (Vec::new(), None),
+    };
+    // MLflow run tags only (never a record or a token): the partition and account as the
+    // step's environment has them. The user controls their own run tags anyway
+    // (`MLFLOW_RUN_CONTEXT` they set wins), so a claim costs nothing here; bounded all the same.
+    let tagged = JobIdentity {
+        account: records::var(&get, "SLURM_JOB_ACCOUNT", MAX_FIELD_BYTES, &mut notes),
+        partition: records::var(&get, "SLURM_JOB_PARTITION", MAX_FIELD_BYTES, &mut notes),
+        ..job.clone()
+    };
+    log_notes(&notes, Some(job.job_id));
 
     if opted_out(sp, cfg) {
         log::debug(&format!("gpuhub: job {} step {step_id}: environment injection off", job.job_id));
         return Ok(());
     }
-    let gpus = parse_index_list(records::step_gpu_list(&get).as_deref().unwrap_or(""));
     let experiment = options::experiment();
-    let facts = StepFacts {
-        job: &job,
-        gpus: &gpus,
-        shards: records::shards(&get),
-        experiment_option: experiment.as_deref(),
-        token: mint_token(cfg, &job),
-    };
+    let facts = StepFacts { job: &tagged, gpus: &gpus, shards, experiment_option: experiment.as_deref(), token: mint_token(cfg, &job) };
     let plan = inject::plan(cfg, snapshot.as_ref().map_err(String::as_str), &facts);
     for note in &plan.notes {
         match note {
@@ -133,7 +158,9 @@ pub fn exit(sp: Spank, cfg: &Config) -> Result<(), String> {
             if !recorded_step(step_id) {
                 return Ok(());
             }
-            let job = records::identity(&lookup(sp), sp.item_u32(sys::S_JOB_ID), sp.item_u32(sys::S_JOB_UID))?;
+            let mut notes = records::Notes::default();
+            let job = identity(sp, &mut notes)?;
+            log_notes(&notes, Some(job.job_id));
             (job, step_id)
         }
     };

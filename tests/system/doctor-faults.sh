@@ -8,7 +8,8 @@
 #   snapshot missing, corrupt JSON, a version the plugin refuses, stale (says another gateway)
 #   store    the SQLite file gone (the agent writes into a deleted inode), a corrupt file in its
 #            place (the agent keeps its open file, so both are invisible to its own ping)
-#   job-key  missing, mode 0644, owned by a user, empty, with a trailing newline
+#   job-key  missing, mode 0644, owned by a user, empty, 15 bytes (a trailing newline is healthy:
+#            the plugin and the agent read the key with one function that trims it)
 #   config   GPUHUB_CONFIG naming another agent's config than the socket asked
 # For each: exit status 1, exactly one FAIL line, naming that check, with its detail and a
 # `fix:` line that says what to do. After the last fault, healthy again (exit 0), so every
@@ -109,7 +110,9 @@ expect_fail job-key "owned by uid $(id -u "$LAB_USER")" "chown root" "job key ow
 chown root "$KEY"; : > "$KEY"
 expect_fail job-key "holds 0 bytes" "restart gpuhub-agent" "job key empty"
 { cat "$T/key.good"; echo; } > "$KEY"
-expect_fail job-key "whitespace" "without the whitespace" "job key with a trailing newline"
+healthy "job key with a trailing newline (the plugin and the agent both trim it)"
+printf '0123456789abcde\n' > "$KEY"
+expect_fail job-key "holds 15 bytes" "restart gpuhub-agent" "job key of 15 bytes and a newline"
 cp -p "$T/key.good" "$KEY"
 
 # ---- a config that is not this agent's

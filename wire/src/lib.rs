@@ -11,8 +11,12 @@
 //!   are named on disk so the agent ingests each exactly once.
 //! - [`snapshot`]: the file the agent keeps (replaced atomically) that the plugin reads to
 //!   inject `<ROLE>_MODEL`, the gateway URL and the MLflow tracking URI into jobs.
-//! - [`token`]: the per-job gateway credential (HMAC over user, job id and expiry).
+//! - [`token`]: the per-job gateway credential (HMAC over uid, user, job id and expiry) and the
+//!   one function both sides read the key file with.
+//! - [`bounds`]: length caps and the no-control-characters rule for every string that reaches a
+//!   record or a token.
 
+pub mod bounds;
 pub mod paths;
 pub mod snapshot;
 pub mod spool;

@@ -12,6 +12,18 @@
 //! including allocations that never start a step, but sees a shard job as a one-GPU job (only
 //! the GPU index). Steps (REMOTE context) see `SLURM_SHARDS_ON_NODE`. The agent joins them:
 //! a job with any step record reporting shards is a shard job on that GPU.
+//!
+//! Trust: what a field is worth depends on the hook that wrote it.
+//! - Job and step records alike: `job_id` and `uid` come from `spank_get_item` (`S_JOB_ID`,
+//!   `S_JOB_UID`), `user` from the password database for that uid. Never from the environment.
+//! - Job records (prolog/epilog): `account`, `partition`, `node`, `gpus` and `exit_code` come
+//!   from the environment slurmd builds for the prolog as root, which users cannot write.
+//! - Step records (slurmstepd): `account` and `partition` are `None` and `node` is the one
+//!   slurmd gave slurmstepd (`""` when unknown): the step's environment is the user's. `gpus`
+//!   and `shards` are what the step's environment *claims* (see the fields): hints only.
+//!
+//! Every string is bounded (`crate::bounds`): a value over its cap or with a control character
+//! is recorded as unknown (`None`, `""` or an empty list), never raw.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,10 +48,17 @@ pub struct GpuRef {
 pub struct JobIdentity {
     pub job_id: u32,
     pub uid: u32,
-    /// User name (`SLURM_JOB_USER`); empty when Slurm did not provide it.
+    /// The uid's name in the node's password database; empty when it has none (or the name
+    /// breaks `crate::bounds`).
     pub user: String,
+    /// Slurm account, from the prolog's environment; `None` in step records and when unknown
+    /// (the agent fills it from slurmctld).
     pub account: Option<String>,
+    /// Partition, from the prolog's environment; `None` in step records and when unknown
+    /// (the agent fills it from slurmctld).
     pub partition: Option<String>,
+    /// Slurm node name as slurmd knows it (`SLURMD_NODENAME` of the prolog or of slurmstepd's
+    /// own environment, never the step's); `""` when unknown (the agent fills it).
     pub node: String,
 }
 
@@ -72,8 +91,14 @@ pub enum Record {
         #[serde(flatten)]
         job: JobIdentity,
         step_id: u32,
+        /// The GPUs the step's environment claims (`SLURM_STEP_GPUS`, else `SLURM_JOB_GPUS`).
+        /// **Unverified**: a user can pre-set these variables before `srun`/`sbatch`, so this
+        /// is a hint; the agent takes the GPUs from Slurm's allocation (job records, slurmctld)
+        /// and counts a disagreement.
         gpus: Vec<GpuRef>,
-        /// `SLURM_SHARDS_ON_NODE`: shards of the GPU(s) above held by this step's job.
+        /// `SLURM_SHARDS_ON_NODE` as the step's environment claims it: shards of the GPU(s)
+        /// above held by this step's job. **Unverified** for the same reason as `gpus`: a hint
+        /// that Slurm's allocation overrides.
         shards: Option<u32>,
     },
     /// A step ended (REMOTE `exit`, root).

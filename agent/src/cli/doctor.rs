@@ -367,18 +367,12 @@ pub fn job_key_check(path: &Path) -> Check {
         Ok(k) => k,
         Err(e) => return fail("job-key", format!("{p}: {e}"), recreate),
     };
-    if key.len() < 16 {
-        return fail("job-key", format!("{p} holds {} bytes; a job key needs at least 16, so the plugin refuses it", key.len()), recreate);
-    }
-    if key.last().is_some_and(u8::is_ascii_whitespace) || key.first().is_some_and(u8::is_ascii_whitespace) {
-        return fail(
-            "job-key",
-            format!(
-                "{p} starts or ends with whitespace: the plugin signs with the bytes as they are, the agent verifies with them trimmed, so every job token is refused"
-            ),
-            format!("rewrite it without the whitespace (e.g. a trailing newline), or {recreate}"),
-        );
-    }
+    // The plugin and the agent read the file with the same function (whitespace at both ends
+    // trimmed), so a trailing newline is fine.
+    let key = match gpuhub_wire::token::parse_key(&key) {
+        Ok(k) => k,
+        Err(e) => return fail("job-key", format!("{p} {e}, so the plugin refuses it"), recreate),
+    };
     pass("job-key", format!("{p} (root, mode {:o}, {} bytes)", meta.mode() & 0o7777, key.len()))
 }
 
@@ -473,7 +467,7 @@ mod tests {
     }
 
     #[test]
-    fn job_key_missing_open_short_and_newline() {
+    fn job_key_missing_open_short_and_newline_is_fine() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("job-token.key");
         assert!(job_key_check(&p).detail.contains("missing"));
@@ -490,7 +484,10 @@ mod tests {
         std::fs::write(&p, "").unwrap();
         assert!(job_key_check(&p).detail.contains("holds 0 bytes"));
         std::fs::write(&p, "0123456789abcdef0123456789abcdef\n").unwrap();
-        assert!(job_key_check(&p).detail.contains("whitespace"));
+        let c = job_key_check(&p);
+        assert!(c.ok && c.detail.contains("32 bytes"), "a trailing newline is not part of the key: {c:?}");
+        std::fs::write(&p, "0123456789abcde\n").unwrap();
+        assert!(job_key_check(&p).detail.contains("holds 15 bytes"));
     }
 
     #[test]

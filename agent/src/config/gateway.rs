@@ -1,4 +1,6 @@
-use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// `[gateway]`: the OpenAI-compatible API.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -20,6 +22,38 @@ pub struct GatewayConfig {
     /// Bound of the in-memory usage-log queue before rows spill to disk.
     pub usage_queue: usize,
     pub sso: SsoConfig,
+    /// `[gateway.user_models]`: per-user model allow-lists, `alice = ["demo-chat"]`. A listed
+    /// user may call only these models (catalog names or aliases), with any credential: API
+    /// keys (on top of the key's own `--models`), job tokens and the SSO header alike. Users
+    /// not listed may call every model their credential allows.
+    pub user_models: BTreeMap<UserName, Vec<String>>,
+}
+
+/// A user name as a `[gateway.user_models]` key: letters, digits, `. _ - @`, 1 to 64
+/// characters (as `gpuhub keys create --user` and job tokens). Checked while parsing, so a bad
+/// one is reported with its line.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct UserName(pub String);
+
+impl<'de> Deserialize<'de> for UserName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if gpuhub_wire::token::user_ok(&s) {
+            Ok(UserName(s))
+        } else {
+            Err(serde::de::Error::custom(format!(
+                "gateway.user_models: `{}` is not a user name (1 to 64 letters, digits, . _ - or @)",
+                crate::util::sanitize(&s)
+            )))
+        }
+    }
+}
+
+impl std::borrow::Borrow<str> for UserName {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
 }
 
 impl Default for GatewayConfig {
@@ -33,6 +67,7 @@ impl Default for GatewayConfig {
             body_timeout_s: 30,
             usage_queue: 10_000,
             sso: SsoConfig::default(),
+            user_models: BTreeMap::new(),
         }
     }
 }
@@ -53,6 +88,36 @@ impl GatewayConfig {
     /// The URL given to jobs.
     pub fn public_url(&self) -> String {
         self.public_url.clone().unwrap_or_else(|| format!("http://{}", self.listen))
+    }
+
+    /// The allow-list of `user`, if `[gateway.user_models]` has one.
+    pub fn user_models_of(&self, user: &str) -> Option<&[String]> {
+        self.user_models.get(user).map(Vec::as_slice)
+    }
+
+    /// Every `[gateway.user_models]` entry lists at least one model, each in the catalog
+    /// (`known`: names and aliases).
+    pub(super) fn validate_user_models(&self, known: &BTreeSet<&str>) -> Result<(), (String, String)> {
+        for (user, models) in &self.user_models {
+            let key = format!("gateway.user_models.{}", user.0);
+            if models.is_empty() {
+                return Err((key, format!("is empty; list the models {} may use, or remove the line to allow every model", user.0)));
+            }
+            for (i, m) in models.iter().enumerate() {
+                if !known.contains(m.as_str()) {
+                    let all: Vec<&str> = known.iter().copied().collect();
+                    return Err((
+                        format!("{key}[{i}]"),
+                        format!(
+                            "`{}` is not a model in the catalog; use a [[models]] name or alias (known: {})",
+                            crate::util::sanitize(m),
+                            all.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
@@ -94,5 +159,41 @@ impl GatewayConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::config::Config;
+
+    const MODELS: &str = "[[models]]\nname = \"demo-chat\"\naliases = [\"chat\"]\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9/\"\n";
+
+    #[test]
+    fn user_models_parse_and_are_checked_against_the_catalog() {
+        let c = Config::from_toml(&format!("[gateway.user_models]\nalice = [\"demo-chat\"]\n\"john.doe\" = [\"chat\"]\n{MODELS}")).unwrap();
+        let g = &c.file.gateway;
+        assert_eq!(g.user_models_of("alice"), Some(&["demo-chat".to_string()][..]));
+        assert_eq!(g.user_models_of("john.doe"), Some(&["chat".to_string()][..]));
+        assert_eq!(g.user_models_of("bob"), None);
+        // The inline form works too.
+        let c = Config::from_toml(&format!("[gateway]\nuser_models = {{ alice = [\"demo-chat\"] }}\n{MODELS}")).unwrap();
+        assert!(c.file.gateway.user_models_of("alice").is_some());
+
+        let e = Config::from_toml(&format!("[gateway.user_models]\nalice = [\"demo-chat\", \"nope\"]\n{MODELS}")).unwrap_err().to_string();
+        assert!(
+            e.contains("gateway.user_models.alice[1]") && e.contains("`nope` is not a model") && e.contains("known: chat, demo-chat"),
+            "{e}"
+        );
+        let e = Config::from_toml(&format!("[gateway.user_models]\nalice = []\n{MODELS}")).unwrap_err().to_string();
+        assert!(e.contains("gateway.user_models.alice") && e.contains("is empty"), "{e}");
+        // A bad user name or a non-list is a parse error with its line.
+        let e =
+            Config::from_toml(&format!("[gateway]\nlisten = \"127.0.0.1:8400\"\n[gateway.user_models]\n\"a b\" = [\"chat\"]\n{MODELS}"))
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("line 4") && e.contains("`a b` is not a user name"), "{e}");
+        let e = Config::from_toml(&format!("[gateway.user_models]\n\nalice = \"demo-chat\"\n{MODELS}")).unwrap_err().to_string();
+        assert!(e.contains("line 3"), "{e}");
     }
 }

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig};
-pub use gateway::{GatewayConfig, SsoConfig};
+pub use gateway::{GatewayConfig, SsoConfig, UserName};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
 pub use store::StoreConfig;
@@ -85,11 +85,18 @@ pub struct AccountingConfig {
     pub shards_per_gpu: u32,
     /// How often the spool is scanned, in milliseconds.
     pub ingest_interval_ms: u64,
+    /// Verify each job's records against Slurm (`scontrol show job -d`, else `sacct`) and bill
+    /// Slurm's allocation; close jobs whose end record never came and fill in jobs whose start
+    /// record never came (docs/accounting.md). Needs `telemetry.enable_slurm`.
+    pub slurm_reconcile: bool,
+    /// How often open jobs are reconciled with Slurm, in milliseconds (default:
+    /// `telemetry.slurm_interval_ms`).
+    pub reconcile_interval_ms: Option<u64>,
 }
 
 impl Default for AccountingConfig {
     fn default() -> Self {
-        Self { shards_per_gpu: 14, ingest_interval_ms: 1000 }
+        Self { shards_per_gpu: 14, ingest_interval_ms: 1000, slurm_reconcile: true, reconcile_interval_ms: None }
     }
 }
 
@@ -235,7 +242,18 @@ impl ConfigFile {
                 "must be at least 1 (the `Count=` of one GPU's shard line in gres.conf)".into(),
             ));
         }
+        if let Some(ms) = self.accounting.reconcile_interval_ms
+            && !(1_000..=3_600_000).contains(&ms)
+        {
+            return Err(invalid(
+                "accounting.reconcile_interval_ms",
+                format!("{ms} is out of range; use 1000..=3600000 (default: telemetry.slurm_interval_ms)"),
+            ));
+        }
         catalog::validate(&self.models, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
+        let known: std::collections::BTreeSet<&str> =
+            self.models.iter().flat_map(|m| std::iter::once(m.name.as_str()).chain(m.aliases.iter().map(String::as_str))).collect();
+        self.gateway.validate_user_models(&known).map_err(|(k, m)| invalid(&k, m))?;
         self.workers.validate().map_err(|(k, m)| invalid(&k, m))?;
 
         let store_url = match (self.store.url.clone(), env_store_url) {

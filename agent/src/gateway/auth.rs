@@ -2,17 +2,25 @@
 //! plugin, and an SSO header trusted only from configured proxy addresses.
 //!
 //! Keys are checked against an in-memory map (loaded at start, updated by `gpuhub keys`), so
-//! authentication never touches the store on the request path.
+//! authentication of a key never touches the store on the request path.
+//!
+//! Job tokens: the MAC proves the plugin minted it; then the token's uid is authoritative. Its
+//! user name must be that uid's name in this node's password database ([`UserNames`], cached),
+//! and the job must not have ended ([`JobStates`]: the store's `acct_jobs`, asked at most once
+//! per second per job). The user's own allow-list (`[gateway.user_models]`) applies to every
+//! credential of that user: API keys, job tokens and the SSO header.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
 
 use super::error::GatewayError;
 use crate::AppState;
+use crate::store::Store;
 use crate::store::gateway::ApiKeyRecord;
 
 /// Prefix of gateway API keys (`ghk_` + 40 hex characters).
@@ -25,26 +33,70 @@ pub struct Identity {
     /// The key's app name (`job` for job tokens, `sso` for the SSO header).
     pub app: String,
     pub job_id: Option<i64>,
-    /// Models this caller may use; empty = every model.
+    /// Models this credential may use (an API key's `--models`); empty = every model.
     pub models: Vec<String>,
     /// Short key id for messages (never the key).
     pub key_id: Option<String>,
+    /// The user's own allow-list (`[gateway.user_models]`), applied on top of `models`;
+    /// `None` = every model.
+    pub user_models: Option<UserModels>,
+}
+
+/// A user's allow-list and where it is configured (for the 403 message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserModels {
+    pub models: Vec<String>,
+    /// The config file that holds it.
+    pub source: String,
+}
+
+fn allows(list: &[String], asked: &str, resolved: Option<&str>) -> bool {
+    list.iter().any(|m| m == asked || Some(m.as_str()) == resolved)
 }
 
 impl Identity {
-    /// Checks the per-key allow-list against the requested and the resolved name.
-    pub fn check_model(&self, asked: &str, resolved: Option<&str>) -> Result<(), GatewayError> {
-        if self.models.is_empty() || self.models.iter().any(|m| m == asked || Some(m.as_str()) == resolved) {
-            return Ok(());
+    fn credential(&self) -> String {
+        match (self.app.as_str(), &self.key_id, self.job_id) {
+            ("job", _, Some(j)) => format!("the job token of job {j}"),
+            (_, Some(k), _) => format!("API key {k} ({}/{})", self.user, self.app),
+            _ => format!("the {} identity", self.app),
         }
-        Err(GatewayError::Forbidden(format!(
-            "the API key {} of {}/{} may not use model `{}`; it may use: {} (an admin can create a key with --models)",
-            self.key_id.as_deref().unwrap_or("?"),
-            self.user,
-            self.app,
-            crate::util::sanitize(asked),
-            self.models.join(", ")
-        )))
+    }
+
+    /// Checks the credential's allow-list, then the user's, against the requested and the
+    /// resolved name.
+    pub fn check_model(&self, asked: &str, resolved: Option<&str>) -> Result<(), GatewayError> {
+        if !self.models.is_empty() && !allows(&self.models, asked, resolved) {
+            return Err(GatewayError::Forbidden(format!(
+                "the API key {} of {}/{} may not use model `{}`; it may use: {} (an admin can create a key with --models)",
+                self.key_id.as_deref().unwrap_or("?"),
+                self.user,
+                self.app,
+                crate::util::sanitize(asked),
+                self.models.join(", ")
+            )));
+        }
+        if let Some(u) = &self.user_models
+            && !allows(&u.models, asked, resolved)
+        {
+            return Err(GatewayError::Forbidden(format!(
+                "user `{}` may not use model `{}` (with any credential; this call came with {}): \
+                 the allow-list gateway.user_models.{} in {} permits only: {}; an admin can add the model there",
+                self.user,
+                crate::util::sanitize(asked),
+                self.credential(),
+                self.user,
+                u.source,
+                u.models.join(", ")
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether `GET /v1/models` shows `name` to this caller.
+    pub fn may_list(&self, name: &str) -> bool {
+        (self.models.is_empty() || self.models.iter().any(|m| m == name))
+            && self.user_models.as_ref().is_none_or(|u| u.models.iter().any(|m| m == name))
     }
 }
 
@@ -89,14 +141,137 @@ impl KeyCache {
     }
 }
 
+/// How long a job's "has it ended?" answer is reused: a token is refused at most this long
+/// after the store learns that its job ended, and each job costs at most one query this often.
+pub const JOB_STATE_FRESH: Duration = Duration::from_secs(1);
+/// A store that does not answer within this is taken as "not ended" (logged): the gateway must
+/// not stall every job's calls on a slow database; the token still expires.
+pub const JOB_STATE_TIMEOUT: Duration = Duration::from_millis(250);
+/// Past this many cached jobs, entries older than a minute are dropped.
+const JOB_STATE_MAX: usize = 4096;
+
+#[derive(Debug, Clone, Copy)]
+struct JobState {
+    at: Instant,
+    ended: bool,
+}
+
+/// One job's cached answer, behind its own async lock.
+type JobSlot = Arc<tokio::sync::Mutex<Option<JobState>>>;
+
+/// Per (job id, uid): whether the job has ended, as the store said within the last
+/// [`JOB_STATE_FRESH`]. One async lock per job, so concurrent calls of one job wait for a
+/// single query instead of each sending one.
+#[derive(Default)]
+pub struct JobStates {
+    jobs: Mutex<HashMap<(u32, u32), JobSlot>>,
+    /// Store queries made (tests check the cache with it).
+    queries: std::sync::atomic::AtomicU64,
+}
+
+impl JobStates {
+    fn slot(&self, key: (u32, u32)) -> JobSlot {
+        let mut jobs = match self.jobs.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if jobs.len() >= JOB_STATE_MAX {
+            jobs.retain(|_, slot| slot.try_lock().map(|g| g.is_some_and(|s| s.at.elapsed() < Duration::from_secs(60))).unwrap_or(true));
+        }
+        jobs.entry(key).or_default().clone()
+    }
+
+    /// Whether job `job_id` of `uid` has ended, from the cache or (at most once per
+    /// [`JOB_STATE_FRESH`]) the store.
+    pub async fn ended(&self, store: &Store, job_id: u32, uid: u32) -> bool {
+        let slot = self.slot((job_id, uid));
+        let mut state = slot.lock().await;
+        if let Some(s) = *state
+            && s.at.elapsed() < JOB_STATE_FRESH
+        {
+            return s.ended;
+        }
+        self.queries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ended = match tokio::time::timeout(JOB_STATE_TIMEOUT, store.job_ended(job_id, uid)).await {
+            Ok(Ok(e)) => e,
+            Ok(Err(e)) => {
+                tracing::warn!(job_id, error = %e, "cannot ask the store whether a job has ended; its token is accepted meanwhile");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(
+                    job_id,
+                    timeout_ms = JOB_STATE_TIMEOUT.as_millis() as u64,
+                    "the store did not say in time whether a job has ended; its token is accepted meanwhile"
+                );
+                false
+            }
+        };
+        *state = Some(JobState { at: Instant::now(), ended });
+        ended
+    }
+
+    /// Store queries made so far.
+    pub fn queries(&self) -> u64 {
+        self.queries.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// How long a uid's passwd name is reused.
+const USER_NAME_FRESH: Duration = Duration::from_secs(60);
+
+/// uid -> name in this node's password database (`getpwuid_r`, off the runtime's workers),
+/// cached for a minute.
+#[derive(Default)]
+pub struct UserNames {
+    names: Mutex<HashMap<u32, (Instant, Option<String>)>>,
+}
+
+impl UserNames {
+    pub async fn name_of(&self, uid: u32) -> Option<String> {
+        let cached = match self.names.lock() {
+            Ok(g) => g.get(&uid).cloned(),
+            Err(p) => p.into_inner().get(&uid).cloned(),
+        };
+        if let Some((at, name)) = cached
+            && at.elapsed() < USER_NAME_FRESH
+        {
+            return name;
+        }
+        let name = tokio::task::spawn_blocking(move || crate::control::peer::user_name(uid)).await.ok().flatten();
+        let mut g = match self.names.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if g.len() >= JOB_STATE_MAX {
+            g.retain(|_, (at, _)| at.elapsed() < USER_NAME_FRESH);
+        }
+        g.insert(uid, (Instant::now(), name.clone()));
+        name
+    }
+}
+
+/// Adds the user's own allow-list (`[gateway.user_models]`) to an identity.
+fn with_user_models(state: &AppState, mut id: Identity) -> Identity {
+    if let Some(models) = state.config.file.gateway.user_models_of(&id.user) {
+        let source = state.config.source.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "the configuration".into());
+        id.user_models = Some(UserModels { models: models.to_vec(), source });
+    }
+    id
+}
+
 /// Authenticates a request: `Authorization: Bearer <key or job token>` first, then the SSO
 /// header from a trusted proxy. Every refusal says what to send instead; the precise reason
 /// for a bad token is logged, not sent.
-pub fn authenticate(state: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<Identity, GatewayError> {
+pub async fn authenticate(state: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<Identity, GatewayError> {
+    authenticate_as(state, headers, peer).await.map(|id| with_user_models(state, id))
+}
+
+async fn authenticate_as(state: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<Identity, GatewayError> {
     let sso = &state.config.file.gateway.sso;
     let sso_header = sso.user_header.as_deref().filter(|_| sso.enabled).and_then(|h| headers.get(h).map(|v| (h, v)));
     if let Some(bearer) = bearer(headers) {
-        return authenticate_bearer(state, bearer);
+        return authenticate_bearer(state, bearer).await;
     }
     if let Some((name, value)) = sso_header {
         if !trusted(&sso.trusted_proxies, peer.ip()) {
@@ -130,7 +305,7 @@ fn trusted(proxies: &[String], ip: IpAddr) -> bool {
     proxies.iter().any(|p| p.parse::<IpAddr>().ok() == Some(ip))
 }
 
-fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, GatewayError> {
+async fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, GatewayError> {
     if token.starts_with(gpuhub_wire::token::PREFIX) {
         let Some(key) = state.job_key.as_deref() else {
             tracing::error!("a job token arrived but the job-credential key could not be read at start");
@@ -138,19 +313,22 @@ fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, Gatewa
                 "job tokens cannot be checked on this node right now (the agent's key is missing); use an API key".into(),
             ));
         };
-        return match gpuhub_wire::token::verify(key, token, crate::util::now_s()) {
-            Ok(c) => Ok(Identity { user: c.user, app: "job".into(), job_id: Some(i64::from(c.job_id)), models: Vec::new(), key_id: None }),
-            Err(gpuhub_wire::token::TokenError::Expired) => Err(GatewayError::Unauthenticated(
-                "this job token has expired (it is valid for the job's time limit); start a new job or use an API key".into(),
-            )),
+        let c = match gpuhub_wire::token::verify(key, token, crate::util::now_s()) {
+            Ok(c) => c,
+            Err(gpuhub_wire::token::TokenError::Expired) => {
+                return Err(GatewayError::Unauthenticated("this job token has expired; start a new job or use an API key".into()));
+            }
             Err(e) => {
                 tracing::warn!(reason = ?e, "job token refused");
-                Err(GatewayError::Unauthenticated("invalid job token (it must come from a job on this node, unchanged)".into()))
+                return Err(GatewayError::Unauthenticated("invalid job token (it must come from a job on this node, unchanged)".into()));
             }
         };
+        return job_identity(state, c).await;
     }
     match state.gateway.keys.get(&hash_key(token)) {
-        Some(k) if k.revoked_us.is_none() => Ok(Identity { user: k.user, app: k.app, job_id: None, models: k.models, key_id: Some(k.id) }),
+        Some(k) if k.revoked_us.is_none() => {
+            Ok(Identity { user: k.user, app: k.app, job_id: None, models: k.models, key_id: Some(k.id), user_models: None })
+        }
         Some(k) => Err(GatewayError::Unauthenticated(format!(
             "API key {} ({}/{}) was revoked; ask an admin for a new one (`gpuhub keys create`)",
             k.id, k.user, k.app
@@ -159,6 +337,26 @@ fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, Gatewa
             Err(GatewayError::Unauthenticated("invalid API key; ask an admin for one (`gpuhub keys create --user USER --app APP`)".into()))
         }
     }
+}
+
+/// A verified token's caller: the uid decides who it is; the name in the token must be that
+/// uid's name here, and the job must still be running.
+async fn job_identity(state: &AppState, c: gpuhub_wire::token::JobClaims) -> Result<Identity, GatewayError> {
+    let Some(user) = state.gateway.users.name_of(c.uid).await else {
+        tracing::warn!(uid = c.uid, job_id = c.job_id, "job token refused: its uid has no entry in this node's password database");
+        return Err(GatewayError::Unauthenticated(format!("the job token's uid {} has no user on this node; use an API key", c.uid)));
+    };
+    if user != c.user {
+        tracing::warn!(uid = c.uid, job_id = c.job_id, token_user = %crate::util::sanitize(&c.user), passwd_user = %user, "job token refused: its user name is not its uid's");
+        return Err(GatewayError::Unauthenticated("invalid job token (it must come from a job on this node, unchanged)".into()));
+    }
+    if state.gateway.jobs.ended(&state.store, c.job_id, c.uid).await {
+        return Err(GatewayError::Unauthenticated(format!(
+            "job {} has ended, so its token is no longer accepted; start a new job or use an API key",
+            c.job_id
+        )));
+    }
+    Ok(Identity { user, app: "job".into(), job_id: Some(i64::from(c.job_id)), ..Identity::default() })
 }
 
 #[cfg(test)]
@@ -202,5 +400,60 @@ mod tests {
         let e = id.check_model("m2", Some("m2")).unwrap_err();
         assert_eq!(e.status(), axum::http::StatusCode::FORBIDDEN);
         assert!(Identity::default().check_model("any", None).is_ok());
+        assert!(id.may_list("m1") && !id.may_list("m2"));
+    }
+
+    #[tokio::test]
+    async fn job_state_is_asked_once_a_second_per_job() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            let states = JobStates::default();
+            let calls: Vec<_> = (0..50).map(|_| states.ended(&store, 7, 1000)).collect();
+            assert!(futures_util::future::join_all(calls).await.iter().all(|e| !e), "unknown job: not ended");
+            assert_eq!(states.queries(), 1, "50 concurrent calls of one job, one query");
+            assert!(!states.ended(&store, 8, 1000).await);
+            assert_eq!(states.queries(), 2, "another job has its own entry");
+            sqlx::query(
+                "INSERT INTO acct_jobs (node, job_id, uid, user_name, start_us, end_us, first_seen_us, last_seen_us) VALUES ('n', 7, 1000, 'u', 1, 2, 1, 1)",
+            )
+            .execute(store.pool())
+            .await
+            .unwrap();
+            assert!(!states.ended(&store, 7, 1000).await, "still the cached answer within the second");
+            tokio::time::sleep(JOB_STATE_FRESH + Duration::from_millis(50)).await;
+            assert!(states.ended(&store, 7, 1000).await, "asked again after a second: ended");
+            assert_eq!(states.queries(), 3);
+        }
+    }
+
+    #[test]
+    fn user_allow_list_applies_to_every_credential() {
+        let mine = Some(UserModels { models: vec!["demo-chat".into()], source: "/etc/gpuhub/agent.toml".into() });
+        let job = Identity { user: "alice".into(), app: "job".into(), job_id: Some(42), user_models: mine.clone(), ..Identity::default() };
+        assert!(job.check_model("demo-chat", Some("demo-chat")).is_ok());
+        assert!(job.check_model("old-name", Some("demo-chat")).is_ok(), "a name that resolves to an allowed model");
+        let e = job.check_model("big", Some("big")).unwrap_err();
+        assert_eq!(e.status(), axum::http::StatusCode::FORBIDDEN);
+        let m = e.to_string();
+        assert!(
+            m.contains("user `alice` may not use model `big`")
+                && m.contains("job token of job 42")
+                && m.contains("gateway.user_models.alice in /etc/gpuhub/agent.toml")
+                && m.contains("permits only: demo-chat"),
+            "{m}"
+        );
+        assert!(job.may_list("demo-chat") && !job.may_list("big"));
+        // An API key of the same user: its own list and the user's both apply.
+        let key = Identity {
+            user: "alice".into(),
+            app: "ocr".into(),
+            models: vec!["big".into(), "demo-chat".into()],
+            key_id: Some("k1".into()),
+            user_models: mine,
+            ..Identity::default()
+        };
+        assert!(key.check_model("demo-chat", None).is_ok());
+        let m = key.check_model("big", None).unwrap_err().to_string();
+        assert!(m.contains("API key k1 (alice/ocr)") && m.contains("gateway.user_models.alice"), "{m}");
+        assert!(!key.may_list("big"));
     }
 }

@@ -45,6 +45,10 @@ pub struct Gateway {
     pub metrics: metrics::GatewayMetrics,
     pub usage: UsageLog,
     pub keys: auth::KeyCache,
+    /// Whether a job token's job has ended (the store, at most once a second per job).
+    pub jobs: auth::JobStates,
+    /// uid -> passwd name, for job tokens.
+    pub users: auth::UserNames,
     /// The HTTP/1.1 client for every worker, with its pool of idle connections.
     pub upstream: upstream::Client,
 }
@@ -60,7 +64,7 @@ impl Gateway {
         keys.replace(store.api_keys().await.context("cannot load the gateway's API keys from the store")?);
         let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
         upstream.spawn_pruner(Duration::from_secs(15));
-        Ok(Gateway { metrics, usage, keys, upstream })
+        Ok(Gateway { metrics, usage, keys, jobs: auth::JobStates::default(), users: auth::UserNames::default(), upstream })
     }
 
     /// Ends a call: metrics, then the usage log (journaled before this returns).

@@ -1,6 +1,6 @@
 //! `GET /v1/models` and `GET /v1/models/{name}`: OpenAI's list shape plus gpuhub's fields
-//! (`state`, `role`, `aliases`, `in_flight`, `detail`). A key with an allow-list sees only
-//! its models.
+//! (`state`, `role`, `aliases`, `in_flight`, `detail`). A caller with an allow-list (the key's
+//! or the user's own) sees only the models it may use.
 
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
@@ -29,8 +29,7 @@ fn entry(s: &ModelStatus) -> Value {
 }
 
 pub async fn list(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>) -> Response {
-    let data: Vec<Value> =
-        state.models.statuses().iter().filter(|s| id.models.is_empty() || id.models.contains(&s.name)).map(entry).collect();
+    let data: Vec<Value> = state.models.statuses().iter().filter(|s| id.may_list(&s.name)).map(entry).collect();
     let mut call = meta.call("/v1/models", &id);
     call.row.status = 200;
     call.record(&state);

@@ -46,7 +46,7 @@ async fn authenticate(State(state): State<AppState>, ConnectInfo(peer): ConnectI
             .collect(),
     };
     let request_id = HeaderValue::from_str(&meta.request_id).ok();
-    let mut resp = match auth::authenticate(&state, req.headers(), peer) {
+    let mut resp = match auth::authenticate(&state, req.headers(), peer).await {
         Ok(id) => {
             req.extensions_mut().insert(meta);
             req.extensions_mut().insert(id);

@@ -23,6 +23,7 @@ use sqlx::{AnyPool, Executor};
 
 mod backup;
 pub mod gateway;
+mod jobs;
 mod models;
 pub mod names;
 pub use models::WorkerRow;
