@@ -50,6 +50,26 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io:
 }
 
 /// Parses durations such as `30d`, `12h`, `15m`, `90s` into seconds.
+/// Splits `s` on commas outside `open`..`close` brackets (Slurm lists: `gpu[01-03],cpu1`,
+/// `gpu:h200:2(IDX:0,1),shard:h200:7`), trimming each item and dropping empty ones.
+pub fn split_outside(s: &str, open: char, close: char) -> Vec<&str> {
+    let mut depth = 0i32;
+    let mut start = 0;
+    let mut items = Vec::new();
+    for (i, c) in s.char_indices() {
+        if c == open {
+            depth += 1;
+        } else if c == close {
+            depth -= 1;
+        } else if c == ',' && depth == 0 {
+            items.push(&s[start..i]);
+            start = i + 1;
+        }
+    }
+    items.push(&s[start..]);
+    items.into_iter().map(str::trim).filter(|i| !i.is_empty()).collect()
+}
+
 pub fn parse_duration_s(s: &str) -> Result<i64, String> {
     let s = s.trim();
     let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));

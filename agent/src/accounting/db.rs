@@ -169,14 +169,7 @@ async fn fold(
     match rec {
         Record::JobStart { gpus: g, .. } => {
             let used = if verified { reconcile::bounded_time(t, lo, lo, hi) } else { t };
-            if used != t {
-                disagreements.push(Disagreement {
-                    field: "start",
-                    claimed: format!("{:.3}", t as f64 / 1e6),
-                    slurm: format!("{:.3}", used as f64 / 1e6),
-                    used: format!("{:.3}", used as f64 / 1e6),
-                });
-            }
+            disagreements.extend(time_disagreement("start", t, used));
             row.start_us = Some(used);
             gpus = g;
             // The end was ingested first (records out of order): the start is here now.
@@ -191,14 +184,7 @@ async fn fold(
         }
         Record::JobEnd { gpus: g, exit_code, .. } => {
             let used = if verified { reconcile::bounded_time(t, hi, lo, hi) } else { t };
-            if used != t {
-                disagreements.push(Disagreement {
-                    field: "end",
-                    claimed: format!("{:.3}", t as f64 / 1e6),
-                    slurm: format!("{:.3}", used as f64 / 1e6),
-                    used: format!("{:.3}", used as f64 / 1e6),
-                });
-            }
+            disagreements.extend(time_disagreement("end", t, used));
             row.end_us = Some(used);
             row.exit_code = exit_code.map(i64::from);
             row.end_reason = Some("ended".into());
@@ -421,4 +407,10 @@ pub async fn node_of_job(pool: &AnyPool, job_id: u32, nodes: &[String]) -> Resul
 pub async fn record_count(pool: &AnyPool) -> Result<i64, sqlx::Error> {
     let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM acct_records").fetch_one(pool).await?;
     Ok(n)
+}
+
+/// A record's time that Slurm's bounds replaced, as a disagreement (seconds, 3 decimals).
+fn time_disagreement(field: &'static str, claimed_us: i64, used_us: i64) -> Option<Disagreement> {
+    let secs = |us: i64| format!("{:.3}", us as f64 / 1e6);
+    (claimed_us != used_us).then(|| Disagreement { field, claimed: secs(claimed_us), slurm: secs(used_us), used: secs(used_us) })
 }

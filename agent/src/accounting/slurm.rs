@@ -130,22 +130,7 @@ impl SlurmJob {
 /// Expands a Slurm host list: `gpu01`, `gpu[01-03,05]`, `a1,b[1-2]`. At most 4096 names.
 pub fn expand_hostlist(s: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut depth = 0;
-    let mut start = 0;
-    let mut items = Vec::new();
-    for (i, c) in s.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth -= 1,
-            ',' if depth == 0 => {
-                items.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    items.push(&s[start..]);
-    for item in items.into_iter().map(str::trim).filter(|i| !i.is_empty()) {
+    for item in crate::util::split_outside(s, '[', ']') {
         let (Some(open), Some(close)) = (item.find('['), item.rfind(']')) else {
             out.push(item.to_string());
             continue;
@@ -170,32 +155,12 @@ pub fn expand_hostlist(s: &str) -> Vec<String> {
     out
 }
 
-/// Splits on commas outside parentheses.
-fn split_top(s: &str) -> Vec<&str> {
-    let mut depth = 0i32;
-    let mut start = 0;
-    let mut items = Vec::new();
-    for (i, c) in s.char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            ',' if depth == 0 => {
-                items.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    items.push(&s[start..]);
-    items.into_iter().map(str::trim).filter(|i| !i.is_empty()).collect()
-}
-
 /// Parses one node's `GRES=` of `scontrol show job -d`: `gpu:h200:2(IDX:0-1)`,
 /// `shard:h200:2(IDX:0)` (22.05), `shard:h200:7(7/14,0/14)` (per GPU: held/configured), or
 /// several of them comma-separated. `None` when a GPU count has no indices.
 pub fn parse_node_gres(s: &str) -> Option<NodeAlloc> {
     let mut na = NodeAlloc::default();
-    for item in split_top(s) {
+    for item in crate::util::split_outside(s, '(', ')') {
         let (head, inner) = match item.split_once('(') {
             Some((h, rest)) => (h, rest.trim_end_matches(')')),
             None => (item, ""),

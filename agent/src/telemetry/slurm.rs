@@ -122,22 +122,7 @@ pub fn parse_gres_counts(s: &str) -> (u32, u32) {
     let mut gpus = 0u32;
     let mut shards = 0u32;
     // Split on commas outside parentheses (`(S:0-1)` contains none, `(IDX:0,1)` might).
-    let mut depth = 0;
-    let mut items = Vec::new();
-    let mut start = 0;
-    for (i, c) in s.char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            ',' if depth == 0 => {
-                items.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    items.push(&s[start..]);
-    for item in items {
+    for item in crate::util::split_outside(s, '(', ')') {
         let item = item.split('(').next().unwrap_or("").trim();
         let item = item.strip_prefix("gres:").or_else(|| item.strip_prefix("gres/")).unwrap_or(item);
         let mut parts = item.split(':');
