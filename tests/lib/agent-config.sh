@@ -6,10 +6,7 @@
 # (default: no NVML, no Slurm). Append more sections to DIR/agent.toml afterwards if needed.
 agent_config() {
     local dir="$1" telemetry="${2-$'enable_nvml = false\nenable_slurm = false'}"
-    read -r AGENT_GW_PORT AGENT_METRICS_PORT < <(python3 -c 'import socket
-s = [socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1", 0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
+    read -r AGENT_GW_PORT AGENT_METRICS_PORT < <(python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" 2)
     mkdir -p "$dir/state" "$dir/spool" "$dir/run"
     cat > "$dir/agent.toml" <<TOML
 [paths]

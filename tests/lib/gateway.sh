@@ -12,7 +12,7 @@ GW_BIN="${GW_BIN:-$GW_REPO/target/release}"
 
 gw_fail() { echo "FAIL: $*" >&2; [ -n "${GW_DIR:-}" ] && [ -f "$GW_DIR/agent.log" ] && { echo "--- agent.log (tail)" >&2; tail -n 30 "$GW_DIR/agent.log" >&2; }; exit 1; }
 
-gw_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+gw_free_port() { python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"; }
 
 gw_init() {
     for b in gpuhub-agent gpuhub gpuhub-test-worker; do

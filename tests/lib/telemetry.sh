@@ -28,7 +28,7 @@ tel_fail() {
     exit 1
 }
 
-tel_free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+tel_free_port() { python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"; }
 # shellcheck source=agent-config.sh
 . "$(dirname "${BASH_SOURCE[0]}")/agent-config.sh"
 

@@ -25,7 +25,7 @@ cleanup() {
     true
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port() { python3 "$repo/tests/lib/free_port.py"; }
 
 run_backend() {
 backend="$1"

@@ -69,7 +69,7 @@ read -r exp_gpu_us exp_shard_us exp_jobs <<<"$expected"
 echo "expected from the records: gpu_seconds $(python3 -c "print($exp_gpu_us/1e6)"), shard_seconds $(python3 -c "print($exp_shard_us/1e6)"), jobs $exp_jobs"
 
 # A private agent on the test's spool.
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port() { python3 "$LAB_REPO/tests/lib/free_port.py"; }
 mkdir -p "$T/state" "$T/run"
 cat > "$T/agent.toml" <<TOML
 [paths]

@@ -95,10 +95,7 @@ start="$(sed -n 's/^ExecStart=//p' "$unit")"
 [ -n "$pre" ] && [ -n "$start" ] || lab_fail "the packaged unit lacks ExecStartPre= or ExecStart="
 work="$root/test"
 mkdir -p "$work/state" "$work/spool" "$work/run"
-read -r gw_port m_port < <(python3 -c 'import socket
-s=[socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1",0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
+read -r gw_port m_port < <(python3 "$REPO/tests/lib/free_port.py" 2)
 # Documented defaults uncommented (#key = value -> key = value; ## examples stay comments),
 # then only the paths and the listeners are moved.
 sed -E -e 's/^#(\[[a-z.]+\])$/\1/' -e 's/^#([a-z_]+ = )/\1/' "$root/etc/gpuhub/agent.toml" |

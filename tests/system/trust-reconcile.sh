@@ -36,7 +36,7 @@ chmod 755 "$T"
 cd /tmp
 
 # ---- a private agent on the test's spool
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port() { python3 "$LAB_REPO/tests/lib/free_port.py"; }
 mkdir -p "$T/state" "$T/run"
 store_url="sqlite://$T/state/gpuhub.db"
 if [ "${GPUHUB_TRUST_BACKEND:-sqlite}" = postgres ]; then
