@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tomllib
 
-FREE_FORM = {("roles",), ("models", "env")}  # user-chosen keys, not options
+FREE_FORM = {("roles",), ("models", "env"), ("gateway", "user_models")}  # user-chosen keys, not options
 HEADER = re.compile(r"^#{1,2}\[\[?([A-Za-z0-9_.]+)\]\]?\s*$")
 KEYLINE = re.compile(r"^#{1,2}([A-Za-z0-9_]+)\s*=\s*(.*)$")
 failures = []
