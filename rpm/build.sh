@@ -176,7 +176,7 @@ if [ "$PREBUILT" = 1 ]; then
         log "GPUHUB_RPM_PREBUILT=1: cargo build --release here, rpmbuild packages target/release"
         (cd "$REPO" && cargo build --release --locked --workspace)
     fi
-    for f in gpuhub-agent gpuhub libgpuhub_spank.so; do
+    for f in gpuhub-agent gpuhub libgpuhub_spank.so libgpuhub_spank_prolog.so; do
         [ -f "$prebuilt_dir/$f" ] || die "GPUHUB_RPM_PREBUILT=1 but $prebuilt_dir/$f does not exist; run cargo build --release"
     done
     args+=(--define "gpuhub_prebuilt_dir $prebuilt_dir")

@@ -79,7 +79,7 @@ if [ "${GPUHUB_SKIP_CARGO:-0}" != 1 ]; then
     cargo fmt --all -- --check || die "cargo fmt --check: run cargo fmt --all"
     cargo clippy --release --workspace --all-targets --locked -- -D warnings || die "cargo clippy reported problems"
     log "plugin dependency contract"
-    if cargo tree -p gpuhub-spank -e normal | grep -E 'tokio|axum|sqlx'; then
+    if cargo tree -p gpuhub-spank -p gpuhub-spank-prolog -e normal | grep -E 'tokio|axum|sqlx'; then
         die "the SPANK plugin must not depend on tokio, axum or sqlx"
     fi
 fi

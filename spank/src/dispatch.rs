@@ -7,10 +7,16 @@
 //! | `init_post_opt` | – | – | StepStart record, env injection | – |
 //! | `task_exit` | – | – | remember exit status | – |
 //! | `exit` | – | – | StepEnd record | – |
-//! | `job_prolog` | – | – | – | JobStart record, dcgm map add |
-//! | `job_epilog` | – | – | – | JobEnd record, dcgm map remove |
+//! | `job_prolog` | – | – | – | JobStart record, dcgm map add (job-hooks build only) |
+//! | `job_epilog` | – | – | – | JobEnd record, dcgm map remove (job-hooks build only) |
 //!
-//! Only these hooks are exported: each exported hook costs every step a call. Every hook
+//! Only these hooks are exported: each exported hook costs every step a call. They are
+//! `unsafe extern "C"`: Slurm must pass its own `spank_t` and argument vector. The two job
+//! hooks are not exported by this crate at all: a plugin that has them makes slurmd run a
+//! `slurmstepd spank prolog` (and epilog) process for every job, +12 ms per `srun` on the lab
+//! (BENCHMARKS.md). They live in `gpuhub-spank-prolog` (`spank/prolog/`), the build for sites
+//! that want job records from the prolog; the shipped plugin leaves job boundaries to the
+//! agent, which takes them from slurmctld (`docs/spank.md`). Every hook
 //! returns 0 (`ESPANK_SUCCESS`) whatever happens inside: the job never pays for a gpuhub
 //! fault, and with the plugstack line `optional` Slurm ignores plugin errors anyway.
 
@@ -21,11 +27,11 @@ use std::time::Instant;
 
 use crate::config::Config;
 use crate::spank::{self, Context, Spank};
-use crate::{job_script, log, options, remote, sys};
+use crate::{log, options, remote, sys};
 
 /// Runs one hook body. A gpuhub fault is logged, never handed to Slurm. The hook's duration
 /// goes to the debug log (`gpuhub: <hook> took N us`), which `bench/spank-srun.sh` reports.
-fn guarded(hook: &str, body: impl FnOnce() -> Result<(), String>) -> c_int {
+pub fn guarded(hook: &str, body: impl FnOnce() -> Result<(), String>) -> c_int {
     let start = Instant::now();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => {}
@@ -41,8 +47,11 @@ static CONFIG_ERROR_LOGGED: AtomicBool = AtomicBool::new(false);
 /// Parses the plugstack arguments; on error logs once per process and returns `None`, which
 /// keeps the plugin out of the way. In srun/sbatch the line goes to `-v` output only: users
 /// cannot fix plugstack.conf, the admin sees it in slurmd.log from the prolog and steps.
-fn config(ctx: Context, ac: c_int, av: *mut *mut c_char) -> Option<Config> {
-    // SAFETY: Slurm passes `ac` valid argument strings in `av`.
+///
+/// # Safety
+/// `ac` and `av` must be the argument count and vector Slurm passed to the calling hook.
+pub unsafe fn config(ctx: Context, ac: c_int, av: *mut *mut c_char) -> Option<Config> {
+    // SAFETY: the caller passes Slurm's `ac` valid argument strings in `av`.
     let args = unsafe { spank::args(ac, av) };
     match Config::parse(&args) {
         Ok(c) => Some(c),
@@ -60,26 +69,34 @@ fn config(ctx: Context, ac: c_int, av: *mut *mut c_char) -> Option<Config> {
 
 /// All contexts. Registers the options (even with bad plugstack arguments, so that a job
 /// script using `--mlflow-experiment` never fails because of the admin's typo).
+///
+/// # Safety
+/// Only Slurm calls it, with its own `spank_t` and plugstack argument vector.
 #[unsafe(no_mangle)]
-pub extern "C" fn slurm_spank_init(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_init(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
     guarded("init", || {
         let ctx = spank::context();
         if matches!(ctx, Context::Local | Context::Allocator | Context::Remote) {
             options::register(Spank(sp));
         }
         if ctx == Context::Remote {
-            let _ = config(ctx, ac, av); // log a bad plugstack line early, once
+            // SAFETY: the hook's own arguments from Slurm.
+            let _ = unsafe { config(ctx, ac, av) }; // log a bad plugstack line early, once
         }
         Ok(())
     })
 }
 
 /// REMOTE: record the step start and inject the environment (root).
+///
+/// # Safety
+/// Only Slurm calls it, with its own `spank_t` and plugstack argument vector.
 #[unsafe(no_mangle)]
-pub extern "C" fn slurm_spank_init_post_opt(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_init_post_opt(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
     guarded("init_post_opt", || {
         let ctx = spank::context();
-        match (ctx, config(ctx, ac, av)) {
+        // SAFETY: the hook's own arguments from Slurm.
+        match (ctx, unsafe { config(ctx, ac, av) }) {
             (Context::Remote, Some(cfg)) => remote::init_post_opt(Spank(sp), &cfg),
             _ => Ok(()),
         }
@@ -87,8 +104,11 @@ pub extern "C" fn slurm_spank_init_post_opt(sp: sys::spank_t, ac: c_int, av: *mu
 }
 
 /// REMOTE, per task, in slurmstepd (root): remember the exit status for the StepEnd record.
+///
+/// # Safety
+/// Only Slurm calls it, with its own `spank_t` and plugstack argument vector.
 #[unsafe(no_mangle)]
-pub extern "C" fn slurm_spank_task_exit(sp: sys::spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_task_exit(sp: sys::spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
     guarded("task_exit", || {
         if spank::context() == Context::Remote {
             remote::task_exit(Spank(sp));
@@ -98,40 +118,20 @@ pub extern "C" fn slurm_spank_task_exit(sp: sys::spank_t, _ac: c_int, _av: *mut 
 }
 
 /// REMOTE: record the step end (root). Also called in srun/sbatch, where it does nothing.
+///
+/// # Safety
+/// Only Slurm calls it, with its own `spank_t` and plugstack argument vector.
 #[unsafe(no_mangle)]
-pub extern "C" fn slurm_spank_exit(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_exit(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
     guarded("exit", || {
         let ctx = spank::context();
         if ctx != Context::Remote {
             return Ok(());
         }
-        match config(ctx, ac, av) {
+        // SAFETY: the hook's own arguments from Slurm.
+        match unsafe { config(ctx, ac, av) } {
             Some(cfg) => remote::exit(Spank(sp), &cfg),
             None => Ok(()),
-        }
-    })
-}
-
-/// JOB_SCRIPT: the allocation starts on this node (root).
-#[unsafe(no_mangle)]
-pub extern "C" fn slurm_spank_job_prolog(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
-    guarded("job_prolog", || {
-        let ctx = spank::context();
-        match (ctx, config(ctx, ac, av)) {
-            (Context::JobScript, Some(cfg)) => job_script::prolog(Spank(sp), &cfg),
-            _ => Ok(()),
-        }
-    })
-}
-
-/// JOB_SCRIPT: the allocation ends on this node (root), also after scancel or a time limit.
-#[unsafe(no_mangle)]
-pub extern "C" fn slurm_spank_job_epilog(sp: sys::spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
-    guarded("job_epilog", || {
-        let ctx = spank::context();
-        match (ctx, config(ctx, ac, av)) {
-            (Context::JobScript, Some(cfg)) => job_script::epilog(Spank(sp), &cfg),
-            _ => Ok(()),
         }
     })
 }

@@ -4,11 +4,14 @@
 //! slurmstepd of every step. It does three things, all bounded and local (no threads, no
 //! network, no database, never waits on the agent):
 //!
-//! 1. **Usage records** into a durable spool that the agent ingests exactly once: JobStart /
-//!    JobEnd from the prolog/epilog, StepStart / StepEnd from each step (where the shard count
-//!    is visible). See `gpuhub_wire::spool` for the format and `docs/spank.md` for the
-//!    per-GPU / per-shard accounting derived from them.
-//! 2. **dcgm-exporter job map** files (`<dir>/<gpu index>`, one job id per line).
+//! 1. **Usage records** into a spool that the agent ingests exactly once: StepStart / StepEnd
+//!    from each step (where the shard count is visible). Job boundaries and allocations come
+//!    from slurmctld, through the agent; the build with job hooks (`spank/prolog`,
+//!    `gpuhub-spank-prolog`) adds JobStart / JobEnd from the prolog/epilog. See
+//!    `gpuhub_wire::spool` for the format and `docs/spank.md` for the per-GPU / per-shard
+//!    accounting derived from them.
+//! 2. **dcgm-exporter job map** files (`<dir>/<gpu index>`, one job id per line), from the
+//!    prolog/epilog of the job-hooks build (the agent keeps them otherwise).
 //! 3. **Environment injection** into job steps, never overwriting what the user set:
 //!    MLflow (`MLFLOW_TRACKING_URI`, `MLFLOW_EXPERIMENT_NAME`, `MLFLOW_RUN_CONTEXT`,
 //!    `MLFLOW_TAGS`), the gateway (`GPUHUB_URL`, `OPENAI_BASE_URL`), one `<ROLE>_MODEL` per app
@@ -20,7 +23,7 @@
 //!
 //! Parts:
 //! - [`dispatch`]: the exported hooks; the one switch on `spank_context()`.
-//! - [`remote`], [`job_script`], [`options`]: per-context code.
+//! - [`remote`], [`job_script`] (used by the job-hooks build only), [`options`]: per-context code.
 //! - [`config`]: plugstack arguments and defaults; [`inject`]: the environment plan;
 //!   [`records`]: usage records from hook variables; [`spool`], [`dcgm`], [`files`]: disk I/O.
 //! - [`spank`], [`sys`], [`log`], [`symbols`]: the FFI boundary.
@@ -52,8 +55,9 @@ pub mod symbols;
 use gpuhub_wire::spool::Record;
 
 /// Writes a record; on failure logs it whole (so the admin can re-spool it) and moves on.
-/// Records are `fsync`ed as they are written only with `fsync=all`; by default the epilog
-/// fsyncs all of a job's records at once when the job ends (see [`spool`]).
+/// Records are `fsync`ed as they are written only with `fsync=all`; by default they reach the
+/// disk by writeback, and the epilog of the job-hooks build fsyncs all of a job's records at once
+/// when the job ends (see [`spool`]).
 pub fn write_record_logged(cfg: &config::Config, rec: &Record) {
     let sync = if cfg.fsync_all { spool::Sync::Durable } else { spool::Sync::Visible };
     match spool::write_record(&cfg.spool_dir, rec, sync) {

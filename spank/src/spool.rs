@@ -5,15 +5,16 @@
 //! finds the files later (they live in the page cache and on disk, not in the agent).
 //!
 //! Durability ([`Sync`]): an `fsync` of the file and of the directory costs ~7 ms on the lab's
-//! disk, and srun waits for the prolog (JobStart) and for slurmstepd's hooks (StepStart,
-//! StepEnd): fsyncing those added +15 ms to every `srun -N1 true` (+7 ms with StepEnd alone),
-//! against a +5 ms budget (BENCHMARKS.md). So by default those records are only renamed into
-//! place and reach the disk through normal writeback (seconds); the epilog, which runs after
-//! srun has returned, `fsync`s all of the job's record files still in the spool, JobEnd
-//! included, and the directory once ([`sync_job_records`]): every record of a job is durable
-//! when the job ends. A node crash can thus lose records of jobs that were
-//! running within the writeback window before the crash (jobs that never got an end either).
-//! `fsync=all` on the plugstack line makes every record durable before its hook returns.
+//! disk, and srun waits for slurmstepd's hooks (StepStart, StepEnd) and, in the job-hooks build,
+//! for the prolog (JobStart): fsyncing those added +15 ms to every `srun -N1 true` (+7 ms with
+//! StepEnd alone), against a +5 ms budget (BENCHMARKS.md). So by default records are only
+//! renamed into place and reach the disk through normal writeback (seconds). That loses nothing
+//! the bill needs: job boundaries and allocations are Slurm's (slurmctld's state save and
+//! slurmdbd), and the agent fills in from Slurm a job whose records a node crash took. In the
+//! job-hooks build the epilog, which runs after srun has returned, `fsync`s all of the job's
+//! record files still in the spool, JobEnd included, and the directory once
+//! ([`sync_job_records`]). `fsync=all` on the plugstack line makes every record durable before
+//! its hook returns.
 //!
 //! A write that fails (read-only or full file system) removes its temp file and returns the
 //! error; the caller logs it with the whole record, so nothing is lost silently.

@@ -36,6 +36,7 @@ ls_pkg "$agent" > "$OUT/agent.files"
 has() { grep -Eq "^$2\$" "$OUT/$1.files"; }
 # gpuhub-spank
 check "spank: $libdir/slurm/spank_gpuhub.so" has spank "-rw[-x]r-[-x]r-[-x] root root [a-z]* $libdir/slurm/spank_gpuhub.so"
+check "spank: $libdir/slurm/spank_gpuhub_prolog.so (the job-hooks build)" has spank "-rw[-x]r-[-x]r-[-x] root root [a-z]* $libdir/slurm/spank_gpuhub_prolog.so"
 check "spank: plugstack snippet is %config(noreplace)" has spank "-rw-r--r-- root root cn /etc/slurm/plugstack.conf.d/gpuhub.conf"
 check "spank: spool dir 0700 root" has spank "drwx------ root root [a-z]* /var/spool/gpuhub"
 check "spank: /run/gpuhub is %ghost" has spank "drwxr-xr-x root root g /run/gpuhub"
@@ -87,6 +88,8 @@ check "packaged gpuhub-agent --version says $version" sh -c "'$root/usr/bin/gpuh
 check "packaged gpuhub --help runs" "$root/usr/bin/gpuhub" --help
 check "packaged gpuhub-agent accepts the packaged agent.toml" env -u GPUHUB_STORE_URL "$root/usr/bin/gpuhub-agent" check-config --config "$root/etc/gpuhub/agent.toml"
 check "packaged plugin exports plugin_name/plugin_type/plugin_version" sh -c "nm -D --defined-only '$root$libdir/slurm/spank_gpuhub.so' | grep -c ' plugin_\(name\|type\|version\)$' | grep -qx 3"
+check "packaged spank_gpuhub.so has no job hooks (no prolog process per job)" sh -c "! nm -D --defined-only '$root$libdir/slurm/spank_gpuhub.so' | grep -q ' slurm_spank_job_'"
+check "packaged spank_gpuhub_prolog.so has both job hooks" sh -c "nm -D --defined-only '$root$libdir/slurm/spank_gpuhub_prolog.so' | grep -c ' slurm_spank_job_\(prolog\|epilog\)$' | grep -qx 2"
 
 echo "file lists: $OUT/spank.files $OUT/agent.files; full contents: $OUT/contents.txt"
 [ -s "$OUT/rpmbuild-seconds" ] && echo "rpmbuild took $(cat "$OUT/rpmbuild-seconds") s (GPUHUB_RPM_PREBUILT=${GPUHUB_RPM_PREBUILT:-0})"
