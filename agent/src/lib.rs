@@ -197,10 +197,19 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             interval: std::time::Duration::from_millis(
                 config.file.accounting.reconcile_interval_ms.unwrap_or(tcfg.slurm_interval_ms).max(1_000),
             ),
+            boundaries: config.file.accounting.job_boundaries,
+            job_map_dir: (config.file.accounting.job_boundaries == config::JobBoundaries::Slurm)
+                .then(|| tcfg.job_map().map(std::path::Path::to_path_buf))
+                .flatten(),
         });
+    } else if config.file.accounting.job_boundaries == config::JobBoundaries::Slurm {
+        tracing::warn!(
+            "accounting: job boundaries come from Slurm (accounting.job_boundaries = \"slurm\") but telemetry.enable_slurm or accounting.slurm_reconcile is off: \
+             jobs known from step records never end; turn Slurm back on, or use the plugin build with job hooks and job_boundaries = \"prolog\""
+        );
     } else {
         tracing::info!(
-            "accounting: not reconciled with Slurm (telemetry.enable_slurm or accounting.slurm_reconcile is off); records are billed as they claim"
+            "accounting: not reconciled with Slurm (telemetry.enable_slurm or accounting.slurm_reconcile is off); job records are billed as they claim"
         );
     }
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));

@@ -244,22 +244,33 @@ async fn fold(
             .await?;
     }
     if matches!(rec, Record::JobEnd { .. }) {
-        for s in stats {
-            sqlx::query(
-                "UPDATE acct_job_gpus SET mean_util = $1, peak_vram_bytes = $2, energy_joules = $3, samples = $4 WHERE node = $5 AND job_id = $6 AND gpu_index = $7",
-            )
-            .bind(s.mean_util)
-            .bind(i64::try_from(s.peak_vram_bytes).unwrap_or(i64::MAX))
-            .bind(s.energy_joules)
-            .bind(i64::try_from(s.samples).unwrap_or(i64::MAX))
-            .bind(&row.node)
-            .bind(row.job_id)
-            .bind(i64::from(s.gpu_index))
-            .execute(&mut **tx)
-            .await?;
-        }
+        store_job_stats(tx, &row.node, row.job_id, stats).await?;
     }
     Ok(Folded { anomalies, disagreements, unverified: row.verified.is_empty() })
+}
+
+/// What telemetry measured on each of a job's GPUs, stored on its GPU rows when the job ends.
+pub(crate) async fn store_job_stats(
+    tx: &mut Transaction<'static, Any>,
+    node: &str,
+    job_id: i64,
+    stats: &[JobGpuStats],
+) -> Result<(), sqlx::Error> {
+    for s in stats {
+        sqlx::query(
+            "UPDATE acct_job_gpus SET mean_util = $1, peak_vram_bytes = $2, energy_joules = $3, samples = $4 WHERE node = $5 AND job_id = $6 AND gpu_index = $7",
+        )
+        .bind(s.mean_util)
+        .bind(i64::try_from(s.peak_vram_bytes).unwrap_or(i64::MAX))
+        .bind(s.energy_joules)
+        .bind(i64::try_from(s.samples).unwrap_or(i64::MAX))
+        .bind(node)
+        .bind(job_id)
+        .bind(i64::from(s.gpu_index))
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
 }
 
 pub(crate) fn remove_anomaly(list: &mut String, a: &str) {

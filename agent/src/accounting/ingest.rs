@@ -10,8 +10,9 @@ use gpuhub_wire::spool::{QUARANTINE_DIR, RECORDS_DIR, Record};
 use tokio_util::sync::CancellationToken;
 
 use super::reconcile::{self, Action, Inputs};
-use super::slurm::{SlurmSource, SlurmState};
+use super::slurm::{SlurmSource, SlurmState, is_finished};
 use super::{AccountingMetrics, Anomaly, FieldLabels, GpuView, KindLabels, db};
+use crate::config::JobBoundaries;
 use crate::store::Store;
 
 /// A record file larger than this is not a record (the plugin writes < 2 KiB).
@@ -34,6 +35,11 @@ pub struct SlurmLink {
     pub node: String,
     /// Reconciliation interval.
     pub interval: Duration,
+    /// Where job starts and ends come from (`accounting.job_boundaries`).
+    pub boundaries: JobBoundaries,
+    /// The dcgm job map to keep from Slurm's allocations (`telemetry.job_map_dir`; only with
+    /// job boundaries from Slurm: the job-hooks build keeps it from the prolog otherwise).
+    pub job_map_dir: Option<PathBuf>,
 }
 
 #[derive(Default)]
@@ -48,6 +54,8 @@ struct SlurmMemo {
     failed_at: Option<tokio::time::Instant>,
     last_error: Option<String>,
     last_reconcile: Option<tokio::time::Instant>,
+    /// The last failure to write the dcgm job map (logged once until it changes or clears).
+    job_map_error: Option<std::io::ErrorKind>,
 }
 
 /// What one pass did.
@@ -313,9 +321,16 @@ impl Ingestor {
                 self.memo.last_listed.insert(id, st.taken_us);
             }
             self.memo.last_listed.retain(|_, t| *t > st.taken_us - 86_400 * 1_000_000);
+            self.write_job_map(&st, &nodes).await;
         }
+        let boundaries = self.slurm.as_ref().map_or(JobBoundaries::Slurm, |l| l.boundaries);
         for action in &actions {
-            match reconcile::apply(&pool, action, crate::util::now_us()).await {
+            let stats = match action {
+                Action::Close { job_id, .. } => self.gpus.job_gpu_stats(*job_id),
+                Action::Create { job, .. } if is_finished(&job.state) => self.gpus.job_gpu_stats(job.job_id),
+                _ => Vec::new(),
+            };
+            match reconcile::apply(&pool, action, crate::util::now_us(), boundaries, &stats).await {
                 Ok(applied) => self.report_applied(action, applied),
                 Err(e) => {
                     tracing::error!("accounting: store error while reconciling with Slurm: {e}; retried next interval");
@@ -327,12 +342,35 @@ impl Ingestor {
         report
     }
 
+    /// Rewrites the dcgm job map from one look at slurmctld (job boundaries from Slurm only).
+    async fn write_job_map(&mut self, st: &SlurmState, nodes: &BTreeSet<String>) {
+        let Some(dir) = self.slurm.as_ref().and_then(|l| l.job_map_dir.clone()) else { return };
+        let map = super::job_map::from_slurm(st, nodes);
+        let shown = dir.display().to_string();
+        match tokio::task::spawn_blocking(move || super::job_map::write(&dir, &map)).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => tracing::debug!("accounting: dcgm job map {shown}: {n} GPU files updated"),
+            Ok(Err(e)) => {
+                if self.memo.job_map_error.replace(e.kind()) != Some(e.kind()) {
+                    tracing::error!(
+                        "accounting: cannot write the dcgm job map {shown}: {e} (dcgm-exporter and GPU attribution miss jobs until it is writable; check telemetry.job_map_dir)"
+                    );
+                }
+                return;
+            }
+            Err(e) => tracing::error!("accounting: the dcgm job map task failed: {e}"),
+        }
+        if self.memo.job_map_error.take().is_some() {
+            tracing::info!("accounting: the dcgm job map {shown} is written again");
+        }
+    }
+
     fn report_applied(&self, action: &Action, applied: reconcile::Applied) {
         let (node, job, source) = match action {
             Action::Verify { node, job_id, job, .. } => (node.as_str(), *job_id, job.source.as_str()),
             Action::Unverified { node, job_id } => (node.as_str(), *job_id, "slurm"),
-            Action::Close { node, job_id, job, how, end_us } => {
-                if applied.anomalies.contains(&Anomaly::EndFromSlurm) {
+            Action::Close { node, job_id, job, how, end_us, .. } => {
+                if applied.anomalies.contains(&Anomaly::EndFromSlurm) || applied.anomalies.contains(&Anomaly::EndApproximate) {
                     tracing::warn!(
                         "accounting: job {job_id} on {node}: end record never arrived; closed from Slurm at {:.0} ({how})",
                         *end_us as f64 / 1e6

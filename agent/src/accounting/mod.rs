@@ -12,8 +12,10 @@
 //! - [`usage`]: the arithmetic (pure, tested without a database).
 //! - [`slurm`]: what Slurm says about a job (`scontrol show job -d -o`, `sacct`): parsers and
 //!   the thin command layer.
-//! - [`reconcile`]: the records checked against Slurm (Slurm wins), jobs closed or filled in
-//!   from Slurm; a pure planner and the writes.
+//! - [`reconcile`]: the records checked against Slurm (Slurm wins), jobs created and closed
+//!   from Slurm (the normal path with `accounting.job_boundaries = "slurm"`, an anomaly with
+//!   `"prolog"`); a pure planner and the writes.
+//! - [`job_map`]: the dcgm-exporter job map kept from slurmctld's allocations (`"slurm"`).
 //! - [`api`]: control-socket routes `GET /v1/usage/gpu` and `GET /v1/jobs/{id}`; users see
 //!   their own jobs (SO_PEERCRED uid), admins all.
 //! - [`cli`]: `gpuhub usage` and `gpuhub job` output.
@@ -29,6 +31,7 @@ pub mod api;
 pub mod cli;
 pub mod db;
 pub mod ingest;
+pub mod job_map;
 pub mod reconcile;
 pub mod slurm;
 pub mod usage;
@@ -62,6 +65,8 @@ pub enum Anomaly {
     StartFromSlurm,
     /// Neither slurmctld nor sacct knows the job; its records stand unverified.
     Unverified,
+    /// Slurm no longer knows when the job ended; closed at the last look that listed it.
+    EndApproximate,
 }
 
 impl Anomaly {
@@ -75,6 +80,7 @@ impl Anomaly {
             Anomaly::EndFromSlurm => "end_from_slurm",
             Anomaly::StartFromSlurm => "start_from_slurm",
             Anomaly::Unverified => "unverified",
+            Anomaly::EndApproximate => "end_approximate",
         }
     }
 
@@ -88,6 +94,7 @@ impl Anomaly {
             Anomaly::EndFromSlurm,
             Anomaly::StartFromSlurm,
             Anomaly::Unverified,
+            Anomaly::EndApproximate,
         ]
         .into_iter()
         .find(|a| a.as_str() == s)
@@ -111,6 +118,9 @@ impl Anomaly {
             }
             Anomaly::Unverified => {
                 "neither slurmctld nor sacct knows the job (MinJobAge passed and no slurmdbd?); billed from its records, unverified"
+            }
+            Anomaly::EndApproximate => {
+                "Slurm no longer knows when it ended (slurmctld forgot it and sacct has no end: no slurmdbd?); closed at the last Slurm look that listed it"
             }
         }
     }

@@ -31,6 +31,8 @@ use sqlx::{Any, AnyPool, Transaction};
 use super::Anomaly;
 use super::db::{self, GPU_COLS, JOB_COLS, JobGpuRow, JobRow};
 use super::slurm::{Alloc, SlurmJob, SlurmState, expand_hostlist, is_finished, is_live};
+use crate::config::JobBoundaries;
+use crate::telemetry::JobGpuStats;
 
 /// Slurm keeps whole seconds and the prolog/epilog run just after its start/end: a record's
 /// time within this of Slurm's bounds is the record's.
@@ -225,8 +227,9 @@ pub enum Action {
     Verify { node: String, job_id: u32, job: SlurmJob, alloc: Alloc },
     /// Neither slurmctld nor sacct knows the job: its records stand.
     Unverified { node: String, job_id: u32 },
-    /// An open job Slurm no longer runs here: close it at `end_us`.
-    Close { node: String, job_id: u32, end_us: i64, how: String, job: Option<(SlurmJob, Alloc)> },
+    /// An open job Slurm no longer runs here: close it at `end_us` (`exact`: Slurm's own end
+    /// time; else the last or first look with or without it).
+    Close { node: String, job_id: u32, end_us: i64, how: String, exact: bool, job: Option<(SlurmJob, Alloc)> },
     /// A job Slurm ran here that the store lacks.
     Create { node: String, job: SlurmJob, alloc: Alloc },
 }
@@ -277,18 +280,18 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) {
                 continue;
             }
-            let (end, how) = if let Some(e) = ctld.filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
-                (e, "slurmctld's EndTime")
+            let (end, how, exact) = if let Some(e) = ctld.filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
+                (e, "slurmctld's EndTime", true)
             } else if let Some(e) = st.acct.get(&id).filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
-                (e, "sacct's End")
+                (e, "sacct's End", true)
             } else if let Some(t) = inp.last_listed.get(&id) {
-                (*t, "the last Slurm snapshot that listed it")
+                (*t, "the last Slurm snapshot that listed it", false)
             } else {
-                (st.taken_us, "the first Slurm snapshot without it (the agent never saw it running)")
+                (st.taken_us, "the first Slurm snapshot without it (the agent never saw it running)", false)
             };
             let job = st.job(id).and_then(|j| j.alloc_on(&nodes).map(|a| (j.clone(), a)));
             handled.insert(id);
-            out.push(Action::Close { node: row.node.clone(), job_id: id, end_us: end.max(start), how: how.into(), job });
+            out.push(Action::Close { node: row.node.clone(), job_id: id, end_us: end.max(start), how: how.into(), exact, job });
         }
     }
     for row in inp.unverified {
@@ -444,8 +447,17 @@ pub async fn disagreements(pool: &AnyPool, node: &str, job_id: i64) -> Result<Ve
 }
 
 /// Writes one action. A job that changed in between (verified, closed, created by a record)
-/// is left as it is.
-pub async fn apply(pool: &AnyPool, action: &Action, now_us: i64) -> Result<Applied, sqlx::Error> {
+/// is left as it is. `boundaries`: whether Slurm is the source of job starts and ends (then
+/// creating and closing from Slurm is the normal path) or the prolog's records are (then each
+/// is an anomaly). `stats`: what telemetry measured on the job's GPUs, stored when it ends.
+pub async fn apply(
+    pool: &AnyPool,
+    action: &Action,
+    now_us: i64,
+    boundaries: JobBoundaries,
+    stats: &[JobGpuStats],
+) -> Result<Applied, sqlx::Error> {
+    let from_slurm = boundaries == JobBoundaries::Slurm;
     let mut out = Applied::default();
     let mut tx = pool.begin().await?;
     match action {
@@ -471,7 +483,7 @@ pub async fn apply(pool: &AnyPool, action: &Action, now_us: i64) -> Result<Appli
             }
             db::upsert_job(&mut tx, &row).await?;
         }
-        Action::Close { node, job_id, end_us, how, job } => {
+        Action::Close { node, job_id, end_us, exact, job, .. } => {
             let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
             if row.end_us.is_some() {
                 return Ok(out);
@@ -485,14 +497,22 @@ pub async fn apply(pool: &AnyPool, action: &Action, now_us: i64) -> Result<Appli
                 replace_gpus(&mut tx, &row, &gpus).await?;
             }
             row.end_us = Some((*end_us).max(row.start_us.unwrap_or(row.first_seen_us)));
-            if row.slurm_end_us.is_none() && how != "the first Slurm snapshot without it (the agent never saw it running)" {
+            if row.slurm_end_us.is_none() && *exact {
                 row.slurm_end_us = Some(*end_us);
             }
-            row.end_reason = Some("closed_from_slurm".into());
-            if db::add_anomaly(&mut row.anomalies, Anomaly::EndFromSlurm.as_str()) {
-                out.anomalies.push(Anomaly::EndFromSlurm);
+            row.end_reason = Some(if from_slurm { "ended" } else { "closed_from_slurm" }.into());
+            let anomaly = match (from_slurm, *exact) {
+                (true, true) => None,
+                (true, false) => Some(Anomaly::EndApproximate),
+                (false, _) => Some(Anomaly::EndFromSlurm),
+            };
+            if let Some(a) = anomaly
+                && db::add_anomaly(&mut row.anomalies, a.as_str())
+            {
+                out.anomalies.push(a);
             }
             db::upsert_job(&mut tx, &row).await?;
+            db::store_job_stats(&mut tx, &row.node, row.job_id, stats).await?;
         }
         Action::Create { node, job, alloc } => {
             if load(&mut tx, node, i64::from(job.job_id)).await?.is_some() {
@@ -503,17 +523,32 @@ pub async fn apply(pool: &AnyPool, action: &Action, now_us: i64) -> Result<Appli
             let mut gpus = Vec::new();
             verify(&mut row, &mut gpus, job, alloc);
             row.start_us = job.start_us;
-            out.anomalies.push(Anomaly::StartFromSlurm);
-            db::add_anomaly(&mut row.anomalies, Anomaly::StartFromSlurm.as_str());
-            if is_finished(&job.state) {
+            if !from_slurm {
+                out.anomalies.push(Anomaly::StartFromSlurm);
+                db::add_anomaly(&mut row.anomalies, Anomaly::StartFromSlurm.as_str());
+            }
+            let ended = is_finished(&job.state);
+            if ended {
                 row.end_us = job.end_us.or(Some(now_us));
                 row.last_seen_us = row.end_us.unwrap_or(start);
-                row.end_reason = Some("filled_from_slurm".into());
-                db::add_anomaly(&mut row.anomalies, Anomaly::EndFromSlurm.as_str());
-                out.anomalies.push(Anomaly::EndFromSlurm);
+                row.end_reason = Some(if from_slurm { "ended" } else { "filled_from_slurm" }.into());
+                let a = if !from_slurm {
+                    Some(Anomaly::EndFromSlurm)
+                } else if job.end_us.is_none() {
+                    Some(Anomaly::EndApproximate)
+                } else {
+                    None
+                };
+                if let Some(a) = a {
+                    db::add_anomaly(&mut row.anomalies, a.as_str());
+                    out.anomalies.push(a);
+                }
             }
             db::upsert_job(&mut tx, &row).await?;
             replace_gpus(&mut tx, &row, &gpus).await?;
+            if ended {
+                db::store_job_stats(&mut tx, &row.node, row.job_id, stats).await?;
+            }
         }
     }
     tx.commit().await?;

@@ -128,13 +128,21 @@ async fn story(store: Store) {
     std::fs::write(records.join("00000000000000000002-v99.json"), start(t0, &alice, vec![]).to_json().replace("\"v\":1", "\"v\":99"))
         .unwrap();
     std::fs::write(records.join("00000000000000000003-huge.json"), vec![b' '; 2 * 1024 * 1024]).unwrap();
+    // Hand-made records past the plugin's bounds: a 3 KB user name (over PostgreSQL's index entry
+    // limit) and a control character in the account. Quarantined; the others still ingest.
+    let mut long = ident(18, 1008, "h");
+    long.user = "u".repeat(3 * 1024);
+    std::fs::write(records.join("00000000000000000005-long-user.json"), start(t0, &long, vec![]).to_json()).unwrap();
+    let mut ctl = ident(19, 1009, "i");
+    ctl.account = Some("lab\u{1b}[2J".into());
+    std::fs::write(records.join("00000000000000000006-control.json"), start(t0, &ctl, vec![]).to_json()).unwrap();
     std::fs::write(records.join(".00000000000000000004-inflight.tmp"), "{").unwrap();
 
     let mut registry = Registry::default();
     let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
     let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics);
     let report = ing.pass().await;
-    assert_eq!((report.ingested, report.duplicates, report.quarantined, report.left), (16, 0, 3, 0), "{report:?}");
+    assert_eq!((report.ingested, report.duplicates, report.quarantined, report.left), (16, 0, 5, 0), "{report:?}");
     let left: Vec<_> = std::fs::read_dir(&records).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert_eq!(left, vec![".00000000000000000004-inflight.tmp"], "only the file in flight stays");
     let q = spool.path().join(QUARANTINE_DIR);
@@ -142,6 +150,10 @@ async fn story(store: Store) {
     assert!(reason.contains("not a gpuhub usage record"), "{reason}");
     assert!(std::fs::read_to_string(q.join("00000000000000000002-v99.json.reason")).unwrap().contains("version 99"));
     assert!(std::fs::read_to_string(q.join("00000000000000000003-huge.json.reason")).unwrap().contains("larger than any record"));
+    let reason = std::fs::read_to_string(q.join("00000000000000000005-long-user.json.reason")).unwrap();
+    assert!(reason.contains("field `user` is 3072 bytes long, over the 64-byte limit"), "{reason}");
+    let reason = std::fs::read_to_string(q.join("00000000000000000006-control.json.reason")).unwrap();
+    assert!(reason.contains("field `account` holds a control character") && !reason.contains("[2J"), "{reason}");
     assert_eq!(std::fs::read_to_string(q.join("00000000000000000001-garbage.json")).unwrap(), "{not json", "kept as it was");
 
     // The node rebooted 500 s after t0; the agent's last heartbeat was at t0 + 300 s.
@@ -214,7 +226,7 @@ async fn story(store: Store) {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     for line in [
-        "gpuhub_accounting_records_quarantined_total 3",
+        "gpuhub_accounting_records_quarantined_total 5",
         "gpuhub_accounting_records_duplicate_total 1",
         "gpuhub_accounting_anomalies_total{kind=\"unknown_gpu\"} 1",
         "gpuhub_accounting_anomalies_total{kind=\"clock_backwards\"} 1",
@@ -263,6 +275,7 @@ mod reconcile_story {
     use crate::accounting::ingest::SlurmLink;
     use crate::accounting::reconcile::{self, Action, Inputs};
     use crate::accounting::slurm::{NodeAlloc, SlurmJob, SlurmSource, SlurmState, Source};
+    use crate::config::JobBoundaries;
 
     struct FakeSlurm(Mutex<SlurmState>);
 
@@ -344,7 +357,14 @@ mod reconcile_story {
         let fake = Arc::new(FakeSlurm(Mutex::new(st)));
         let mut registry = Registry::default();
         let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
-        let link = SlurmLink { source: fake.clone(), node: "gpu01".into(), interval: std::time::Duration::from_secs(1) };
+        // The job-hooks build's records: a job Slurm fills in or closes is an anomaly.
+        let link = SlurmLink {
+            source: fake.clone(),
+            node: "gpu01".into(),
+            interval: std::time::Duration::from_secs(1),
+            boundaries: JobBoundaries::Prolog,
+            job_map_dir: None,
+        };
         let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
         ing.start_watching(None).await;
         ing.tick(true).await;
@@ -421,10 +441,103 @@ mod reconcile_story {
         }
     }
 
+    /// As shipped: step records only, job boundaries from Slurm. Creating and closing jobs from
+    /// Slurm is the normal path (no anomaly), the job's measurements are stored at the close,
+    /// and the dcgm job map follows slurmctld's allocations.
+    async fn slurm_story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let map = tempfile::tempdir().unwrap();
+        let t0 = (crate::util::now_us() / S - 1000) * S;
+        store.set_setting("accounting.slurm_watch_since_us", &(t0 - S).to_string()).await.unwrap();
+        let lab = |job: u32| JobIdentity { account: None, partition: None, ..ident(job, 1001, "gpuhublab") };
+        // 11: gpu:1 (FakeGpus has measurements for it), with its step records.
+        write(spool.path(), &step(t0 + 11 * S, &lab(11), vec![g(0, None)], None));
+        write(spool.path(), &step_end(t0 + 40 * S, &lab(11)));
+        // 33: gpu:2, running, with a step; 32: shard:3 on GPU 1, an salloc without any record;
+        // 34: running now, then slurmctld forgets it and there is no sacct.
+        write(spool.path(), &step(t0 + 61 * S, &lab(33), vec![g(0, None), g(1, None)], None));
+        let running = BTreeMap::from([
+            (11, indexed(sj(11, Source::Slurmctld, "RUNNING", t0 + 10 * S, Some(t0 + 130 * S), 1, 0), &[0], &[])),
+            (32, indexed(sj(32, Source::Slurmctld, "RUNNING", t0 + 20 * S, Some(t0 + 140 * S), 0, 3), &[], &[(1, 3)])),
+            (33, indexed(sj(33, Source::Slurmctld, "RUNNING", t0 + 60 * S, Some(t0 + 180 * S), 2, 0), &[0, 1], &[])),
+            (34, indexed(sj(34, Source::Slurmctld, "RUNNING", t0 + 70 * S, Some(t0 + 190 * S), 0, 2), &[], &[(1, 2)])),
+        ]);
+        let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ctld: running, acct: BTreeMap::new(), errors: Vec::new() };
+        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let mut registry = Registry::default();
+        let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+        let link = SlurmLink {
+            source: fake.clone(),
+            node: "gpu01".into(),
+            interval: std::time::Duration::from_secs(1),
+            boundaries: JobBoundaries::Slurm,
+            job_map_dir: Some(map.path().to_path_buf()),
+        };
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
+        ing.start_watching(None).await;
+        ing.tick(true).await;
+        let read = |gpu: u32| std::fs::read_to_string(map.path().join(gpu.to_string())).unwrap_or_default();
+        assert_eq!((read(0).as_str(), read(1).as_str()), ("11\n33\n", "32\n33\n34\n"), "the job map follows slurmctld");
+
+        // 11 ends (slurmctld's EndTime), 33 ends and slurmctld forgot it (sacct's End), 34 is
+        // forgotten with no end anywhere; 32 still runs.
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.ctld.remove(&33);
+            st.ctld.remove(&34);
+            let j11 = st.ctld.get_mut(&11).unwrap();
+            (j11.state, j11.end_us) = ("COMPLETED".into(), Some(t0 + 41 * S));
+            st.acct.insert(33, sj(33, Source::Sacct, "COMPLETED", t0 + 60 * S, Some(t0 + 90 * S), 2, 0));
+        }
+        ing.tick(true).await;
+        let admin = caller(0, "root", true);
+        let pool = store.pool();
+        let node = |id: u32| {
+            let pool = pool.clone();
+            let admin = admin.clone();
+            async move { job_json(&pool, &admin, id, 14).await.unwrap().unwrap_or_else(|| panic!("no job {id}"))["nodes"][0].clone() }
+        };
+        let n = node(11).await;
+        assert_eq!(
+            (n["state"].as_str(), n["start_us"].as_i64(), n["end_us"].as_i64()),
+            (Some("ended"), Some(t0 + 10 * S), Some(t0 + 41 * S)),
+            "{n:#}"
+        );
+        assert!(kinds(&n).is_empty(), "the normal path is no anomaly: {n:#}");
+        assert_eq!(n["gpu_seconds"].as_f64(), Some(31.0));
+        assert_eq!(n["gpus"][0]["mean_util"].as_f64(), Some(42.5), "measurements stored at the close: {n:#}");
+        let n = node(33).await;
+        assert_eq!(
+            (n["state"].as_str(), n["end_us"].as_i64(), n["gpu_seconds"].as_f64()),
+            (Some("ended"), Some(t0 + 90 * S), Some(60.0)),
+            "{n:#}"
+        );
+        assert!(kinds(&n).is_empty(), "{n:#}");
+        let n = node(32).await;
+        assert_eq!(
+            (n["state"].as_str(), n["shards"].as_i64(), n["start_us"].as_i64()),
+            (Some("running"), Some(3), Some(t0 + 20 * S)),
+            "{n:#}"
+        );
+        assert!(kinds(&n).is_empty(), "an salloc without records is created from Slurm, no anomaly: {n:#}");
+        let n = node(34).await;
+        assert_eq!(n["state"], "ended", "{n:#}");
+        assert_eq!(kinds(&n), vec!["end_approximate"], "{n:#}");
+        assert_eq!((read(0).as_str(), read(1).as_str()), ("", "32\n"), "ended jobs leave the map");
+
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(!text.contains("kind=\"end_from_slurm\"") && !text.contains("kind=\"start_from_slurm\""), "{text}");
+        assert!(text.lines().any(|l| l == "gpuhub_accounting_anomalies_total{kind=\"end_approximate\"} 1"), "{text}");
+    }
+
     #[tokio::test]
     async fn reconcile_on_every_backend() {
         for (store, _dir) in crate::store::testing::stores().await {
             story(store).await;
+        }
+        for (store, _dir) in crate::store::testing::stores().await {
+            slurm_story(store).await;
         }
     }
 

@@ -92,11 +92,36 @@ pub struct AccountingConfig {
     /// How often open jobs are reconciled with Slurm, in milliseconds (default:
     /// `telemetry.slurm_interval_ms`).
     pub reconcile_interval_ms: Option<u64>,
+    /// Where a job's start and end come from (see [`JobBoundaries`]).
+    pub job_boundaries: JobBoundaries,
+}
+
+/// `accounting.job_boundaries`: which source says when a job started and ended on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobBoundaries {
+    /// slurmctld (and sacct), through reconciliation: the shipped plugin (`spank_gpuhub.so`)
+    /// has no prolog/epilog hooks and writes step records only. A job is created from Slurm
+    /// when Slurm lists it on this node and closed when Slurm says it ended; neither is an
+    /// anomaly. Needs `telemetry.enable_slurm` and `accounting.slurm_reconcile` (without them
+    /// the agent warns at start: no job it learns of from step records ever ends).
+    #[default]
+    Slurm,
+    /// The JobStart/JobEnd records of the plugin build with job hooks
+    /// (`spank_gpuhub_prolog.so`, with `PrologFlags=Alloc`). A job Slurm has to fill in or
+    /// close is an anomaly (its record never arrived).
+    Prolog,
 }
 
 impl Default for AccountingConfig {
     fn default() -> Self {
-        Self { shards_per_gpu: 14, ingest_interval_ms: 1000, slurm_reconcile: true, reconcile_interval_ms: None }
+        Self {
+            shards_per_gpu: 14,
+            ingest_interval_ms: 1000,
+            slurm_reconcile: true,
+            reconcile_interval_ms: None,
+            job_boundaries: JobBoundaries::Slurm,
+        }
     }
 }
 

@@ -61,8 +61,11 @@ pub struct TelemetryConfig {
     pub slurm_timeout_ms: u64,
     /// Slurm node name whose GPUs and shards are counted; default: `hostname`'s short name.
     pub slurm_node_name: Option<String>,
-    /// dcgm-exporter job-map directory the plugin maintains (one file per GPU index, one job
-    /// id per line); read for the `hpc_job` label of GPUs whose job runs no process yet.
+    /// dcgm-exporter job-map directory (one file per GPU index, one job id per line): the agent
+    /// keeps it from slurmctld's allocations (`accounting.job_boundaries = "slurm"`), the
+    /// plugin's job-hooks build from the prolog otherwise. Read for the `hpc_job` label of GPUs
+    /// whose job runs no process yet. `""` turns the map off (jobs are then attributed to GPUs
+    /// by their processes only); use [`TelemetryConfig::job_map`].
     pub job_map_dir: Option<PathBuf>,
     /// How long per-job GPU statistics stay available after the job's last process (seconds),
     /// so accounting can read them at job end.
@@ -97,6 +100,11 @@ pub struct ConfigError {
 
 impl TelemetryConfig {
     /// Cross-field checks; each error names the full key (`telemetry.interval_ms`).
+    /// The dcgm job map directory, unless turned off with `job_map_dir = ""`.
+    pub fn job_map(&self) -> Option<&std::path::Path> {
+        self.job_map_dir.as_deref().filter(|d| !d.as_os_str().is_empty())
+    }
+
     pub fn validate(&self) -> Result<(), Vec<ConfigError>> {
         let mut errors = Vec::new();
         let mut bad = |key: &'static str, problem: String| errors.push(ConfigError { key, problem });
@@ -113,6 +121,11 @@ impl TelemetryConfig {
             && !lib.is_absolute()
         {
             bad("nvml_library", format!("{} is not an absolute path; give the full path or remove the key", lib.display()));
+        }
+        if let Some(dir) = self.job_map()
+            && !dir.is_absolute()
+        {
+            bad("job_map_dir", format!("{} is not an absolute path; give the full path, or \"\" to turn the job map off", dir.display()));
         }
         if let Some(dir) = &self.slurm_bin_dir
             && !dir.is_absolute()

@@ -169,7 +169,7 @@ impl GpuSampler {
             next_open: Instant::now(),
             logged_no_nvml: false,
             hostname: Arc::new(cfg.effective_hostname()),
-            job_map_dir: cfg.job_map_dir.clone(),
+            job_map_dir: cfg.job_map().map(std::path::Path::to_path_buf),
             attributor: Attributor::default(),
             dcgm,
             own,
