@@ -33,6 +33,8 @@ pub const RECORDS_DIR: &str = "records";
 pub const QUARANTINE_DIR: &str = "quarantine";
 /// Current record schema version.
 pub const RECORD_VERSION: u32 = 1;
+/// Most GPUs one record may list (a node has far fewer).
+pub const MAX_GPUS: usize = 64;
 
 /// One GPU held by a job or step: its node-global index (from `SLURM_JOB_GPUS` /
 /// `SLURM_STEP_GPUS`, never the renumbered `CUDA_VISIBLE_DEVICES`) and its UUID when known.
@@ -165,7 +167,38 @@ impl Record {
         if v != RECORD_VERSION {
             return Err(format!("record version {v} is not supported (expected {RECORD_VERSION})"));
         }
+        rec.check_bounds()?;
         Ok(rec)
+    }
+
+    /// Every string within `crate::bounds` and at most [`MAX_GPUS`] GPUs: what the plugin
+    /// writes always is; a hand-made or corrupted file may not be, and must not reach a row, a
+    /// label or an index (PostgreSQL refuses index entries over ~2.7 KB).
+    pub fn check_bounds(&self) -> Result<(), String> {
+        use crate::bounds::{MAX_FIELD_BYTES, MAX_USER_BYTES, check};
+        let field = |name: &str, value: &str, cap: usize| check(value, cap).map_err(|r| format!("field `{name}` {r}"));
+        let job = self.job();
+        field("user", &job.user, MAX_USER_BYTES)?;
+        field("node", &job.node, MAX_FIELD_BYTES)?;
+        if let Some(a) = &job.account {
+            field("account", a, MAX_FIELD_BYTES)?;
+        }
+        if let Some(p) = &job.partition {
+            field("partition", p, MAX_FIELD_BYTES)?;
+        }
+        let gpus = match self {
+            Record::JobStart { gpus, .. } | Record::JobEnd { gpus, .. } | Record::StepStart { gpus, .. } => gpus.as_slice(),
+            Record::StepEnd { .. } => &[],
+        };
+        if gpus.len() > MAX_GPUS {
+            return Err(format!("field `gpus` lists {} GPUs, over the limit of {MAX_GPUS}", gpus.len()));
+        }
+        for g in gpus {
+            if let Some(u) = &g.uuid {
+                field("gpus[].uuid", u, MAX_FIELD_BYTES)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -217,6 +250,26 @@ mod tests {
         assert_eq!(Record::parse(json.as_bytes()).unwrap(), rec);
         assert_eq!(rec.record_id(), "gpu01:42.0:step_start");
         assert!(record_file_name(&rec, 9).ends_with("-gpu01_42.0_step_start-9.json"));
+    }
+
+    #[test]
+    fn out_of_bounds_fields_are_refused_naming_the_field_not_the_value() {
+        let with = |f: &dyn Fn(&mut JobIdentity)| {
+            let mut job = ident();
+            f(&mut job);
+            Record::StepEnd { v: 1, time_us: 5, job, step_id: 0, exit_status: None }.to_json()
+        };
+        let e = Record::parse(with(&|j| j.user = "u".repeat(3 * 1024)).as_bytes()).unwrap_err();
+        assert_eq!(e, "field `user` is 3072 bytes long, over the 64-byte limit");
+        let e = Record::parse(with(&|j| j.account = Some("evil\nroot".into())).as_bytes()).unwrap_err();
+        assert_eq!(e, "field `account` holds a control character at byte 4");
+        assert!(Record::parse(with(&|j| j.node = "n".repeat(257)).as_bytes()).unwrap_err().starts_with("field `node`"));
+        let many: Vec<GpuRef> = (0..65).map(|index| GpuRef { index, uuid: None }).collect();
+        let rec = Record::StepStart { v: 1, time_us: 5, job: ident(), step_id: 0, gpus: many, shards: None };
+        assert!(Record::parse(rec.to_json().as_bytes()).unwrap_err().contains("65 GPUs"));
+        let rec = Record::JobStart { v: 1, time_us: 5, job: ident(), gpus: vec![GpuRef { index: 0, uuid: Some("G\u{1b}".into()) }] };
+        assert!(Record::parse(rec.to_json().as_bytes()).unwrap_err().starts_with("field `gpus[].uuid`"));
+        assert!(Record::parse(with(&|j| j.user = "john.doe".into()).as_bytes()).is_ok());
     }
 
     #[test]
