@@ -59,11 +59,12 @@ if [ "$mode" = slurm ]; then
         echo "  job $name: Slurm job ${JOB[$name]}, pid ${PID[$name]}, GPU $gpu"
     done
 else
-    echo "(the lab is not up: job processes are plain processes with a Slurm environment)"
-    declare -A J=([a]=101 [b]=102 [c]=103) U=([a]=alice [b]=bob [c]=carol) S=([a]=7 [b]=7 [c]=)
+    echo "(the lab is not up: job processes are plain processes with a Slurm environment; the user"
+    echo " is the processes' own, $(id -un): SLURM_JOB_USER is never believed)"
+    declare -A J=([a]=101 [b]=102 [c]=103) S=([a]=7 [b]=7 [c]=)
     for name in a b c; do
-        env SLURM_JOB_ID="${J[$name]}" SLURM_JOB_USER="${U[$name]}" ${S[$name]:+SLURM_SHARDS_ON_NODE=${S[$name]}} sleep 300 &
-        PID[$name]=$!; JOB[$name]=${J[$name]}; USR[$name]=${U[$name]}
+        env SLURM_JOB_ID="${J[$name]}" SLURM_JOB_USER=someone-else ${S[$name]:+SLURM_SHARDS_ON_NODE=${S[$name]}} sleep 300 &
+        PID[$name]=$!; JOB[$name]=${J[$name]}; USR[$name]="$(id -un)"
         TEL_CLEANUP+=("kill ${PID[$name]} 2>/dev/null")
     done
 fi

@@ -1,11 +1,17 @@
 //! PID -> Slurm job: which job a GPU process belongs to.
 //!
-//! Order of evidence, first that answers wins:
-//! 1. `/proc/<pid>/environ`: `SLURM_JOB_ID`, `SLURM_JOB_USER`, `SLURM_SHARDS_ON_NODE` (Slurm
-//!    sets them in every task; children inherit them). This is what CEEMS does, and it is the
-//!    only place a shard count is visible per process.
-//! 2. `/proc/<pid>/cgroup`: `.../job_<id>/...` (task/cgroup, v1 and v2), for a process that
-//!    cleared its environment. The user then comes from the process's uid.
+//! Order of evidence:
+//! 1. `/proc/<pid>/cgroup`: `.../job_<id>/...`, where slurmstepd put the task
+//!    (`proctrack/cgroup` or `task/cgroup`, cgroup v1 and v2). Only root can move a process
+//!    between Slurm's cgroups, so this is what Slurm vouches for: it wins.
+//! 2. `/proc/<pid>/environ`: `SLURM_JOB_ID` (and `SLURM_SHARDS_ON_NODE`), which Slurm sets in
+//!    every task and children inherit. Any process can claim any `SLURM_JOB_ID`, so this is only
+//!    a fallback, for nodes whose Slurm keeps no per-job cgroup (`proctrack/linuxproc`), and the
+//!    only place a shard count is visible per process (taken only when its `SLURM_JOB_ID` agrees
+//!    with the cgroup's job).
+//!
+//! The user is always the name of the process's real uid, never `SLURM_JOB_USER` (the user
+//! writes their environment).
 //!
 //! Results are cached per PID together with the process start time (field 22 of
 //! `/proc/<pid>/stat`), so a reused PID is attributed afresh. A PID that vanished between
@@ -53,12 +59,18 @@ impl Attributor {
         {
             return job.clone();
         }
+        let cgroup_job = from_cgroup(&dir);
         let (env_job, env_seen) = from_environ(&dir);
-        let job = env_job.or_else(|| from_cgroup(&dir));
-        // Cache only a settled answer: the same process after reading, and an environment
-        // that was there. Right after execve the kernel shows an empty environ for a moment
-        // (measured: most reads straight after spawn), which must not stick as "no job".
-        if env_seen && start_time(&dir) == Some(start) {
+        let settled = env_seen || cgroup_job.is_some();
+        let job = match (cgroup_job, env_job) {
+            (Some(c), Some(e)) if e.job_id == c.job_id => Some(JobRef { shards: e.shards, ..c }),
+            (Some(c), _) => Some(c),
+            (None, e) => e,
+        };
+        // Cache only a settled answer: the same process after reading, and a cgroup or an
+        // environment that was there. Right after execve the kernel shows an empty environ for a
+        // moment (measured: most reads straight after spawn), which must not stick as "no job".
+        if settled && start_time(&dir) == Some(start) {
             self.cache.insert(pid, (start, job.clone()));
         }
         job
@@ -89,23 +101,15 @@ fn from_environ(dir: &Path) -> (Option<JobRef>, bool) {
 
 fn job_from_env(dir: &Path, env: &[u8]) -> Option<JobRef> {
     let mut job_id = None;
-    let mut user = None;
     let mut shards = None;
     for var in env.split(|b| *b == 0) {
         if let Some(v) = var.strip_prefix(b"SLURM_JOB_ID=") {
             job_id = std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u32>().ok());
-        } else if let Some(v) = var.strip_prefix(b"SLURM_JOB_USER=") {
-            user = std::str::from_utf8(v).ok().map(str::to_string);
         } else if let Some(v) = var.strip_prefix(b"SLURM_SHARDS_ON_NODE=") {
             shards = std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u32>().ok());
         }
     }
-    let job_id = job_id?;
-    let user = match user.filter(|u| !u.is_empty()) {
-        Some(u) => u,
-        None => process_user(dir).unwrap_or_default(),
-    };
-    Some(JobRef { job_id, user, shards })
+    Some(JobRef { job_id: job_id?, user: process_user(dir).unwrap_or_default(), shards })
 }
 
 fn from_cgroup(dir: &Path) -> Option<JobRef> {
@@ -170,8 +174,45 @@ mod tests {
         assert_eq!(a.attribute(u32::MAX - 1), None);
     }
 
+    /// A fake `/proc/<pid>` with the given cgroup and environment (and this process's stat and
+    /// status, so it looks alive and owned by our uid).
+    fn fake_proc(root: &Path, pid: u32, cgroup: &str, environ: &[&str]) {
+        let dir = root.join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("cgroup"), cgroup).unwrap();
+        std::fs::write(dir.join("environ"), environ.iter().map(|v| format!("{v}\0")).collect::<String>()).unwrap();
+        let me = format!("/proc/{}", std::process::id());
+        std::fs::copy(format!("{me}/stat"), dir.join("stat")).unwrap();
+        std::fs::copy(format!("{me}/status"), dir.join("status")).unwrap();
+    }
+
     #[test]
-    fn environ_wins_and_is_cached_until_the_pid_is_reused() {
+    fn the_cgroup_wins_over_a_claimed_environment() {
+        let root = tempfile::tempdir().unwrap();
+        // SAFETY: getuid has no preconditions.
+        let me = user_name(unsafe { libc::getuid() }).unwrap();
+        // Slurm put the process in job 42's cgroup; its environment claims job 7, user bob.
+        let v1 = "4:freezer:/slurm/uid_1001/job_42/step_0\n";
+        fake_proc(root.path(), 100, v1, &["SLURM_JOB_ID=7", "SLURM_JOB_USER=bob", "SLURM_SHARDS_ON_NODE=1"]);
+        // The environment agrees with the cgroup: its shard count is taken.
+        fake_proc(root.path(), 101, v1, &["SLURM_JOB_ID=42", "SLURM_SHARDS_ON_NODE=7"]);
+        // No Slurm cgroup (proctrack/linuxproc): the environment is all there is.
+        fake_proc(root.path(), 102, "0::/user.slice/session-3.scope\n", &["SLURM_JOB_ID=9", "SLURM_JOB_USER=bob"]);
+        // A job's cgroup and an emptied environment.
+        fake_proc(root.path(), 103, "0::/system.slice/slurmstepd.scope/job_55/step_batch/user/task_0\n", &[]);
+        let mut a = Attributor::new(root.path());
+        assert_eq!(a.attribute(100), Some(JobRef { job_id: 42, user: me.clone(), shards: None }));
+        assert_eq!(a.attribute(101), Some(JobRef { job_id: 42, user: me.clone(), shards: Some(7) }));
+        assert_eq!(
+            a.attribute(102),
+            Some(JobRef { job_id: 9, user: me.clone(), shards: None }),
+            "the user is the uid's, not SLURM_JOB_USER"
+        );
+        assert_eq!(a.attribute(103), Some(JobRef { job_id: 55, user: me, shards: None }));
+    }
+
+    #[test]
+    fn environ_is_the_fallback_and_is_cached_until_the_pid_is_reused() {
         let mut child = std::process::Command::new("sleep")
             .arg("30")
             .env("SLURM_JOB_ID", "31337")
@@ -189,7 +230,9 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
             got = a.attribute(pid);
         }
-        assert_eq!(got, Some(JobRef { job_id: 31337, user: "carol".into(), shards: Some(7) }));
+        // SAFETY: getuid has no preconditions.
+        let me = user_name(unsafe { libc::getuid() }).unwrap();
+        assert_eq!(got, Some(JobRef { job_id: 31337, user: me, shards: Some(7) }), "SLURM_JOB_USER is not believed");
         assert!(a.cache.contains_key(&pid));
         child.kill().unwrap();
         child.wait().unwrap();

@@ -86,13 +86,20 @@ fn cfg_for(lib: &Path) -> TelemetryConfig {
     }
 }
 
-/// A stand-in GPU process: a real child with the Slurm environment of a job task.
+/// A stand-in GPU process: a real child with the Slurm environment of a job task (no Slurm
+/// cgroup here, so attribution falls back to that environment; the user is always the uid's).
 struct JobProc(Child);
 
+/// The user the test's processes run as: what attribution reports for them.
+fn me() -> String {
+    // SAFETY: getuid has no preconditions.
+    super::attribution::user_name(unsafe { libc::getuid() }).unwrap()
+}
+
 impl JobProc {
-    fn spawn(job: u32, user: &str, shards: Option<u32>) -> Self {
+    fn spawn(job: u32, shards: Option<u32>) -> Self {
         let mut c = Command::new("sleep");
-        c.arg("60").env("SLURM_JOB_ID", job.to_string()).env("SLURM_JOB_USER", user);
+        c.arg("60").env("SLURM_JOB_ID", job.to_string()).env("SLURM_JOB_USER", "someone-else");
         match shards {
             Some(n) => c.env("SLURM_SHARDS_ON_NODE", n.to_string()),
             None => c.env_remove("SLURM_SHARDS_ON_NODE"),
@@ -170,9 +177,9 @@ pub(crate) fn promtool_check(openmetrics: &str) {
 
 #[test]
 fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
-    let alice = JobProc::spawn(101, "alice", Some(7));
-    let bob = JobProc::spawn(102, "bob", Some(7));
-    let carol = JobProc::spawn(103, "carol", None);
+    let alice = JobProc::spawn(101, Some(7));
+    let bob = JobProc::spawn(102, Some(7));
+    let carol = JobProc::spawn(103, None);
     // PID that does not exist: a process that vanished between NVML's list and /proc.
     let ghost = 4_000_000 + std::process::id() % 100_000;
     let script = format!(
@@ -203,14 +210,14 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
     let text = render(&registry);
     let job = |j: &str, u: &str, gpu: u32, uuid: &str| format!("{{gpu=\"{gpu}\",uuid=\"{uuid}\",jobid=\"{j}\",user=\"{u}\"}}");
     let got = |name: &str, labels: &str| value(&text, &format!("{name}{labels}")).unwrap_or_else(|| panic!("no {name}{labels} in\n{text}"));
-    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("101", "alice", 0, UUID0)), (10 * GIB) as f64);
-    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("102", "bob", 0, UUID0)), (20 * GIB) as f64);
-    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("101", "alice", 0, UUID0)), 0.3);
-    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("102", "bob", 0, UUID0)), 0.5);
-    assert_eq!(got("gpuhub_job_gpu_shards", &job("101", "alice", 0, UUID0)), 7.0);
-    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("103", "carol", 1, UUID1)), (40 * GIB) as f64);
+    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("101", &me(), 0, UUID0)), (10 * GIB) as f64);
+    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("102", &me(), 0, UUID0)), (20 * GIB) as f64);
+    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("101", &me(), 0, UUID0)), 0.3);
+    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("102", &me(), 0, UUID0)), 0.5);
+    assert_eq!(got("gpuhub_job_gpu_shards", &job("101", &me(), 0, UUID0)), 7.0);
+    assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("103", &me(), 1, UUID1)), (40 * GIB) as f64);
     // The ghost PID shares GPU 1, so carol's utilisation is her processes', not the GPU's.
-    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("103", "carol", 1, UUID1)), 0.9);
+    assert_eq!(got("gpuhub_job_gpu_utilization_ratio", &job("103", &me(), 1, UUID1)), 0.9);
     assert_eq!(got("gpuhub_gpu_memory_unattributed_bytes", &format!("{{gpu=\"1\",uuid=\"{UUID1}\"}}")), GIB as f64);
     assert_eq!(got("gpuhub_gpu_memory_total_bytes", &format!("{{gpu=\"0\",uuid=\"{UUID0}\"}}")), H200_BYTES as f64);
     assert_eq!(got("gpuhub_gpu_power_watts", &format!("{{gpu=\"0\",uuid=\"{UUID0}\"}}")), 300.0);
