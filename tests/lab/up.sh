@@ -75,7 +75,8 @@ if [ "$BUILD" = 1 ]; then
     (cd "$REPO" && cargo build --release --workspace 2>&1 | tail -n 3) || die "cargo build --release failed"
 fi
 SO="$REPO/target/release/libgpuhub_spank.so"
-[ -f "$SO" ] || die "$SO missing: run 'cargo build --release' in $REPO"
+SO_PROLOG="$REPO/target/release/libgpuhub_spank_prolog.so"
+for f in "$SO" "$SO_PROLOG"; do [ -f "$f" ] || die "$f missing: run 'cargo build --release' in $REPO"; done
 # The repo's TEST model worker, which the lab catalog (tests/lab/agent.toml) starts through Slurm.
 WORKER_SRC="$REPO/target/release/gpuhub-test-worker"
 WORKER_DST=/usr/local/libexec/gpuhub/gpuhub-test-worker
@@ -128,14 +129,22 @@ grep -q 'plugstack.conf.d' /etc/slurm/plugstack.conf \
     || die "/etc/slurm/plugstack.conf does not include /etc/slurm/plugstack.conf.d/*.conf; add: include /etc/slurm/plugstack.conf.d/*.conf"
 mkdir -p /etc/slurm/plugstack.conf.d
 
-# The plugin: copy to a temp name and rename, so running slurmstepds keep their mapped copy.
+# The plugins: the shipped build (no job hooks), and beside it the build with job hooks that
+# tests/system/spank-job-hooks.sh switches to. Copied to a temp name and renamed, so running
+# slurmstepds keep their mapped copy. slurmd decides at start whether the loaded plugin has
+# job_prolog/job_epilog hooks: a change in that set needs a restart.
+job_hooks() { nm -D --defined-only "$1" 2>/dev/null | awk '$3 ~ /^slurm_spank_job_/ {print $3}' | sort | tr '\n' ' '; }
+install_plugin() { # SRC DST
+    if ! cmp -s "$1" "$2"; then
+        [ -e "$2" ] && [ "$(job_hooks "$1")" = "$(job_hooks "$2")" ] || touch "$STATE_DIR/restart-pending"
+        install -m 755 "$1" "$2.new.$$" && mv -f "$2.new.$$" "$2"
+        log "installed plugin $2"
+    fi
+}
 PLUGIN="$(lab_plugin_path)"
 mkdir -p "$(dirname "$PLUGIN")"
-if ! cmp -s "$SO" "$PLUGIN"; then
-    [ -e "$PLUGIN" ] || touch "$STATE_DIR/restart-pending"   # new prolog/epilog hooks: slurmd must restart
-    install -m 755 "$SO" "$PLUGIN.new.$$" && mv -f "$PLUGIN.new.$$" "$PLUGIN"
-    log "installed plugin $PLUGIN"
-fi
+install_plugin "$SO" "$PLUGIN"
+install_plugin "$SO_PROLOG" "$(lab_plugin_path prolog)"
 sed "s|@PLUGIN@|$PLUGIN|" "$HERE/plugstack-gpuhub.conf" > "$STATE_DIR/gpuhub.conf"
 install_conf "$STATE_DIR/gpuhub.conf" "$LAB_PLUGSTACK" 644
 

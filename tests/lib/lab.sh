@@ -6,6 +6,11 @@
 #   lab_run CMD...          run CMD, print it with its output and exit status; sets LAB_OUT, LAB_RC
 #   plugstack_set ARGS...   replace the gpuhub plugstack line's arguments (srun, slurmstepd and the
 #                           prolog/epilog reread plugstack.conf for every job); plugstack_restore undoes it
+#   lab_slurm_setup PLUGIN PROLOGFLAGS [KEY=VALUE...]   another Slurm setup for this test: the
+#                           plugstack line's plugin (none|shipped|prolog), slurm.conf's PrologFlags
+#                           and other slurm.conf keys replaced, Slurm restarted; the lab's setup
+#                           comes back (and Slurm restarts) at exit
+#   lab_restart_slurm       restart slurmctld and slurmd (no job may run), wait for the node
 #   lab_cleanup_add CMD     run CMD at exit (in reverse order), with plugstack_restore always last
 #   lab_records DIR JOB     the records of job JOB under DIR/records, one JSON object per line
 #   lab_wait_record DIR JOB KIND [SECS]   wait until a record of KIND exists (default 20 s)
@@ -27,13 +32,15 @@ LAB_AGENT_CONFIG="${GPUHUB_LAB_AGENT_CONFIG:-$LAB_REPO/tests/lab/agent.toml}"
 LAB_SLURMD_LOG=/var/log/slurm/slurmd.log
 export PATH="$PATH:/usr/sbin:/sbin"
 
-# Where this distribution keeps Slurm plugins (PluginDir).
+# lab_plugin_path [prolog]: where the plugin is installed in this distribution's PluginDir;
+# `prolog`: the build with job hooks (spank_gpuhub_prolog.so) beside it.
 lab_plugin_path() {
-    local d
+    local d name=spank_gpuhub.so
+    [ "${1:-}" = prolog ] && name=spank_gpuhub_prolog.so
     for d in /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/lib64/slurm /usr/lib/slurm; do
-        if [ -d "$d" ]; then echo "$d/spank_gpuhub.so"; return 0; fi
+        if [ -d "$d" ]; then echo "$d/$name"; return 0; fi
     done
-    echo /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_gpuhub.so
+    echo "/usr/lib/x86_64-linux-gnu/slurm-wlm/$name"
 }
 
 lab_fail() {
@@ -85,16 +92,20 @@ trap _lab_on_exit EXIT
 lab_cleanup_add() { _LAB_CLEANUP+=("$1"); }
 
 plugstack_set() {
-    if [ -z "$_LAB_PLUGSTACK_SAVED" ]; then
-        _LAB_PLUGSTACK_SAVED="$(mktemp /tmp/gpuhub-plugstack.XXXXXX)"
-        cp -p "$LAB_PLUGSTACK" "$_LAB_PLUGSTACK_SAVED"
-    fi
+    _plugstack_save
     local line
-    line="$(grep -E '^(optional|required)[[:space:]]' "$_LAB_PLUGSTACK_SAVED" | head -n1 | awk '{print $1, $2}')"
+    line="$(grep -E '^(optional|required)[[:space:]]' "$LAB_PLUGSTACK" "$_LAB_PLUGSTACK_SAVED" 2>/dev/null | head -n1 | cut -d: -f2- | awk '{print $1, $2}')"
     [ -n "$line" ] || lab_fail "no plugin line in $LAB_PLUGSTACK"
     printf '# temporary (tests/system): %s\n%s %s\n' "$0" "$line" "$*" > "$LAB_PLUGSTACK.tmp.$$"
     mv -f "$LAB_PLUGSTACK.tmp.$$" "$LAB_PLUGSTACK"
     echo "+ plugstack: $line $*"
+}
+
+_plugstack_save() {
+    if [ -z "$_LAB_PLUGSTACK_SAVED" ]; then
+        _LAB_PLUGSTACK_SAVED="$(mktemp /tmp/gpuhub-plugstack.XXXXXX)"
+        cp -p "$LAB_PLUGSTACK" "$_LAB_PLUGSTACK_SAVED"
+    fi
 }
 
 plugstack_restore() {
@@ -102,6 +113,55 @@ plugstack_restore() {
         mv -f "$_LAB_PLUGSTACK_SAVED" "$LAB_PLUGSTACK"
         _LAB_PLUGSTACK_SAVED=""
     fi
+}
+
+# lab_restart_slurm: restart slurmctld and slurmd (no job may run) and wait (30 s) until the
+# node is idle. slurmd decides at start whether the loaded plugin has job prolog/epilog hooks.
+lab_restart_slurm() {
+    local i
+    kill "$(cat /run/slurmd.pid 2>/dev/null)" "$(cat /run/slurmctld.pid 2>/dev/null)" 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || break; sleep 0.1; done
+    slurmctld && slurmd -N "$LAB_NODE" || lab_fail "slurmctld/slurmd did not restart"
+    for ((i = 0; i < 150; i++)); do sinfo -h -n "$LAB_NODE" -o %T 2>/dev/null | grep -qE '^(idle|mixed)$' && return 0; sleep 0.2; done
+    lab_fail "node $LAB_NODE not idle 30 s after restarting Slurm"
+}
+
+# lab_slurm_setup PLUGIN PROLOGFLAGS [KEY=VALUE...]: PLUGIN is `none` (no gpuhub plugstack
+# line), `shipped` (spank_gpuhub.so) or `prolog` (spank_gpuhub_prolog.so, the build with job
+# hooks), keeping the line's arguments; PROLOGFLAGS is slurm.conf's PrologFlags (empty: none);
+# each KEY=VALUE replaces that slurm.conf key (e.g. ProctrackType=proctrack/cgroup). Restarts
+# Slurm. At exit the lab's slurm.conf and plugstack come back and Slurm restarts once more.
+_LAB_SLURM_CONF_SAVED=""
+lab_slurm_setup() {
+    local plugin="$1" flags="$2" conf=/etc/slurm/slurm.conf line path args kv
+    shift 2
+    _plugstack_save
+    if [ -z "$_LAB_SLURM_CONF_SAVED" ]; then
+        _LAB_SLURM_CONF_SAVED="$(mktemp /tmp/gpuhub-slurm-conf.XXXXXX)"
+        cp -p "$conf" "$_LAB_SLURM_CONF_SAVED"
+        lab_cleanup_add "plugstack_restore; cp -p '$_LAB_SLURM_CONF_SAVED' $conf && rm -f '$_LAB_SLURM_CONF_SAVED' && lab_restart_slurm"
+    fi
+    line="$(grep -E '^(optional|required)[[:space:]]' "$LAB_PLUGSTACK" "$_LAB_PLUGSTACK_SAVED" 2>/dev/null | head -n1 | cut -d: -f2-)"
+    args="$(awk '{$1 = ""; $2 = ""; print}' <<<"$line" | sed 's/^ *//')"
+    case "$plugin" in
+        none) : > "$LAB_PLUGSTACK.tmp.$$" ;;
+        shipped|prolog)
+            if [ "$plugin" = prolog ]; then path="$(lab_plugin_path prolog)"; else path="$(lab_plugin_path)"; fi
+            [ -f "$path" ] || lab_fail "$path missing; run tests/lab/up.sh"
+            printf '# temporary (tests/system): %s\noptional %s %s\n' "$0" "$path" "$args" > "$LAB_PLUGSTACK.tmp.$$" ;;
+        *) lab_fail "lab_slurm_setup: plugin must be none, shipped or prolog, not '$plugin'" ;;
+    esac
+    mv -f "$LAB_PLUGSTACK.tmp.$$" "$LAB_PLUGSTACK"
+    grep -v '^PrologFlags=' "$_LAB_SLURM_CONF_SAVED" > "$conf.tmp.$$"
+    [ -z "$flags" ] || echo "PrologFlags=$flags" >> "$conf.tmp.$$"
+    for kv in "$@"; do
+        grep -v "^${kv%%=*}=" "$conf.tmp.$$" > "$conf.tmp2.$$" || true
+        echo "$kv" >> "$conf.tmp2.$$"
+        mv -f "$conf.tmp2.$$" "$conf.tmp.$$"
+    done
+    mv -f "$conf.tmp.$$" "$conf"
+    echo "+ Slurm setup: plugin $plugin${path:+ ($path)}, PrologFlags=${flags:-none}${*:+, $*}; restarting slurmctld and slurmd"
+    lab_restart_slurm
 }
 
 lab_records() {

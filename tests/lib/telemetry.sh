@@ -4,7 +4,8 @@
 #   tel_free_port            print a free loopback TCP port
 #   tel_gpu_line IDX USED UTIL   one `gpu` line of the fake NVML script (UUID GPU-tel-...IDX)
 #   tel_start_agent [SLURM] [TOML]  write $T/agent.toml (fake NVML, 200 ms sampling, private paths and
-#                            ports; SLURM=true|false; TOML: more sections appended, e.g. [accounting])
+#                            ports; SLURM=true|false; TOML: more sections appended, e.g. [accounting];
+#                            TEL_JOB_MAP_DIR: telemetry.job_map_dir, default $T/run/dcgm-job-map, "" off)
 #                            and start the real gpuhub-agent; sets TEL_METRICS_ADDR (host:port),
 #                            TEL_METRICS_URL, TEL_AGENT_PID; stopped at exit
 #   tel_fail MSG             print MSG and the agent log tail, exit 1
@@ -52,7 +53,7 @@ interval_ms = 200
 slurm_interval_ms = 1000
 hostname = \"gpu01\"
 enable_slurm = $slurm
-job_map_dir = \"$T/run/dcgm-job-map\""
+job_map_dir = \"${TEL_JOB_MAP_DIR-$T/run/dcgm-job-map}\""
     [ -z "${2:-}" ] || printf '%s\n' "$2" >> "$T/agent.toml"
     echo "+ $TEL_AGENT --config $T/agent.toml run   (log $T/agent.log)"
     "$TEL_AGENT" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 &

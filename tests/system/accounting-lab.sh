@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Accounting on the lab: srun --gres=gpu:1, --gres=gpu:2, --gres=shard:7 and a CPU-only job
 # run and end as the unprivileged lab user with the plugin writing to a private spool; then a
-# private gpuhub-agent ingests that spool, and `gpuhub usage --json` must show exactly the
-# GPU-seconds and shard-seconds computed here from the records' own timestamps, and `gpuhub
-# job` the shard job's 7 shards. Then Slurm's own accounting (slurmdbd): per job, sacct's
-# AllocTRES (gres/gpu, gres/shard) and ElapsedRaw against `gpuhub job --json`, and in sum
-# against `gpuhub usage --json` (tolerances below, where they are checked).
+# private gpuhub-agent ingests that spool. Two setups (GPUHUB_ACCT_BOUNDARIES):
+#   slurm (default, as shipped): the plugin without job hooks, no PrologFlags; the agent takes
+#     job boundaries and allocations from slurmctld (accounting.job_boundaries = "slurm");
+#   prolog (accounting-lab-prolog.sh): the job-hooks build with PrologFlags=Alloc and an agent
+#     without Slurm (job_boundaries = "prolog"), where `gpuhub usage --json` must show exactly
+#     the GPU-seconds and shard-seconds computed here from the records' own timestamps.
+# In both, `gpuhub job` shows the shard job's 7 shards, and then Slurm's own accounting
+# (slurmdbd): per job, sacct's AllocTRES (gres/gpu, gres/shard) and ElapsedRaw against `gpuhub
+# job --json`, and in sum against `gpuhub usage --json` (tolerances below, where they are checked).
 #   GPUHUB_REQUIRE_SACCT=1   a lab without slurmdbd fails the test (tests/run-all.sh sets it);
 #                            otherwise the sacct comparison is skipped with a message
 #   GPUHUB_SACCT_TIMEOUT=60  seconds to wait for slurmdbd to list the ended jobs
@@ -24,7 +28,10 @@ if [ "$acct_type" = accounting_storage/slurmdbd ]; then
 elif [ "${GPUHUB_REQUIRE_SACCT:-0}" = 1 ] || [ "${GPUHUB_TEST_STRICT:-0}" = 1 ]; then
     lab_fail "GPUHUB_REQUIRE_SACCT=1 but the lab runs without slurmdbd (AccountingStorageType=${acct_type:-unknown}); bring it up with accounting: GPUHUB_LAB_ACCOUNTING=1 tests/lab/up.sh"
 fi
+MODE="${GPUHUB_ACCT_BOUNDARIES:-slurm}"
+case "$MODE" in slurm|prolog) ;; *) lab_fail "GPUHUB_ACCT_BOUNDARIES must be slurm or prolog, not '$MODE'" ;; esac
 spank_fixture
+[ "$MODE" = slurm ] || lab_slurm_setup prolog Alloc
 lab_user
 t_submit="$(date +%s)"
 chmod 755 "$T"
@@ -43,10 +50,12 @@ for shape in gpu1 gpu2 shard7 cpu; do
     JOB[$shape]="$(sed -n 's/^JOB=//p' <<<"$LAB_OUT" | head -n1)"
     [ -n "${JOB[$shape]}" ] || lab_fail "no job id from srun ${gres[*]}"
 done
+last=job_end; [ "$MODE" = prolog ] || last=step_end
 for shape in gpu1 gpu2 shard7 cpu; do
-    lab_wait_record "$T_SPOOL" "${JOB[$shape]}" job_end 30 || lab_fail "job ${JOB[$shape]} ($shape): no job_end record"
+    lab_wait_record "$T_SPOOL" "${JOB[$shape]}" "$last" 30 || lab_fail "job ${JOB[$shape]} ($shape): no $last record"
 done
 
+if [ "$MODE" = prolog ]; then
 # Expected usage, from the records (before the agent ingests and removes them).
 expected="$(
     for shape in gpu1 gpu2 shard7 cpu; do lab_records "$T_SPOOL" "${JOB[$shape]}"; done | python3 -c '
@@ -67,6 +76,7 @@ print(gpu_us, shard_us, len(jobs))
 ')"
 read -r exp_gpu_us exp_shard_us exp_jobs <<<"$expected"
 echo "expected from the records: gpu_seconds $(python3 -c "print($exp_gpu_us/1e6)"), shard_seconds $(python3 -c "print($exp_shard_us/1e6)"), jobs $exp_jobs"
+fi
 
 # A private agent on the test's spool.
 port() { python3 "$LAB_REPO/tests/lib/free_port.py"; }
@@ -82,9 +92,11 @@ listen = "127.0.0.1:$(port)"
 listen = "127.0.0.1:$(port)"
 [telemetry]
 enable_nvml = false
-enable_slurm = false
+$(if [ "$MODE" = slurm ]; then printf 'enable_slurm = true\nslurm_node_name = "%s"\nslurm_interval_ms = 1000\n' "$LAB_NODE"; else echo 'enable_slurm = false'; fi)
+job_map_dir = "$T/run/dcgm-job-map"
 [accounting]
 ingest_interval_ms = 200
+job_boundaries = "$MODE"
 TOML
 echo "+ $agent_bin --config $T/agent.toml run"
 setsid "$agent_bin" --config "$T/agent.toml" run >"$T/agent.log" 2>&1 </dev/null &
@@ -96,7 +108,21 @@ for ((i = 0; i < 150; i++)); do
     sleep 0.2
 done
 [ -z "$(find "$T_SPOOL/records" -name '*.json' 2>/dev/null)" ] || lab_fail "the agent did not ingest the spool in 30 s"
+if [ "$MODE" = slurm ]; then
+    # Job boundaries come from slurmctld: each job is closed at its next reconciliation (1 s here).
+    for shape in gpu1 gpu2 shard7 cpu; do
+        for ((i = 0; i < 100; i++)); do
+            [ "$("$cli" --socket "$T/run/agent.sock" job "${JOB[$shape]}" --json 2>/dev/null | jq '.nodes[0].end_us // null')" != null ] && break
+            sleep 0.2
+        done
+        lab_run "$cli" --socket "$T/run/agent.sock" job "${JOB[$shape]}" --json
+        [ "$(jq '.nodes[0].end_us // null' <<<"$LAB_OUT")" != null ] || lab_fail "job ${JOB[$shape]} ($shape) not closed from slurmctld within 20 s"
+        [ "$(jq '.nodes[0].anomalies | length' <<<"$LAB_OUT")" = 0 ] \
+            || lab_fail "job ${JOB[$shape]}: anomalies $(jq -c '.nodes[0].anomalies' <<<"$LAB_OUT"); with job boundaries from Slurm a normal job has none"
+    done
+fi
 
+if [ "$MODE" = prolog ]; then
 lab_run "$cli" --socket "$T/run/agent.sock" usage --since 1d --by user --json
 row="$(jq -c --arg u "$LAB_USER" '.rows[] | select(.user == $u)' <<<"$LAB_OUT")"
 [ -n "$row" ] || lab_fail "no usage row for $LAB_USER"
@@ -108,6 +134,7 @@ ok = abs(row["gpu_seconds"] - g / 1e6) < 1e-6 and abs(row["shard_seconds"] - s /
 print(("ok" if ok else "MISMATCH") + f": gpu_seconds {row['gpu_seconds']} (want {g/1e6}), shard_seconds {row['shard_seconds']} (want {s/1e6}), jobs {row['jobs']} (want {n})")
 sys.exit(0 if ok else 1)
 PY
+fi
 lab_run "$cli" --socket "$T/run/agent.sock" usage --since 1d --by user
 grep -q "GPU_EQ_H" <<<"$LAB_OUT" || lab_fail "the usage table has no GPU_EQ_H column"
 lab_run "$cli" --socket "$T/run/agent.sock" job "${JOB[shard7]}" --json
@@ -155,9 +182,10 @@ tmp, usage, t_submit = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 shapes = dict(a.split("=") for a in sys.argv[4:])           # shape -> job id
 want = {"gpu1": (1, 0), "gpu2": (2, 0), "shard7": (0, 7), "cpu": (0, 0)}   # what was requested
 # Tolerance per job, in seconds of job time. Slurm keeps a job's start and end as whole seconds
-# (time_t), so ElapsedRaw = End - Start is off from the true duration by less than 1 s. The
-# plugin's records are taken in the job prolog, which runs just after slurmctld allocated the
-# job (PrologFlags=Alloc), and the job epilog, which runs just after slurmctld marked it ended;
+# (time_t), so ElapsedRaw = End - Start is off from the true duration by less than 1 s. With job
+# boundaries from Slurm gpuhub's are exactly those; with the job-hooks build the records are
+# taken in the job prolog, which runs just after slurmctld allocated the job
+# (PrologFlags=Alloc), and the job epilog, which runs just after slurmctld marked it ended;
 # each of those delays measures tens of ms on the lab, allowed up to 0.5 s here. So
 #   |gpuhub seconds - ElapsedRaw| <= 1.5 s,
 #   |GPU-seconds - gres/gpu x ElapsedRaw| <= gres/gpu x 1.5 s (shards likewise),

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# SPANK plugin: a job ended by scancel, and one ended by its time limit, still get their end
-# records (JobEnd from the epilog, StepEnd from each step's slurmstepd). The time-limit case
-# takes 60-120 s: Slurm limits are whole minutes (KillWait=5 in tests/lab/slurm.conf).
+# SPANK plugin as shipped: a job ended by scancel, and one ended by its time limit, still get
+# their step end records (StepEnd from each step's slurmstepd: the batch step and step 0). The
+# job's own end is slurmctld's (the agent closes it from there; the job-hooks build's JobEnd after
+# scancel is spank-job-hooks.sh). The time-limit case takes 60-120 s: Slurm limits are whole
+# minutes (KillWait=5 in tests/lab/slurm.conf).
 set -euo pipefail
 . "$(dirname "$0")/../lib/lab.sh"
 lab_require
@@ -26,7 +28,7 @@ done
 lab_records "$T_SPOOL" "$sc_job" | lab_jq_any 'select(.kind == "step_start") | .step_id == 0' || lab_fail "job $sc_job: step 0 never started"
 lab_run scancel "$sc_job"
 lab_wait_job "$sc_job" 60 || lab_fail "job $sc_job still queued 60 s after scancel"
-lab_wait_record "$T_SPOOL" "$sc_job" job_end 30 || lab_fail "job $sc_job: no job_end record after scancel"
+lab_wait_record "$T_SPOOL" "$sc_job" step_end 30 || lab_fail "job $sc_job: no step_end record after scancel"
 recs="$(lab_records "$T_SPOOL" "$sc_job")"
 sed 's/^/    /' <<<"$recs"
 lab_jq_any 'select(.kind == "step_end") | .step_id == 0' <<<"$recs" || lab_fail "job $sc_job: no step_end for step 0 after scancel"
@@ -49,7 +51,7 @@ else
     echo "  scontrol: JobState=$state"
 fi
 [ "$state" = TIMEOUT ] || lab_fail "job $tl_job ended as $state, expected TIMEOUT (its 1-minute limit)"
-lab_wait_record "$T_SPOOL" "$tl_job" job_end 30 || lab_fail "job $tl_job: no job_end record after its time limit"
+lab_wait_record "$T_SPOOL" "$tl_job" step_end 30 || lab_fail "job $tl_job: no step_end record after its time limit"
 recs="$(lab_records "$T_SPOOL" "$tl_job")"
 sed 's/^/    /' <<<"$recs"
 lab_jq_any 'select(.kind == "step_end") | .step_id == 0' <<<"$recs" || lab_fail "job $tl_job: no step_end for step 0 after the time limit"

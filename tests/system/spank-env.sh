@@ -76,7 +76,7 @@ for how in "--gpuhub-no-inject" "env"; do
     [ "$LAB_RC" = 0 ] || lab_fail "$how: srun failed"
     if grep -qE '^(GPUHUB_URL|GPUHUB_TOKEN|MLFLOW_TRACKING_URI|OCR_MODEL)=' <<<"$LAB_OUT"; then lab_fail "$how: variables injected despite the opt-out"; fi
     job="$(val JOB)"
-    lab_wait_record "$T_SPOOL" "$job" job_end 30 || lab_fail "$how: no job_end record for job $job"
+    lab_wait_record "$T_SPOOL" "$job" step_end 30 || lab_fail "$how: no step_end record for job $job"
     lab_wait_record "$T_SPOOL" "$job" step_start 5 || lab_fail "$how: no step_start record for job $job"
 done
 echo "ok"

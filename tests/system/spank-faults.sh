@@ -59,7 +59,7 @@ for c in "fifo.json|is not a regular file" "dir.json|is not a regular file" \
     if grep -q '_MODEL=' <<<"$LAB_OUT"; then lab_fail "$f: role variables from a bad snapshot"; fi
     log_has "$T/$f"
     log_has "$want"
-    lab_wait_record "$T_SPOOL" "$JOB" job_end 20 || lab_fail "$f: usage records must not depend on the snapshot"
+    lab_wait_record "$T_SPOOL" "$JOB" step_end 20 || lab_fail "$f: usage records must not depend on the snapshot"
     echo "ok: $f"
 done
 
@@ -70,10 +70,9 @@ lab_cleanup_add "umount -l '$T/ro' 2>/dev/null"
 plugstack_set "spool_dir=$T/ro/spool" "snapshot=$T_SNAP" "job_key=$T_KEY"
 mark
 run_ok
-sleep 1 # the epilog runs after srun returns
-log_has "cannot write the job_start record of job $JOB under $T/ro/spool"
+log_has "cannot write the step_start record of job $JOB under $T/ro/spool"
 log_has "Read-only file system"
-log_has "\"kind\":\"job_start\",\"v\":1"
+log_has "\"kind\":\"step_start\",\"v\":1"
 echo "ok: read-only spool"
 
 echo "== full file system under the spool"
@@ -85,13 +84,12 @@ dd if=/dev/zero of="$T/full/fill" bs=4k 2>/dev/null || true   # until ENOSPC
 plugstack_set "spool_dir=$T/full/spool" "snapshot=$T_SNAP" "job_key=$T_KEY"
 mark
 run_ok
-sleep 1
-log_has "cannot write the job_start record of job $JOB"
+log_has "cannot write the step_start record of job $JOB"
 log_has "No space left on device"
 left="$(find "$T/full/spool/records" -name '.*.tmp' | wc -l)"
 [ "$left" = 0 ] || lab_fail "$left temp files left behind in the full spool"
 rm -f "$T/full/fill"
 run_ok
-lab_wait_record "$T/full/spool" "$JOB" job_end 20 || lab_fail "records do not resume once space is free"
+lab_wait_record "$T/full/spool" "$JOB" step_end 20 || lab_fail "records do not resume once space is free"
 echo "ok: full file system"
 echo "PASS: spank-faults"

@@ -18,8 +18,10 @@
 #     utilisation at that time. c's GPU draws a constant 300 W plus one jump of 1000 J: c gets
 #     1000 J + 300 W x the time its processes were listed, within 300 W x (1 sample + 0.5 s);
 #   - the human `gpuhub job JOBID` line of each GPU shows those numbers.
-# Attribution is by process only: the agent's dcgm job map dir is not the plugin's (the job map
-# path is spank-dcgm.sh's), so a job is on its GPU exactly while the script lists its PIDs.
+# The agent runs as shipped (job boundaries from slurmctld: it verifies and closes the jobs there,
+# storing the measurements at the close). Attribution is by process only (telemetry.job_map_dir
+# = "": the job map path is spank-dcgm.sh's), so a job is on its GPU exactly while the script
+# lists its PIDs.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/telemetry.sh"
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/lab.sh"   # its EXIT trap replaces telemetry.sh's:
@@ -34,7 +36,7 @@ HOLD=3            # seconds per phase
 INTERVAL=0.2      # the agent's telemetry.interval_ms (tel_start_agent)
 G0=GPU-tel00000-0000-0000-0000-000000000000
 G1=GPU-tel00000-0000-0000-0000-000000000001
-mkdir -p "$T/jobs" "$T/plugin-dcgm-map"
+mkdir -p "$T/jobs"
 chmod 777 "$T/jobs"
 
 # ---- the fake GPUs: no processes yet; energy counters flat (power 0) until the jobs are placed
@@ -51,7 +53,7 @@ write_script() {
     mv -f "$T/nvml/conf.tmp" "$T/nvml/fake-nvml.conf"
 }
 write_script
-tel_start_agent false '[accounting]
+TEL_JOB_MAP_DIR="" tel_start_agent true '[accounting]
 ingest_interval_ms = 200'
 sock="$T/run/agent.sock"
 for ((i = 0; i < 100; i++)); do [ -S "$sock" ] && [ -s "$T/run/snapshot.json" ] && break; sleep 0.1; done
@@ -59,8 +61,7 @@ for ((i = 0; i < 100; i++)); do [ -S "$sock" ] && [ -s "$T/run/snapshot.json" ] 
 
 # ---- the plugin writes into this agent's spool and reads its snapshot and key
 lab_wait_gpus_free 240
-plugstack_set "spool_dir=$T/spool" "snapshot=$T/run/snapshot.json" "job_key=$T/state/job-token.key" \
-    "dcgm_job_map_dir=$T/plugin-dcgm-map"
+plugstack_set "spool_dir=$T/spool" "snapshot=$T/run/snapshot.json" "job_key=$T/state/job-token.key"
 declare -A JOB PID PID2 GPU
 start_job() { # NAME GRES: a task that waits for $T/jobs/NAME.stop; c also has a second process
     local name="$1" gres="$2" extra=""
@@ -75,7 +76,7 @@ start_job() { # NAME GRES: a task that waits for $T/jobs/NAME.stop; c also has a
     [ -s "$T/jobs/$name.info" ] || { cat "$T/jobs/$name.srun.log" >&2; tel_fail "srun job $name did not start within 30 s"; }
     read -r PID[$name] PID2[$name] JOB[$name] < "$T/jobs/$name.info"
     lab_cleanup_add "lab_cancel ${JOB[$name]}"
-    # The GPU the agent's accounting has for the job (from the plugin's job_start record): the
+    # The GPU the agent's accounting has for the job (Slurm's, verified from the step record): the
     # one its measurements must be filed under.
     local j=""
     for ((i = 0; i < 100; i++)); do

@@ -9,15 +9,20 @@
 #      bills Slurm's GPUs and shards, and where the records claimed other GPUs/shards an
 #      anomaly (kind slurm_disagrees, with the field, the claim, Slurm's value and the one used)
 #      is recorded and counted in gpuhub_accounting_slurm_disagreements_total;
-#  (b) a job whose job_end/step_end records are deleted from the spool while the agent is
-#      stopped is closed from Slurm within one reconciliation interval after the agent starts
-#      (anomaly end_from_slurm);
+#  (b) a job whose end records (step_end; job_end with the job-hooks build) are deleted from the
+#      spool while the agent is stopped is closed from Slurm within one reconciliation interval
+#      after the agent starts;
 #  (c) a job run while the agent is stopped and the spool's records/ is immutable (chattr +i:
 #      the plugin cannot write, the job must still succeed) is filled in from Slurm after the
-#      agent starts (anomaly start_from_slurm);
-# then `gpuhub usage` for the user equals the sum over those jobs.
+#      agent starts;
+# then `gpuhub usage` for the user equals the sum over those jobs. As shipped (job boundaries
+# from Slurm) (b) and (c) are the normal path: state `ended`, no anomaly. With the job-hooks build
+# (GPUHUB_TRUST_BOUNDARIES=prolog: spank_gpuhub_prolog.so, PrologFlags=Alloc, job_boundaries =
+# "prolog") a missing job record is an anomaly: (b) `closed_from_slurm` with end_from_slurm, (c)
+# `filled_from_slurm` with start_from_slurm, both counted in gpuhub_accounting_anomalies_total.
 #   GPUHUB_TRUST_BACKEND=postgres  run the agent on a fresh database of GPUHUB_TEST_PG_URL
 #                                  (default: SQLite in the temp dir)
+#   GPUHUB_TRUST_BOUNDARIES=prolog the job-hooks setup above (default: slurm, as shipped)
 #   GPUHUB_AGENT_BIN / GPUHUB_CLI_BIN override the binaries (default target/release/); pointing
 #   GPUHUB_AGENT_BIN at an agent without reconciliation makes this test fail (it must).
 set -euo pipefail
@@ -30,7 +35,10 @@ lab_require
 acct_type="$(scontrol show config 2>/dev/null | awk '$1 == "AccountingStorageType" {print $3}')"
 [ "$acct_type" = accounting_storage/slurmdbd ] \
     || lab_fail "this test compares with sacct but the lab runs without slurmdbd (AccountingStorageType=${acct_type:-unknown}); bring it up with GPUHUB_LAB_ACCOUNTING=1 tests/lab/up.sh"
+MODE="${GPUHUB_TRUST_BOUNDARIES:-slurm}"
+case "$MODE" in slurm|prolog) ;; *) lab_fail "GPUHUB_TRUST_BOUNDARIES must be slurm or prolog, not '$MODE'" ;; esac
 spank_fixture
+[ "$MODE" = slurm ] || lab_slurm_setup prolog Alloc
 lab_user
 chmod 755 "$T"
 cd /tmp
@@ -63,8 +71,10 @@ enable_nvml = false
 enable_slurm = true
 slurm_node_name = "$LAB_NODE"
 slurm_interval_ms = $((interval_s * 1000))
+job_map_dir = "$T/run/dcgm-job-map"
 [accounting]
 ingest_interval_ms = 200
+job_boundaries = "$MODE"
 TOML
 metrics_url="http://$(sed -n '/^\[metrics\]/,/^\[/s/^listen = "\(.*\)"/\1/p' "$T/agent.toml")/metrics"
 apid=""
@@ -144,11 +154,12 @@ stop_agent
 run_srun end-deleted -- --gres=gpu:1
 b_job="$LAST_JOB"
 lab_wait_job "$b_job" 30 || true
-lab_wait_record "$T_SPOOL" "$b_job" job_end 30 || lab_fail "job $b_job: no job_end record to delete"
+last=job_end; [ "$MODE" = prolog ] || last=step_end
+lab_wait_record "$T_SPOOL" "$b_job" "$last" 30 || lab_fail "job $b_job: no $last record to delete"
 for f in "$T_SPOOL"/records/*.json; do
     jq -e --argjson j "$b_job" '.job_id == $j and (.kind == "job_end" or .kind == "step_end")' "$f" >/dev/null 2>&1 && { echo "+ rm $f"; rm -f "$f"; }
 done
-lab_records "$T_SPOOL" "$b_job" | jq -e 'select(.kind == "job_end")' >/dev/null 2>&1 && lab_fail "job $b_job: its job_end record is still there"
+lab_records "$T_SPOOL" "$b_job" | jq -e 'select(.kind == "job_end" or .kind == "step_end")' >/dev/null 2>&1 && lab_fail "job $b_job: an end record is still there"
 
 # ---- (c) the spool is unwritable while the agent is stopped
 echo "+ chattr +i $T_SPOOL/records"
@@ -162,14 +173,16 @@ chattr -i "$T_SPOOL/records"
 t_agent="$(date +%s.%N)"
 start_agent
 # Closed (b) and filled in (c) within one reconciliation interval (plus the first look).
+want_b=ended want_c=ended
+[ "$MODE" = slurm ] || { want_b=closed_from_slurm; want_c=filled_from_slurm; }
 deadline=$(( $(date +%s) + 3 * interval_s + 5 ))
 while :; do
     sb_state="$("$cli" --socket "$T/run/agent.sock" job "$b_job" --json 2>/dev/null | jq -r '.nodes[0].state' 2>/dev/null || true)"
     sc_state="$("$cli" --socket "$T/run/agent.sock" job "$c_job" --json 2>/dev/null | jq -r '.nodes[0].state' 2>/dev/null || true)"
-    [ "$sb_state" = closed_from_slurm ] && [ "$sc_state" = filled_from_slurm ] && break
+    [ "$sb_state" = "$want_b" ] && [ "$sc_state" = "$want_c" ] && break
     if [ "$(date +%s)" -ge "$deadline" ]; then
         tail -n 20 "$T/agent.log" | sed 's/^/  agent.log: /'
-        echo "MISMATCH: after $((3 * interval_s + 5)) s: job $b_job is '${sb_state:-unknown}' (want closed_from_slurm: its end records were deleted), job $c_job is '${sc_state:-unknown}' (want filled_from_slurm: it ran while the spool was unwritable)"
+        echo "MISMATCH: after $((3 * interval_s + 5)) s: job $b_job is '${sb_state:-unknown}' (want $want_b: its end records were deleted), job $c_job is '${sc_state:-unknown}' (want $want_c: it ran while the spool was unwritable)"
         late=1
         break
     fi
@@ -202,10 +215,10 @@ printf '%s\n' "$LAB_OUT" > "$T/usage.json"
 curl -sf --max-time 5 "$metrics_url" > "$T/metrics.txt" || true
 grep '^gpuhub_accounting_anomalies' "$T/metrics.txt" | sed 's/^/  metrics: /' || true
 whats="$(for j in "${JOBS[@]}"; do printf '%s=%s ' "$j" "${WHAT[$j]}"; done)"
-python3 - "$T" "$LAB_USER" $whats <<'PY' || lab_fail "gpuhub's accounting differs from Slurm's (see the MISMATCH lines above)"
+python3 - "$T" "$LAB_USER" "$MODE" $whats <<'PY' || lab_fail "gpuhub's accounting differs from Slurm's (see the MISMATCH lines above)"
 import json, sys
-tmp, user = sys.argv[1], sys.argv[2]
-jobs = dict(a.split("=", 1) for a in sys.argv[3:])          # job id -> label
+tmp, user, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+jobs = dict(a.split("=", 1) for a in sys.argv[4:])          # job id -> label
 TOL = 1.5
 sacct = {}
 for line in open(f"{tmp}/sacct.txt"):
@@ -231,7 +244,9 @@ for jid, label in jobs.items():
     # What the records alone claimed (the pre-reconciliation billing).
     recs = [json.loads(l) for l in open(f"{tmp}/records-{jid}.jsonl") if l.strip()]
     claim_shards = max([r.get("shards") or 0 for r in recs if r["kind"] == "step_start"] or [0])
-    claim_gpus = {g["index"] for r in recs if r["kind"] in ("job_start", "job_end") for g in r.get("gpus", [])}
+    # Job records (job-hooks build) name the job's GPUs; as shipped, only steps claim them.
+    claim_kinds = ("job_start", "job_end") if mode == "prolog" else ("step_start",)
+    claim_gpus = {g["index"] for r in recs if r["kind"] in claim_kinds for g in r.get("gpus", [])}
     claimed = (0, claim_shards) if claim_shards else (len(claim_gpus), 0)
     checks = [
         (abs(gs - sg * el) <= sg * TOL + 1e-9, f"GPU-seconds: gpuhub {gs:.3f}, sacct gres/gpu={sg} x ElapsedRaw {el} = {sg * el} (tolerance {sg * TOL})"),
@@ -242,10 +257,16 @@ for jid, label in jobs.items():
         checks.append(("slurm_disagrees" in kinds,
                        f"the records claimed {claimed[0]} GPUs/{claimed[1]} shards, Slurm allocated {sg}/{ss}: no slurm_disagrees anomaly ({kinds})"))
     if label == "end-deleted":
-        checks.append(("end_from_slurm" in kinds and n.get("state") == "closed_from_slurm", f"not closed from Slurm: state {n.get('state')}, anomalies {kinds}"))
+        if mode == "prolog":
+            checks.append(("end_from_slurm" in kinds and n.get("state") == "closed_from_slurm", f"not closed from Slurm: state {n.get('state')}, anomalies {kinds}"))
+        else:
+            checks.append((n.get("state") == "ended" and not kinds, f"not closed from Slurm as a normal job: state {n.get('state')}, anomalies {kinds}"))
     if label == "spool-unwritable":
-        checks += [(not recs, f"{len(recs)} records of a job run while the spool was unwritable"),
-                   ("start_from_slurm" in kinds and n.get("state") == "filled_from_slurm", f"not filled in from Slurm: state {n.get('state')}, anomalies {kinds}")]
+        checks.append((not recs, f"{len(recs)} records of a job run while the spool was unwritable"))
+        if mode == "prolog":
+            checks.append(("start_from_slurm" in kinds and n.get("state") == "filled_from_slurm", f"not filled in from Slurm: state {n.get('state')}, anomalies {kinds}"))
+        else:
+            checks.append((n.get("state") == "ended" and not kinds, f"not created from Slurm as a normal job: state {n.get('state')}, anomalies {kinds}"))
     errs = [m for ok, m in checks if not ok]
     bad += [f"job {jid} ({label}): {m}" for m in errs]
     dis = [f"{a['field']}: claimed {a['claimed']}, Slurm {a['slurm']}, used {a['used']}" for a in anomalies if isinstance(a, dict) and a.get("field")]
@@ -267,8 +288,12 @@ PY
 [ -z "${late:-}" ] || lab_fail "jobs $b_job/$c_job were not reconciled within one interval (see the MISMATCH above)"
 grep -q '^gpuhub_accounting_slurm_disagreements_total{field="shards"} [1-9]' "$T/metrics-a.txt" \
     || lab_fail "the shard claims of part (a) are not counted in gpuhub_accounting_slurm_disagreements_total{field=\"shards\"} ($metrics_url)"
-grep -q '^gpuhub_accounting_anomalies_total{kind="end_from_slurm"} [1-9]' "$T/metrics.txt" \
-    && grep -q '^gpuhub_accounting_anomalies_total{kind="start_from_slurm"} [1-9]' "$T/metrics.txt" \
-    || lab_fail "end_from_slurm/start_from_slurm are not counted in gpuhub_accounting_anomalies_total ($metrics_url)"
+if [ "$MODE" = prolog ]; then
+    grep -q '^gpuhub_accounting_anomalies_total{kind="end_from_slurm"} [1-9]' "$T/metrics.txt" \
+        && grep -q '^gpuhub_accounting_anomalies_total{kind="start_from_slurm"} [1-9]' "$T/metrics.txt" \
+        || lab_fail "end_from_slurm/start_from_slurm are not counted in gpuhub_accounting_anomalies_total ($metrics_url)"
+elif grep -qE '^gpuhub_accounting_anomalies_total\{kind="(end_from_slurm|start_from_slurm)"\} [1-9]' "$T/metrics.txt"; then
+    lab_fail "with job boundaries from Slurm, jobs created or closed from Slurm are counted as anomalies ($metrics_url)"
+fi
 lab_node_ok
 echo "PASS: trust-reconcile"
