@@ -118,6 +118,7 @@ install_conf() {
 mkdir -p /etc/slurm /var/lib/slurm/slurmd /var/lib/slurm/slurmctld /var/log/slurm
 install_conf "$HERE/slurm.conf" /etc/slurm/slurm.conf 644
 install_conf "$HERE/gres.conf" /etc/slurm/gres.conf 644
+install_conf "$HERE/cgroup.conf" /etc/slurm/cgroup.conf 644
 if [ "$ACCOUNTING" = 1 ]; then
     install_conf "$HERE/accounting-slurmdbd.conf" /etc/slurm/lab-accounting.conf 644
     install_conf "$HERE/slurmdbd.conf" /etc/slurm/slurmdbd.conf 600

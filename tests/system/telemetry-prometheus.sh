@@ -39,6 +39,11 @@ if [ "$mode" = slurm ]; then
         [ "$i" = 0 ] && echo "  waiting up to 240 s for GPU jobs to end"
         sleep 0.5
     done
+    # One at a time, so Slurm places them where the fake GPUs' script below has their processes
+    # (a, b: shards of GPU 0; c: GPU 1): the agent also takes each job's GPUs from slurmctld
+    # (its dcgm job map), and a process on another GPU than its job's would show up twice.
+    chmod 777 "$T"
+    declare -A WANT_GPU=([a]=0 [b]=0 [c]=1)
     for name in a b c; do
         case "$name" in c) gres=gpu:1 ;; *) gres=shard:7 ;; esac
         out="$T/$name.info"
@@ -48,15 +53,13 @@ if [ "$mode" = slurm ]; then
             sh -c "echo \$\$ \$SLURM_JOB_ID \${SLURM_STEP_GPUS:-\$CUDA_VISIBLE_DEVICES} > $out.tmp && mv $out.tmp $out && exec sleep 110" \
             >"$T/$name.srun.log" 2>&1 &
         TEL_CLEANUP+=("kill $! 2>/dev/null")
-    done
-    chmod 777 "$T"
-    for name in a b c; do
         for ((i = 0; i < 120; i++)); do [ -s "$T/$name.info" ] && break; sleep 0.25; done
         [ -s "$T/$name.info" ] || { cat "$T/$name.srun.log" >&2; tel_fail "srun job $name did not start within 30 s"; }
         read -r PID[$name] JOB[$name] gpu < "$T/$name.info"
         USR[$name]=$run_user
         TEL_CLEANUP+=("scancel ${JOB[$name]} 2>/dev/null")
         echo "  job $name: Slurm job ${JOB[$name]}, pid ${PID[$name]}, GPU $gpu"
+        [ "$gpu" = "${WANT_GPU[$name]}" ] || tel_fail "Slurm put job $name on GPU $gpu, not ${WANT_GPU[$name]} (the GPUs were not free?)"
     done
 else
     echo "(the lab is not up: job processes are plain processes with a Slurm environment; the user"
