@@ -468,7 +468,7 @@ impl SlurmSource for CommandSlurm {
         if let Some(since) = since_us {
             let ago = format!("now-{}", ((st.taken_us - since) / 1_000_000).max(1) + 60);
             let node = self.node.clone();
-            self.sacct(&["-a", "-N", &node, "-S", &ago, "-E", "now", "-s", "R,CD,CA,F,TO,NF,PR,OOM,DL,BF,CG,RQ,S"], &mut st);
+            self.sacct(&["-a", "-N", &node, "-S", &ago, "-E", "now", "-s", "R,CD,CA,F,TO,NF,PR,OOM,DL,BF,RQ,S"], &mut st);
         }
         st
     }
