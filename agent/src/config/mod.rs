@@ -216,7 +216,7 @@ impl Config {
             .replace("\u{0}KEYFILE\u{0}", &key_file)
             .replace("\u{0}VERSION\u{0}", if m.mlflow_model.is_some() { "<@production version>" } else { "" });
             let mut env: Vec<&str> = vec!["PATH", "HOME", "USER", "LOGNAME", "LANG"];
-            env.extend(w.env.keys().map(String::as_str));
+            env.extend(w.env.keys().map(String::as_str).filter(|k| !["PATH", "HOME", "USER", "LOGNAME", "LANG"].contains(k)));
             out.push_str(&format!(
                 "# model `{}` ({} launcher, template {}):\n#   command: {command}\n#   key: {}\n#   health: {} (with the key); routes: {routes}; stream usage: {}\n#   runs as: {}; environment: {} (nothing of the agent's)\n",
                 m.name,
@@ -372,6 +372,26 @@ mod tests {
         let file: ConfigFile = toml::from_str("[store]\nurl = \"sqlite:///tmp/x.db\"\n").unwrap();
         let err = file.validate(None, Some("postgres://u:p@h/db".into())).unwrap_err().to_string();
         assert!(err.contains("GPUHUB_STORE_URL"), "{err}");
+    }
+
+    #[test]
+    fn check_config_shows_each_workers_final_command_and_how_it_gets_its_key() {
+        let c = Config::from_toml(
+            "[workers]\ndir = \"/w\"\n[[models]]\nname = \"a\"\nlauncher = \"local\"\ntemplate = \"llama-cpp\"\nmodel_path = \"/m/a.gguf\"\nenv = { HF_TOKEN = \"hf_secret_value\" }\n\
+             [[models]]\nname = \"b\"\nlauncher = \"slurm\"\ntemplate = \"vllm\"\nmodel_path = \"/m/b\"\n",
+        )
+        .unwrap();
+        let out = c.render_worker_commands();
+        assert!(out.lines().all(|l| l.starts_with('#')), "comments only, so the effective TOML still parses:\n{out}");
+        assert!(
+            out.contains(
+                "#   command: llama-server --model /m/a.gguf --alias a --host 127.0.0.1 --port <port> --api-key-file /w/keys/a.<id>.key"
+            ),
+            "{out}"
+        );
+        assert!(out.contains("#   command: vllm serve /m/b --served-model-name b --host 127.0.0.1 --port ${GPUHUB_WORKER_PORT}"), "{out}");
+        assert!(out.contains("key: environment VLLM_API_KEY") && out.contains("key: 0600 file {api_key_file}"), "{out}");
+        assert!(out.contains("HF_TOKEN") && !out.contains("hf_secret_value"), "env names, never values:\n{out}");
     }
 
     #[test]
