@@ -1026,15 +1026,18 @@ impl Shared {
             if let Some(w) = &w {
                 inst.key_files = Some(KeyFiles::locate(&rt.dir, &launcher::safe_name(&row.model), &row.api_key, &w.cfg.worker.key));
             }
-            let alive = match inst.launcher {
-                LauncherKind::Slurm => match rt.launchers.slurm.job(&inst.id).await {
-                    Ok(Some(j)) => {
-                        j.name == launcher::slurm::job_name(&row.model) && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
-                    }
-                    _ => false,
-                },
-                _ => uid.is_some_and(|uid| launcher::local::Local::adopt(&inst.id, &inst.api_key, uid)),
-            };
+            // Without the worker account (workers.user is broken) no worker can be proven ours.
+            let alive = uid.is_some()
+                && match inst.launcher {
+                    LauncherKind::Slurm => match rt.launchers.slurm.job(&inst.id).await {
+                        Ok(Some(j)) => {
+                            j.name == launcher::slurm::job_name(&row.model)
+                                && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
+                        }
+                        _ => false,
+                    },
+                    _ => uid.is_some_and(|uid| launcher::local::Local::adopt(&inst.id, &inst.api_key, uid)),
+                };
             let Some(w) = w.filter(|_| alive) else {
                 if alive {
                     tracing::warn!(model = %row.model, worker = %row.instance_id, "a remembered worker's model left the catalog; stopping it");
