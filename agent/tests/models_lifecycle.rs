@@ -516,14 +516,16 @@ async fn a_process_of_another_user_on_the_workers_port_is_never_marked_ready() {
         }
     };
     let served = Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let served2 = served.clone();
+    let received = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let (served2, received2) = (served.clone(), received.clone());
     let squat = tokio::spawn(async move {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         loop {
             let Ok((mut c, _)) = squatter.accept().await else { return };
             served2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut buf = [0u8; 4096];
-            let _ = c.read(&mut buf).await;
+            let n = tokio::time::timeout(Duration::from_millis(200), c.read(&mut buf)).await.ok().and_then(Result::ok).unwrap_or(0);
+            received2.lock().unwrap().extend_from_slice(&buf[..n]);
             let _ =
                 c.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{\"status\":\"ok\"}").await;
         }
@@ -534,7 +536,9 @@ async fn a_process_of_another_user_on_the_workers_port_is_never_marked_ready() {
         }
         other => panic!("a squatter must never be taken for the worker, got {other:?}"),
     }
-    assert!(served.load(std::sync::atomic::Ordering::Relaxed) >= 1, "the probe did reach the squatter");
+    assert!(served.load(std::sync::atomic::Ordering::Relaxed) >= 1, "the agent did find the squatter listening");
+    let got = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    assert!(!got.contains("Bearer") && !got.contains("gpuhub-worker-"), "the squatter was sent the worker's key: {got}");
     let st = m.status("a").unwrap();
     assert_eq!(st.state, "failed");
     squat.abort();

@@ -693,39 +693,50 @@ impl Shared {
             }
             if let Some(base) = inst.base_url() {
                 // Polled even while Slurm still says pending: squeue is checked only every
-                // 250 ms, and a refused connection costs microseconds.
-                let url = format!("{base}{}", m.worker.health_path);
-                if let Ok(r) = http.get(&url).bearer_auth(&inst.api_key).send().await {
-                    // Something answers on the port: whose is it?
-                    match port_owner(base, inst.uid) {
-                        Some(Ok(PortOwner::Other { uid })) => {
-                            let user = crate::control::peer::user_name(uid).map(|n| format!(" `{n}`")).unwrap_or_default();
-                            return Err((
-                                format!(
-                                    "the port of worker {} ({base}) is held by another user's process (uid {uid}{user}), not by the worker's account (uid {}); it was never marked ready and got no call; the next start picks another port",
-                                    inst.id, inst.uid
-                                ),
-                                true,
-                            ));
+                // 250 ms, and a refused connection costs microseconds. Only once something
+                // listens is its owner checked, and only the worker account's listener is
+                // sent the key: a squatter never sees it.
+                let addr = proof::host_port(base);
+                let listening = match &addr {
+                    Some((host, port)) => {
+                        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect((host.as_str(), *port)))
+                            .await
+                            .is_ok_and(|c| c.is_ok())
+                    }
+                    None => true,
+                };
+                let owner = if listening { port_owner(base, inst.uid) } else { None };
+                match owner {
+                    Some(Ok(PortOwner::Other { uid })) => {
+                        let user = crate::control::peer::user_name(uid).map(|n| format!(" `{n}`")).unwrap_or_default();
+                        return Err((
+                            format!(
+                                "the port of worker {} ({base}) is held by another user's process (uid {uid}{user}), not by the worker's account (uid {}); it was never marked ready and got no call; the next start picks another port",
+                                inst.id, inst.uid
+                            ),
+                            true,
+                        ));
+                    }
+                    Some(Err(e)) => {
+                        return Err((
+                            format!("cannot check who listens on the worker's port ({base}): {e}; /proc/net/tcp must be readable"),
+                            true,
+                        ));
+                    }
+                    Some(Ok(PortOwner::Nobody)) => {}
+                    Some(Ok(PortOwner::Worker)) | None if listening => {
+                        if owner.is_none() && !warned_remote {
+                            tracing::warn!(model = %m.name, url = %base, "worker on another host: the owner of its port cannot be checked; trusting its key");
+                            warned_remote = true;
                         }
-                        Some(Ok(PortOwner::Worker)) if r.status().is_success() => return Ok(()),
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => {
-                            return Err((
-                                format!("cannot check who listens on the worker's port ({base}): {e}; /proc/net/tcp must be readable"),
-                                true,
-                            ));
-                        }
-                        None => {
-                            if !warned_remote {
-                                tracing::warn!(model = %m.name, url = %base, "worker on another host: the owner of its port cannot be checked; trusting its key");
-                                warned_remote = true;
-                            }
-                            if r.status().is_success() {
-                                return Ok(());
-                            }
+                        let url = format!("{base}{}", m.worker.health_path);
+                        if let Ok(r) = http.get(&url).bearer_auth(&inst.api_key).send().await
+                            && r.status().is_success()
+                        {
+                            return Ok(());
                         }
                     }
+                    _ => {}
                 }
             }
             if Instant::now() >= deadline {
