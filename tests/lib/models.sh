@@ -38,6 +38,12 @@ models_cleanup() {
     local ids
     ids="$(squeue -h -o '%i|%k' 2>/dev/null | awk -F'|' -v c="gpuhub-worker:$MT_DIR/workers" '$2 == c {print $1}')"
     [ -n "$ids" ] && scancel $ids 2>/dev/null || true
+    # Local workers outlive their agent (a restarted agent adopts them): stop this test's, the
+    # processes whose working directory is its workers dir.
+    local p
+    for p in /proc/[0-9]*; do
+        case "$(readlink "$p/cwd" 2>/dev/null)" in "$MT_DIR"/*) kill "${p#/proc/}" 2>/dev/null || true ;; esac
+    done
     [ "${GPUHUB_TEST_KEEP:-0}" = 1 ] || rm -rf "$MT_DIR"
 }
 
