@@ -543,3 +543,32 @@ async fn a_process_of_another_user_on_the_workers_port_is_never_marked_ready() {
     assert_eq!(st.state, "failed");
     squat.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_the_worker_account_cannot_run_is_refused_with_the_directory_that_stops_it() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(std::env::var("GPUHUB_TEST_STRICT").is_err(), "this test needs root (the worker runs as nobody)");
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let env = Env::new().await;
+    let private = env.dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let bin = private.join("worker");
+    std::fs::copy(worker_bin(), &bin).unwrap();
+    let model = format!(
+        "[[models]]\nname = \"a\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}}\"\n",
+        bin.display()
+    );
+    let (m, _reg, _t, _tasks) = env.manager("", &model).await;
+    match m.acquire("a").await {
+        Err(ModelError::Unavailable { reason, .. }) => assert!(
+            reason.contains(&format!("{} (mode 700", private.display())) && reason.contains("does not let workers.user `nobody` through"),
+            "{reason}"
+        ),
+        other => panic!("expected a refusal naming the directory, got {other:?}"),
+    }
+    assert!(std::fs::read_dir(env.dir.path().join("workers/keys")).unwrap().next().is_none(), "no key file left behind");
+}

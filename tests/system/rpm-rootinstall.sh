@@ -218,6 +218,11 @@ printf 'enable gpuhub-agent.service\nenable gpuhub-backup.timer\n' > "$R/etc/sys
 # chroot through /proc/1/root, which a sandbox may hide (EACCES: "assuming not" and then no bus),
 # so say so explicitly. The scriptlets inherit the environment.
 export SYSTEMD_OFFLINE=1
+# The worker account must come from %pre agent: a host that has it (the lab's up.sh creates
+# it) loses it in R first, so R starts as a fresh RHEL node would.
+# (sed, not userdel: the host's workers may be running as it.)
+sed -i '/^gpuhub-worker:/d' "$R/etc/passwd" "$R/etc/shadow" "$R/etc/group" "$R/etc/gshadow"
+for f in passwd group shadow gshadow; do cut -d: -f1 "$R/etc/$f" | sort > "$work/accounts-before.$f"; done
 snapshot() { (cd "$work/upper" && find . -mindepth 1 -printf '%P|%y|%m|%u:%g\n' | sort); }
 snapshot > "$work/before.txt"
 
@@ -261,12 +266,12 @@ enabled() { # enabled TARGET UNIT: the [Install] symlink points at the packaged 
 check "%post agent: gpuhub-agent.service enabled (multi-user.target.wants)" enabled multi-user.target gpuhub-agent.service
 check "%post agent: gpuhub-backup.timer enabled (timers.target.wants)" enabled timers.target gpuhub-backup.timer
 # Users and groups: %pre agent adds the worker account and its group, nothing else.
-account_diff() { # account_diff FILE: the lines R's /etc/FILE has and this host's lacks
-    comm -13 <(cut -d: -f1 "/etc/$1" | sort) <(cut -d: -f1 "$R/etc/$1" | sort) | tr '\n' ' '
+account_diff() { # account_diff FILE: the names R's /etc/FILE has now and had before rpm -i lacked
+    comm -13 "$work/accounts-before.$1" <(cut -d: -f1 "$R/etc/$1" | sort) | tr '\n' ' '
 }
 for f in passwd group shadow gshadow; do
     check "%pre agent: /etc/$f gained only gpuhub-worker" test "$(account_diff "$f")" = "gpuhub-worker "
-    check "%pre agent: /etc/$f lost nothing" test -z "$(comm -23 <(cut -d: -f1 "/etc/$f" | sort) <(cut -d: -f1 "$R/etc/$f" | sort))"
+    check "%pre agent: /etc/$f lost nothing" test -z "$(comm -23 "$work/accounts-before.$f" <(cut -d: -f1 "$R/etc/$f" | sort))"
 done
 worker_account_ok() { # a system uid, home the workers dir, no login shell
     local e sys_max uid home shell

@@ -587,6 +587,14 @@ impl Shared {
                 ("api_key_file", &key_file_s),
             ],
         );
+        // A program the worker account cannot run fails here, with the directory or mode that
+        // stops it, not as an exit status 126 in the worker's log.
+        if let Some(program) = command.split_whitespace().next().filter(|p| p.starts_with('/'))
+            && let Err(e) = user.check_exec(std::path::Path::new(program))
+        {
+            key_files.remove();
+            return Err(LoadFailure::new(format!("the worker cannot start: {e}")));
+        }
         let spec = LaunchSpec {
             model: m.name.clone(),
             command,

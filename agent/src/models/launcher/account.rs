@@ -114,6 +114,25 @@ impl WorkerUser {
         Ok(())
     }
 
+    /// Whether the account may run the program `path` (every directory on the way searchable,
+    /// the file executable by it); the error names what stops it.
+    pub fn check_exec(&self, path: &Path) -> Result<(), String> {
+        if let Some(dir) = path.parent() {
+            self.check_reach(dir)?;
+        }
+        let Ok(meta) = std::fs::metadata(path) else { return Ok(()) };
+        if meta.is_file() && !self.may(&meta, 0o1) {
+            return Err(format!(
+                "{} (mode {:o}, owner uid {}) is not executable by workers.user `{}`",
+                path.display(),
+                meta.mode() & 0o7777,
+                meta.uid(),
+                self.name
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether permission `bits` (1 = x, 2 = w, 4 = r) is granted to the account.
     fn may(&self, meta: &std::fs::Metadata, bits: u32) -> bool {
         let mode = meta.mode();
@@ -188,9 +207,18 @@ mod tests {
         };
         std::fs::set_permissions(dir.path().join("a"), std::fs::Permissions::from_mode(0o700)).unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        let tool = inner.join("tool");
+        std::fs::write(&tool, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o750)).unwrap();
+        let e = stranger.check_exec(&tool).unwrap_err();
+        assert!(e.contains("mode 700"), "the directory is named first: {e}");
         let e = stranger.check_reach(&inner).unwrap_err();
         assert!(e.contains(&format!("{}/a ", dir.path().display())) && e.contains("mode 700"), "{e}");
         std::fs::set_permissions(dir.path().join("a"), std::fs::Permissions::from_mode(0o711)).unwrap();
         stranger.check_reach(&inner).unwrap();
+        let e = stranger.check_exec(&tool).unwrap_err();
+        assert!(e.contains("not executable") && e.contains("mode 750"), "{e}");
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        stranger.check_exec(&tool).unwrap();
     }
 }
