@@ -71,7 +71,10 @@ body='{"model":"demo-chat","messages":[{"role":"user","content":"hello"}]}'
 out="$(curl -s --max-time 90 -w '\n%{http_code}' -H "Authorization: Bearer $LAB_KEY" -H 'content-type: application/json' \
     -d "$body" http://127.0.0.1:8400/v1/chat/completions || true)"
 [ "$(tail -n1 <<<"$out")" = 200 ] || fail "demo-chat: expected 200, got: $out"
-row="$(sqlite3 -separator ' ' /var/lib/gpuhub/gpuhub.db "SELECT instance_id, api_key FROM model_workers WHERE model = 'demo-chat'")"
+# The lab agent's store, as its configuration says (SQLite under the lab's state dir).
+lab_db="$(env -u GPUHUB_STORE_URL "$REPO/target/release/gpuhub-agent" check-config --config "$LAB_AGENT_CONFIG" | sed -n 's|^url = "sqlite://\(.*\)"$|\1|p' | head -n1)"
+[ -f "$lab_db" ] || fail "cannot find the lab agent's SQLite store (check-config --config $LAB_AGENT_CONFIG gives '$lab_db')"
+row="$(sqlite3 -separator ' ' "$lab_db" "SELECT instance_id, api_key FROM model_workers WHERE model = 'demo-chat'")"
 read -r job key <<<"$row"
 [ -n "${key:-}" ] || fail "the lab store remembers no worker for demo-chat"
 hits="$(key_in_argv "$key")" || fail "cannot scan /proc as $LAB_USER"
