@@ -27,7 +27,7 @@ models_setup "
 [[models]]
 name = \"mt-bench\"
 launcher = \"slurm\"
-command = \"@WORKER@ --model {model} --host {host} --port {port} --api-key {api_key} --startup-delay-ms 500\"
+command = \"@WORKER@ --model {model} --host {host} --port {port} --api-key-file {api_key_file} --startup-delay-ms 500\"
 resources = { shards = 1, vram_gib = 1.0 }
 idle_timeout_s = 600
 load_timeout_s = 60

@@ -68,10 +68,10 @@ async fn plain_call_is_forwarded_with_the_workers_key_and_leaves_one_row() {
     assert_eq!(row["streamed"].as_i64(), Some(0));
     assert!(row["latency_us"].as_i64().unwrap() >= row["overhead_us"].as_i64().unwrap());
     assert!(row["upstream_ttfb_us"].as_i64().unwrap() > 0);
-    // Any /v1 route whose body names a model is forwarded without the gateway knowing it.
-    let r = post(&a, &key, "/v1/ner/extract?lang=en", json!({"model": "chat", "text": "Ada Lovelace"})).await;
+    // Only OpenAI inference routes are forwarded (the query string goes along).
+    let r = post(&a, &key, "/v1/completions?lang=en", json!({"model": "chat", "prompt": "Ada Lovelace"})).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(a.upstream.seen.lock().unwrap().path, "/v1/ner/extract");
+    assert_eq!(a.upstream.seen.lock().unwrap().path, "/v1/completions");
     // Audio speech: binary bytes come back untouched.
     let r = post(&a, &key, "/v1/audio/speech", json!({"model": "chat", "input": "hi", "voice": "x"})).await;
     assert_eq!(r.headers()["content-type"], "audio/wav");
@@ -388,7 +388,8 @@ async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
     let worker = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
     assert!(worker.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker`", worker.display());
     let extra = format!(
-        "[gateway]\nkeepalive_s = 1\n[[models]]\nname = \"slowload\"\nlauncher = \"local\"\nload_timeout_s = 30\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key {{api_key}} --startup-delay-ms 2500\"\n",
+        "[gateway]\nkeepalive_s = 1\n[workers]\nuser = \"{}\"\n[[models]]\nname = \"slowload\"\nlauncher = \"local\"\nload_timeout_s = 30\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}} --startup-delay-ms 2500\"\n",
+        gateway_support::worker_user(),
         worker.display()
     );
     let a = start(&extra).await;
@@ -494,5 +495,36 @@ async fn job_tokens_are_bound_to_the_uid_and_the_job_and_user_allow_lists_apply(
     assert!(e["message"].as_str().unwrap().contains("job 5151 has ended"), "{e}");
     let running = job_token(&a, uid, &me, 5152);
     assert_eq!(post(&a, &running, "/v1/chat/completions", chat.clone()).await.status(), 200);
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn only_the_routes_a_model_serves_reach_its_worker() {
+    // `emb` declares embeddings only; `chat` declares nothing (every inference route).
+    let a = start("[[models]]\nname = \"emb\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9/ok\"\nroutes = [\"embeddings\"]\n").await;
+    let (key, _) = a.key("alice", "app", &[]).await;
+    // A worker's management routes (vLLM's adapter loading, ...) are never forwarded, for any
+    // model, and the refusal names the routes that are.
+    for path in ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/ner/extract", "/v1/files", "/v1/fine_tuning/jobs"] {
+        let r = post(&a, &key, path, json!({"model": "chat", "lora_name": "evil", "lora_path": "/tmp/evil"})).await;
+        let (s, e) = error_of(r).await;
+        assert_eq!((s, e["code"].as_str()), (404, Some("route_not_served")), "{path}: {e}");
+        let m = e["message"].as_str().unwrap();
+        assert!(m.contains(path) && m.contains("not forwarded") && m.contains("/v1/chat/completions"), "{m}");
+    }
+    // speaches downloads a model on `POST /v1/models/{id}`: the gateway's own /v1/models route.
+    let (s, _) = error_of(post(&a, &key, "/v1/models/Systran/faster-whisper-large-v3", json!({"model": "chat"})).await).await;
+    assert_eq!(s, 404);
+    assert_eq!(a.upstream.seen.lock().unwrap().path, "", "no refused call reached the worker");
+    // A route the model does not declare: refused with the model's own routes.
+    let (s, e) = error_of(post(&a, &key, "/v1/chat/completions", json!({"model": "emb", "messages": []})).await).await;
+    assert_eq!((s, e["code"].as_str()), (404, Some("route_not_served")));
+    assert_eq!(
+        e["message"],
+        "model `emb` does not serve POST /v1/chat/completions; it serves /v1/embeddings (`routes` in its catalog entry)"
+    );
+    // Every refusal is a usage row like any call.
+    let rows = a.rows(7).await;
+    assert_eq!(rows.iter().filter(|r| r["status"] == 404 && r["error_code"] == "route_not_served").count(), 6, "{rows:#?}");
     a.stop().await;
 }

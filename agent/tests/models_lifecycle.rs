@@ -20,6 +20,19 @@ fn worker_bin() -> PathBuf {
     p
 }
 
+/// The account workers run as in these tests: `nobody` when the test runs as root (as under
+/// tests/run-all.sh), else the test's own account (an unprivileged agent runs workers as itself).
+fn worker_user() -> String {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 { "nobody".into() } else { gpuhub_agent::control::peer::user_name(uid).unwrap() }
+}
+
+fn uid_of(name: &str) -> u32 {
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    passwd.lines().find_map(|l| l.strip_prefix(&format!("{name}:x:"))?.split(':').next()?.parse().ok()).unwrap()
+}
+
 struct Env {
     dir: tempfile::TempDir,
     store: Store,
@@ -28,6 +41,8 @@ struct Env {
 impl Env {
     async fn new() -> Env {
         let dir = tempfile::tempdir().unwrap();
+        // The worker account must reach its key file under the workers dir.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711)).unwrap();
         let store = Store::open(&format!("sqlite://{}", dir.path().join("t.db").display()), None).await.unwrap();
         Env { dir, store }
     }
@@ -35,7 +50,7 @@ impl Env {
     /// A model entry running the test worker with `flags`.
     fn model(&self, name: &str, flags: &str, extra: &str) -> String {
         format!(
-            "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --version {{version}} --host {{host}} --port {{port}} --api-key {{api_key}} {flags}\"\n{extra}\n",
+            "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --version {{version}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}} {flags}\"\n{extra}\n",
             worker_bin().display()
         )
     }
@@ -43,7 +58,8 @@ impl Env {
     async fn manager(&self, workers: &str, models: &str) -> (ModelManager, Registry, CancellationToken, TaskTracker) {
         let d = self.dir.path().display();
         let text = format!(
-            "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nbackoff_s = 1\n{workers}\n{models}"
+            "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{workers}\n{models}",
+            worker_user()
         );
         let config = Config::from_toml(&text).unwrap();
         let mut registry = Registry::default();
@@ -260,13 +276,22 @@ async fn a_worker_that_cannot_start_fails_with_its_last_log_lines() {
     let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--exit-at-start 7", "")).await;
     match m.acquire("a").await {
         Err(ModelError::Unavailable { reason, .. }) => {
-            assert!(reason.contains("ended before it was ready") && reason.contains("cannot load weights"), "{reason}")
+            assert!(reason.contains("ended before it was ready"), "{reason}");
+            // The caller gets the reason in one line; the log (which can hold other callers'
+            // prompts) is for admins, through `gpuhub models`.
+            assert!(!reason.contains("cannot load weights") && !reason.contains('\n'), "{reason}");
         }
         other => panic!("expected Unavailable, got {other:?}"),
     }
     let st = m.status("a").unwrap();
     assert_eq!(st.state, "failed");
     assert!(st.log_tail.iter().any(|l| l.contains("cannot load weights")));
+    match m.acquire("a").await {
+        Err(ModelError::Unavailable { reason, .. }) => {
+            assert!(reason.contains("retries in") && !reason.contains("cannot load weights"), "{reason}")
+        }
+        other => panic!("expected the back-off refusal, got {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -374,4 +399,176 @@ async fn acquiring_a_ready_model_costs_microseconds() {
     eprintln!("warm path: acquire + drop of a ready model takes {per:?}");
     assert!(per < Duration::from_micros(20), "the warm path must stay cheap: {per:?} per call");
     m.unload("a", "test over").await.unwrap();
+}
+
+/// The worker process of a ready local model, as the kernel shows it.
+struct Proc {
+    uid: u32,
+    cmdline: String,
+    environ: Vec<String>,
+}
+
+fn proc_of(pid: &str) -> Proc {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid = status.lines().find(|l| l.starts_with("Uid:")).unwrap().split_whitespace().nth(2).unwrap().parse().unwrap();
+    let cmdline = String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap()).replace('\0', " ");
+    let environ = String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap())
+        .split('\0')
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
+        .collect();
+    Proc { uid, cmdline, environ }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_runs_unprivileged_with_its_own_environment_and_no_key_on_its_command_line() {
+    let env = Env::new().await;
+    for (name, how) in [("file", "--api-key-file {api_key_file}"), ("envkey", "")] {
+        let model = format!(
+            "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} {how}\"\n{}env = {{ GPUHUB_TEST_MODEL_ENV = \"from-the-catalog\" }}\n",
+            worker_bin().display(),
+            if how.is_empty() { "api_key_env = \"GPUHUB_TEST_WORKER_API_KEY\"\n" } else { "" }
+        );
+        let (m, _reg, _t, _tasks) = env.manager("", &model).await;
+        let lease = m.acquire(name).await.unwrap();
+        let key = lease.api_key.clone().unwrap();
+        let pid = m.status(name).unwrap().worker_id.unwrap();
+        let p = proc_of(&pid);
+        assert_eq!(p.uid, uid_of(&worker_user()), "{name}: the worker runs as workers.user, never as the agent's root");
+        assert!(!p.cmdline.contains(&key), "{name}: the key is on the command line: {}", p.cmdline);
+        // Exactly the worker's own environment: nothing of the agent's (this test process's).
+        let mut names: Vec<&str> = p.environ.iter().map(|v| v.split('=').next().unwrap()).collect();
+        names.sort();
+        // PWD: set by the shell that execs the worker.
+        let mut want = vec!["GPUHUB_TEST_MODEL_ENV", "GPUHUB_WORKER_TAG", "HOME", "LANG", "LOGNAME", "PATH", "PWD", "USER"];
+        if how.is_empty() {
+            want.push("GPUHUB_TEST_WORKER_API_KEY");
+            want.sort();
+        }
+        assert_eq!(names, want, "{name}: {:?}", p.environ);
+        assert!(
+            !p.environ.iter().any(|v| v.contains(&key)) || how.is_empty(),
+            "{name}: the key is in the environment of a file-only worker"
+        );
+        // The key file: 0600, the worker's, gone once the worker stops.
+        let keys: Vec<_> = std::fs::read_dir(env.dir.path().join("workers/keys")).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        let meta = std::fs::metadata(&keys[0]).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((meta.mode() & 0o777, meta.uid()), (0o600, uid_of(&worker_user())));
+        assert!(!keys[0].display().to_string().contains(&key));
+        assert_eq!(chat(&lease, Some(&key)).await.status(), 200, "{name}: the worker took its key");
+        assert_eq!(chat(&lease, None).await.status(), 401, "{name}");
+        drop(lease);
+        m.unload(name, "test over").await.unwrap();
+        assert!(!keys[0].exists(), "{name}: the key file outlived its worker");
+        let workers = std::fs::metadata(env.dir.path().join("workers")).unwrap();
+        assert_eq!(
+            workers.mode() & 0o777,
+            if worker_user() == "nobody" { 0o770 } else { 0o700 },
+            "no other user looks into the workers dir"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_of_another_user_on_the_workers_port_is_never_marked_ready() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        // As an unprivileged user the worker runs as that same user: no other uid to squat with.
+        assert!(std::env::var("GPUHUB_TEST_STRICT").is_err(), "this test needs root (the worker runs as nobody, the squatter as root)");
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let env = Env::new().await;
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--startup-delay-ms 1500", "")).await;
+    let m = Arc::new(m);
+    let call = {
+        let m = m.clone();
+        tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
+    };
+    // The worker is started but sleeps before it binds: a squatter (root here, not the worker
+    // account) takes its port and answers everything with 200. The worker's command line (its
+    // key file lies under this test's dir) says which port the agent gave it.
+    let t = Instant::now();
+    let marker = env.dir.path().display().to_string();
+    let port = 'found: loop {
+        for pid in std::fs::read_dir("/proc").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()) {
+            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(&marker)
+                && let Some(p) = cmd.split("--port ").nth(1).and_then(|r| r.split_whitespace().next())
+            {
+                break 'found p.parse::<u16>().unwrap();
+            }
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "the worker did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let squatter = match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
+        Ok(l) => l,
+        Err(e) => {
+            let ss = std::process::Command::new("ss").args(["-tanp"]).output().unwrap();
+            panic!(
+                "{port}: {e}\n{}",
+                String::from_utf8_lossy(&ss.stdout).lines().filter(|l| l.contains(&port.to_string())).collect::<Vec<_>>().join("\n")
+            );
+        }
+    };
+    let served = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let received = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let (served2, received2) = (served.clone(), received.clone());
+    let squat = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            let Ok((mut c, _)) = squatter.accept().await else { return };
+            served2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut buf = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_millis(200), c.read(&mut buf)).await.ok().and_then(Result::ok).unwrap_or(0);
+            received2.lock().unwrap().extend_from_slice(&buf[..n]);
+            let _ =
+                c.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{\"status\":\"ok\"}").await;
+        }
+    });
+    match call.await.unwrap() {
+        Err(ModelError::Unavailable { reason, .. }) => {
+            assert!(reason.contains("held by another user's process (uid 0") && reason.contains("never marked ready"), "{reason}")
+        }
+        other => panic!("a squatter must never be taken for the worker, got {other:?}"),
+    }
+    assert!(served.load(std::sync::atomic::Ordering::Relaxed) >= 1, "the agent did find the squatter listening");
+    let got = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    assert!(!got.contains("Bearer") && !got.contains("gpuhub-worker-"), "the squatter was sent the worker's key: {got}");
+    let st = m.status("a").unwrap();
+    assert_eq!(st.state, "failed");
+    squat.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_the_worker_account_cannot_run_is_refused_with_the_directory_that_stops_it() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(std::env::var("GPUHUB_TEST_STRICT").is_err(), "this test needs root (the worker runs as nobody)");
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let env = Env::new().await;
+    let private = env.dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let bin = private.join("worker");
+    std::fs::copy(worker_bin(), &bin).unwrap();
+    let model = format!(
+        "[[models]]\nname = \"a\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}}\"\n",
+        bin.display()
+    );
+    let (m, _reg, _t, _tasks) = env.manager("", &model).await;
+    match m.acquire("a").await {
+        Err(ModelError::Unavailable { reason, .. }) => assert!(
+            reason.contains(&format!("{} (mode 700", private.display())) && reason.contains("does not let workers.user `nobody` through"),
+            "{reason}"
+        ),
+        other => panic!("expected a refusal naming the directory, got {other:?}"),
+    }
+    assert!(std::fs::read_dir(env.dir.path().join("workers/keys")).unwrap().next().is_none(), "no key file left behind");
 }

@@ -87,6 +87,9 @@ if ! cmp -s "$WORKER_SRC" "$WORKER_DST"; then
     log "installed the test model worker $WORKER_DST"
 fi
 
+# Model workers run as this unprivileged account (workers.user), as the agent RPM creates it.
+worker_account >/dev/null
+
 # ---------------------------------------------------------------- helpers
 pid_alive() {
     local pid

@@ -4,6 +4,7 @@
 # the Slurm jobs its own workers dir owns.
 #
 #   models_setup MODELS_TOML [EXTRA_TOML]   write the config, start the agent, create an API key
+#                                           (MT_AGENT_ENV="K=V ...": extra environment for the agent)
 #   models_agent_start / models_agent_kill9  (re)start the test agent / kill -9 it
 #   models_call MODEL [CONTENT]             one chat call; sets MC_STATUS and MC_BODY
 #   models_state MODEL                      the model's state from `gpuhub models --json`
@@ -37,11 +38,18 @@ models_cleanup() {
     local ids
     ids="$(squeue -h -o '%i|%k' 2>/dev/null | awk -F'|' -v c="gpuhub-worker:$MT_DIR/workers" '$2 == c {print $1}')"
     [ -n "$ids" ] && scancel $ids 2>/dev/null || true
+    # Local workers outlive their agent (a restarted agent adopts them): stop this test's, the
+    # processes whose working directory is its workers dir.
+    local p
+    for p in /proc/[0-9]*; do
+        case "$(readlink "$p/cwd" 2>/dev/null)" in "$MT_DIR"/*) kill "${p#/proc/}" 2>/dev/null || true ;; esac
+    done
     [ "${GPUHUB_TEST_KEEP:-0}" = 1 ] || rm -rf "$MT_DIR"
 }
 
 models_agent_start() {
-    "$MT_AGENT" --config "$MT_DIR/agent.toml" run >>"$MT_DIR/agent.log" 2>&1 &
+    # shellcheck disable=SC2086 # MT_AGENT_ENV is a list of K=V words
+    env ${MT_AGENT_ENV:-} "$MT_AGENT" --config "$MT_DIR/agent.toml" run >>"$MT_DIR/agent.log" 2>&1 &
     echo $! > "$MT_DIR/agent.pid"
     local i
     for ((i = 0; i < 150; i++)); do
@@ -61,6 +69,10 @@ models_agent_kill9() {
 models_setup() {
     MT_DIR="$(mktemp -d /var/tmp/gpuhub-models-test.XXXXXX)"
     lab_cleanup_add models_cleanup
+    # Workers run as the worker account: it must reach the workers dir (the agent makes that
+    # root:gpuhub-worker 0770) through the test dir, which stays unlistable.
+    chmod 711 "$MT_DIR"
+    worker_account >/dev/null
     mkdir -p "$MT_DIR/workers"
     cat > "$MT_DIR/agent.toml" <<TOML
 [paths]

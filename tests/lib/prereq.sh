@@ -21,6 +21,17 @@ unprivileged_user() {
     echo gpuhublab
 }
 
+# worker_account: print the account model workers run as (gpuhub-worker, the agent's default
+# workers.user), creating it as the agent RPM does (rpm/gpuhub.spec %pre) if missing.
+worker_account() {
+    if ! id -u gpuhub-worker >/dev/null 2>&1; then
+        { getent group gpuhub-worker >/dev/null || groupadd -r gpuhub-worker; } &&
+            useradd -r -l -g gpuhub-worker -d /var/lib/gpuhub/workers -M -s /usr/sbin/nologin -c "gpuhub model workers" gpuhub-worker ||
+            { echo "FAIL: cannot create the model worker account gpuhub-worker (useradd)" >&2; exit 1; }
+    fi
+    echo gpuhub-worker
+}
+
 # unprivileged_exec_check USER PATH: fail with the reason when USER cannot run PATH (a checkout in
 # a 0700 directory, e.g. under mktemp -d), instead of a bare "Permission denied" from runuser.
 unprivileged_exec_check() {

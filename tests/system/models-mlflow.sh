@@ -44,7 +44,7 @@ models_setup "
 [[models]]
 name = \"mt-reg\"
 launcher = \"slurm\"
-command = \"@WORKER@ --model {model} --version {version} --host {host} --port {port} --api-key {api_key}\"
+command = \"@WORKER@ --model {model} --version {version} --host {host} --port {port} --api-key-file {api_key_file}\"
 resources = { shards = 1, vram_gib = 1.0 }
 mlflow_model = \"$NAME\"
 eval_metric = \"accuracy\"

@@ -13,7 +13,7 @@ models_setup "
 [[models]]
 name = \"mt-orphan\"
 launcher = \"slurm\"
-command = \"@WORKER@ --model {model} --host {host} --port {port} --api-key {api_key}\"
+command = \"@WORKER@ --model {model} --host {host} --port {port} --api-key-file {api_key_file}\"
 resources = { shards = 1, vram_gib = 1.0 }
 idle_timeout_s = 15
 load_timeout_s = 60

@@ -13,7 +13,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 . "$REPO/tests/lib/models.sh"
 lab_require
 
-CMD='command = "@WORKER@ --model {model} --version {version} --host {host} --port {port} --api-key {api_key}'
+CMD='command = "@WORKER@ --model {model} --version {version} --host {host} --port {port} --api-key-file {api_key_file}'
 models_setup "
 [[models]]
 name = \"mt-chat\"

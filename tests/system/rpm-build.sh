@@ -47,7 +47,9 @@ check "spank: license texts" has spank ".* l /usr/share/licenses/gpuhub-spank[^/
 check "agent: /usr/bin/gpuhub-agent" has agent "-rwxr-xr-x root root [a-z]* /usr/bin/gpuhub-agent"
 check "agent: /usr/bin/gpuhub" has agent "-rwxr-xr-x root root [a-z]* /usr/bin/gpuhub"
 check "agent: agent.toml is %config(noreplace), 0600 root" has agent "-rw------- root root cn /etc/gpuhub/agent.toml"
-check "agent: state dir 0700 root" has agent "drwx------ root root [a-z]* /var/lib/gpuhub"
+check "agent: state dir 0711 root (the worker account passes through to workers/)" has agent "drwx--x--x root root [a-z]* /var/lib/gpuhub"
+check "agent: workers dir 0770 root:gpuhub-worker" has agent "drwxrwx--- root gpuhub-worker [a-z]* /var/lib/gpuhub/workers"
+check "agent: sysusers.d declares the worker account" has agent "-rw-r--r-- root root [a-z]* /usr/lib/sysusers.d/gpuhub-agent.conf"
 check "agent: backups dir 0700 root" has agent "drwx------ root root [a-z]* /var/lib/gpuhub/backups"
 for u in gpuhub-agent.service gpuhub-backup.service gpuhub-backup.timer; do
     check "agent: unit $u" has agent "-rw-r--r-- root root [a-z]* /usr/lib/systemd/system/$u"
@@ -71,6 +73,7 @@ check "spank %post runs systemd-tmpfiles for gpuhub-spank.conf" sh -c "rpm -qp -
 rpm -qp --scripts "$agent" > "$OUT/agent.scripts"
 check "agent scriptlets handle gpuhub-agent.service and the timer" grep -q 'gpuhub-agent.service gpuhub-backup.timer' "$OUT/agent.scripts"
 check "agent %postun restarts the agent on upgrade" grep -q 'try-restart gpuhub-agent.service' "$OUT/agent.scripts"
+check "agent %pre creates the worker account gpuhub-worker (no login shell)" grep -q 'useradd -r .*-s /usr/sbin/nologin .*gpuhub-worker' "$OUT/agent.scripts"
 
 # The source tarball: vendored crates + cargo config, no build output.
 tar -tzf "$OUT/gpuhub-$version.tar.gz" > "$OUT/tarball.list"

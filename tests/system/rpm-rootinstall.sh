@@ -20,9 +20,10 @@
 #     a tmpfs /run with /run/systemd/system, the marker the scriptlets test) and a preset that
 #     enables the units: %post spank creates the %ghost /run/gpuhub dirs with their modes
 #     (systemd-tmpfiles), %post agent enables gpuhub-agent.service and gpuhub-backup.timer,
-#     no user or group is created (the spec creates none, every file is root:root) and nothing
-#     outside the packages' files, the rpm database and the unit symlinks is written (the
-#     overlay's upper layer is compared before and after). Modes and owners of the packaged
+#     %pre agent creates the model worker account gpuhub-worker (system account, no login
+#     shell; the only user or group created, the workers dir the only file not root:root) and
+#     nothing outside the packages' files, the account files, the rpm database and the unit
+#     symlinks is written (the overlay's upper layer is compared before and after). Modes and owners of the packaged
 #     directories and %config files are as packaged, `rpm -V` is clean, the installed agent
 #     runs in R and accepts the installed agent.toml (the unit's ExecStartPre).
 #  4. `rpm -e` removes the packages' files, %preun disables the units, a modified
@@ -217,6 +218,11 @@ printf 'enable gpuhub-agent.service\nenable gpuhub-backup.timer\n' > "$R/etc/sys
 # chroot through /proc/1/root, which a sandbox may hide (EACCES: "assuming not" and then no bus),
 # so say so explicitly. The scriptlets inherit the environment.
 export SYSTEMD_OFFLINE=1
+# The worker account must come from %pre agent: a host that has it (the lab's up.sh creates
+# it) loses it in R first, so R starts as a fresh RHEL node would.
+# (sed, not userdel: the host's workers may be running as it.)
+sed -i '/^gpuhub-worker:/d' "$R/etc/passwd" "$R/etc/shadow" "$R/etc/group" "$R/etc/gshadow"
+for f in passwd group shadow gshadow; do cut -d: -f1 "$R/etc/$f" | sort > "$work/accounts-before.$f"; done
 snapshot() { (cd "$work/upper" && find . -mindepth 1 -printf '%P|%y|%m|%u:%g\n' | sort); }
 snapshot > "$work/before.txt"
 
@@ -259,14 +265,30 @@ enabled() { # enabled TARGET UNIT: the [Install] symlink points at the packaged 
 }
 check "%post agent: gpuhub-agent.service enabled (multi-user.target.wants)" enabled multi-user.target gpuhub-agent.service
 check "%post agent: gpuhub-backup.timer enabled (timers.target.wants)" enabled timers.target gpuhub-backup.timer
-# Users and groups: the spec creates none, so the account files are not even copied up.
+# Users and groups: %pre agent adds the worker account and its group, nothing else.
+account_diff() { # account_diff FILE: the names R's /etc/FILE has now and had before rpm -i lacked
+    comm -13 "$work/accounts-before.$1" <(cut -d: -f1 "$R/etc/$1" | sort) | tr '\n' ' '
+}
 for f in passwd group shadow gshadow; do
-    check "no user or group created (/etc/$f untouched)" test ! -e "$work/upper/etc/$f"
+    check "%pre agent: /etc/$f gained only gpuhub-worker" test "$(account_diff "$f")" = "gpuhub-worker "
+    check "%pre agent: /etc/$f lost nothing" test -z "$(comm -23 "$work/accounts-before.$f" <(cut -d: -f1 "$R/etc/$f" | sort))"
 done
-check "every packaged file is root:root" sh -c "[ \"\$(rpm -qp --qf '[%{FILEUSERNAME}:%{FILEGROUPNAME}\n]' '$spank' '$agent' | sort -u)\" = root:root ]"
+worker_account_ok() { # a system uid, home the workers dir, no login shell
+    local e sys_max uid home shell
+    e="$(chroot "$R" getent passwd gpuhub-worker)" || return 1
+    sys_max="$(awk '$1 == "SYS_UID_MAX" {print $2}' "$R/etc/login.defs" 2>/dev/null)"
+    IFS=: read -r _ _ uid _ _ home shell <<<"$e"
+    [ "$uid" -le "${sys_max:-999}" ] && [ "$home" = /var/lib/gpuhub/workers ] && [ "$shell" = /usr/sbin/nologin ]
+}
+check "%pre agent: gpuhub-worker is a system account without a login shell, home the workers dir" worker_account_ok
+owners_ok() {
+    [ "$(rpm -qp --qf '[%{FILEUSERNAME}:%{FILEGROUPNAME} %{FILENAMES}\n]' "$spank" "$agent" | grep -v '^root:root ' | tr '\n' ' ')" = 'root:gpuhub-worker /var/lib/gpuhub/workers ' ]
+}
+check "every packaged file is root:root but the workers dir (root:gpuhub-worker)" owners_ok
 # Packaged directories and %config files.
 check "/var/spool/gpuhub 700 root:root" mode_is /var/spool/gpuhub "700 root:root directory"
-check "/var/lib/gpuhub 700 root:root" mode_is /var/lib/gpuhub "700 root:root directory"
+check "/var/lib/gpuhub 711 root:root" mode_is /var/lib/gpuhub "711 root:root directory"
+check "/var/lib/gpuhub/workers 770 root:gpuhub-worker" mode_is /var/lib/gpuhub/workers "770 root:gpuhub-worker directory"
 check "/var/lib/gpuhub/backups 700 root:root" mode_is /var/lib/gpuhub/backups "700 root:root directory"
 check "/etc/gpuhub 755 root:root" mode_is /etc/gpuhub "755 root:root directory"
 check "/etc/gpuhub/agent.toml 600 root:root" mode_is /etc/gpuhub/agent.toml "600 root:root regular file"
@@ -305,12 +327,14 @@ footprint() { # footprint ALLOWED_FILE: print the upper layer's new entries that
         echo "/$p ($y $m $o)"
     done
 }
-{ cat "$work/owned.txt"; echo /etc/systemd/system/multi-user.target.wants/gpuhub-agent.service
+# The account files useradd/groupadd rewrite (and their backups).
+accounts() { local f; for f in passwd group shadow gshadow; do echo "/etc/$f"; echo "/etc/$f-"; done; echo /etc/.pwd.lock; }
+{ cat "$work/owned.txt"; accounts; echo /etc/systemd/system/multi-user.target.wants/gpuhub-agent.service
   echo /etc/systemd/system/timers.target.wants/gpuhub-backup.timer; echo /etc/systemd/system/timers.target.wants
   echo /etc/systemd/system/multi-user.target.wants; } > "$work/allowed-install.txt"
 footprint "$work/allowed-install.txt" > "$work/stray.txt"
 [ -s "$work/stray.txt" ] && sed 's/^/  | /' "$work/stray.txt"
-check "the install wrote nothing but its files, the rpm database and the unit symlinks" test ! -s "$work/stray.txt"
+check "the install wrote nothing but its files, the account files, the rpm database and the unit symlinks" test ! -s "$work/stray.txt"
 
 # ------------------------------------------------------------------ 4. erase
 echo "# local edit" >> "$R/etc/gpuhub/agent.toml"
@@ -336,12 +360,13 @@ check "unmodified %config removed: /etc/slurm/plugstack.conf.d/gpuhub.conf (no .
 check "edited %config(noreplace) kept: /etc/gpuhub/agent.toml.rpmsave has the local edit" grep -qx '# local edit' "$R/etc/gpuhub/agent.toml.rpmsave"
 check "kept: the store /var/lib/gpuhub/store.db" test -s "$R/var/lib/gpuhub/store.db"
 check "kept: the spool record /var/spool/gpuhub/1.start.json" test -s "$R/var/spool/gpuhub/1.start.json"
-printf '%s\n' /etc/gpuhub /etc/gpuhub/agent.toml.rpmsave /var/lib/gpuhub /var/lib/gpuhub/store.db \
+{ printf '%s\n' /etc/gpuhub /etc/gpuhub/agent.toml.rpmsave /var/lib/gpuhub /var/lib/gpuhub/store.db \
     /var/spool/gpuhub /var/spool/gpuhub/1.start.json /etc/systemd/system/timers.target.wants \
-    /etc/systemd/system/multi-user.target.wants > "$work/allowed-erase.txt"
+    /etc/systemd/system/multi-user.target.wants; accounts; } > "$work/allowed-erase.txt"
 footprint "$work/allowed-erase.txt" > "$work/left.txt"
 [ -s "$work/left.txt" ] && sed 's/^/  | /' "$work/left.txt"
-check "rpm -e left only the .rpmsave, the store and the spool record" test ! -s "$work/left.txt"
+# The worker account stays (files it owned, e.g. logs under a site's workers.dir, keep an owner).
+check "rpm -e left only the .rpmsave, the store, the spool record and the worker account" test ! -s "$work/left.txt"
 
 [ "$failures" -eq 0 ] || { echo "$failures check(s) failed"; exit 1; }
 echo "PASS rpm-rootinstall"

@@ -26,10 +26,30 @@ enum Command {
     /// Load and validate the configuration, print the effective config (secrets redacted),
     /// exit non-zero on error. Use it as the unit's ExecStartPre.
     CheckConfig,
+    /// Print a free TCP port on HOST (below the ephemeral range when there is room). Model
+    /// worker jobs run it as they start, as the worker account; it reads no configuration.
+    #[command(hide = true)]
+    WorkerPort {
+        /// The address the worker will bind.
+        host: String,
+    },
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(Command::WorkerPort { host }) = &args.command {
+        use std::io::Write;
+        return match gpuhub_agent::models::launcher::pick_port(host) {
+            Ok(port) => match writeln!(std::io::stdout().lock(), "{port}") {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::from(2),
+            },
+            Err(e) => {
+                eprintln!("gpuhub-agent: error: no free port on {host}: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     init_logging(&args.log_format);
     let (path, is_default) = match &args.config {
         Some(p) => (p.clone(), false),
@@ -45,12 +65,14 @@ fn main() -> ExitCode {
     match args.command.unwrap_or(Command::Run) {
         Command::CheckConfig => {
             use std::io::Write;
-            match std::io::stdout().lock().write_all(config.render_redacted().as_bytes()) {
+            let text = format!("{}{}", config.render_redacted(), config.render_worker_commands());
+            match std::io::stdout().lock().write_all(text.as_bytes()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(_) => ExitCode::from(2),
             }
         }
         Command::Run => run(config),
+        Command::WorkerPort { .. } => ExitCode::from(2),
     }
 }
 

@@ -133,6 +133,8 @@ async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
             for l in tail {
                 output::line(&format!("  {l}"));
             }
+        } else if m["state"] == "failed" && v["log_tail_visible"] == false {
+            output::line(&format!("\n{} failed; its worker's log lines are shown to admins only (root or admin.group)", s(&m["name"])));
         }
     }
     Ok(ExitCode::SUCCESS)

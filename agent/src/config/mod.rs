@@ -15,6 +15,7 @@ mod gateway;
 mod names;
 mod paths;
 mod store;
+pub mod templates;
 
 use std::path::{Path, PathBuf};
 
@@ -61,6 +62,10 @@ pub struct ConfigFile {
     pub models: Vec<ModelConfig>,
     /// Settings shared by on-demand model workers.
     pub workers: WorkersConfig,
+    /// `[templates.NAME]`: worker templates of this site (new ones, or fields overriding a
+    /// shipped one of the same name).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub templates: std::collections::BTreeMap<String, templates::TemplateConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -203,6 +208,55 @@ impl Config {
         self.file.paths.state_dir.join(name)
     }
 
+    /// The directory of worker scripts, logs, address and key files.
+    pub fn workers_dir(&self) -> PathBuf {
+        let f = &self.file;
+        f.workers.dir.clone().or_else(|| f.slurm.worker_dir.clone()).unwrap_or_else(|| f.paths.state_dir.join("workers"))
+    }
+
+    /// For `check-config`, as TOML comments: the final command of each on-demand model, how
+    /// its worker gets the key (the file or variable, never the key), its health path, routes,
+    /// stream usage, account and environment variable names (values are not shown).
+    pub fn render_worker_commands(&self) -> String {
+        let mut out = String::new();
+        let dir = self.workers_dir();
+        for m in &self.file.models {
+            let w = &m.worker;
+            let routes = crate::models::routes::describe(&w.routes);
+            if m.launcher == LauncherKind::Static {
+                out.push_str(&format!("# model `{}` (static {}): routes {routes}\n", m.name, m.url.as_deref().unwrap_or("")));
+                continue;
+            }
+            let safe = crate::models::launcher::safe_name(&m.name);
+            let key_file = format!("{}/keys/{safe}.<id>{}", dir.display(), w.key.file_suffix);
+            let port = if m.launcher == LauncherKind::Slurm { "${GPUHUB_WORKER_PORT}" } else { "<port>" };
+            let command = crate::models::launcher::render(
+                &w.command
+                    .replace("{port}", "\u{0}PORT\u{0}")
+                    .replace("{api_key_file}", "\u{0}KEYFILE\u{0}")
+                    .replace("{version}", "\u{0}VERSION\u{0}"),
+                &[("model", &m.name), ("model_path", m.model_path.as_deref().unwrap_or("")), ("host", &self.file.workers.host)],
+            )
+            .replace("\u{0}PORT\u{0}", port)
+            .replace("\u{0}KEYFILE\u{0}", &key_file)
+            .replace("\u{0}VERSION\u{0}", if m.mlflow_model.is_some() { "<@production version>" } else { "" });
+            let mut env: Vec<&str> = vec!["PATH", "HOME", "USER", "LOGNAME", "LANG"];
+            env.extend(w.env.keys().map(String::as_str).filter(|k| !["PATH", "HOME", "USER", "LOGNAME", "LANG"].contains(k)));
+            out.push_str(&format!(
+                "# model `{}` ({} launcher, template {}):\n#   command: {command}\n#   key: {}\n#   health: {} (with the key); routes: {routes}; stream usage: {}\n#   runs as: {}; environment: {} (nothing of the agent's)\n",
+                m.name,
+                crate::models::lifecycle::launcher_name(m.launcher),
+                w.template.as_deref().unwrap_or("none"),
+                w.key.describe(w.uses_key_file()),
+                w.health_path,
+                if w.stream_usage { "reported by the server" } else { "not reported by the server" },
+                self.file.workers.user,
+                env.join(" "),
+            ));
+        }
+        out
+    }
+
     /// The effective configuration as TOML, secrets redacted (`check-config`).
     pub fn render_redacted(&self) -> String {
         let mut file = self.file.clone();
@@ -248,7 +302,7 @@ pub fn redact_url(url: &str) -> String {
 
 impl ConfigFile {
     /// Cross-field validation; builds the runtime [`Config`].
-    pub fn validate(self, source: Option<PathBuf>, env_store_url: Option<String>) -> Result<Config, ConfigError> {
+    pub fn validate(mut self, source: Option<PathBuf>, env_store_url: Option<String>) -> Result<Config, ConfigError> {
         let path = source.clone().unwrap_or_else(|| PathBuf::from("<defaults>"));
         let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.clone(), key: key.to_string(), message };
 
@@ -275,7 +329,7 @@ impl ConfigFile {
                 format!("{ms} is out of range; use 1000..=3600000 (default: telemetry.slurm_interval_ms)"),
             ));
         }
-        catalog::validate(&self.models, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
+        catalog::validate(&mut self.models, &self.templates, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
         let known: std::collections::BTreeSet<&str> =
             self.models.iter().flat_map(|m| std::iter::once(m.name.as_str()).chain(m.aliases.iter().map(String::as_str))).collect();
         self.gateway.validate_user_models(&known).map_err(|(k, m)| invalid(&k, m))?;
@@ -343,6 +397,26 @@ mod tests {
         let file: ConfigFile = toml::from_str("[store]\nurl = \"sqlite:///tmp/x.db\"\n").unwrap();
         let err = file.validate(None, Some("postgres://u:p@h/db".into())).unwrap_err().to_string();
         assert!(err.contains("GPUHUB_STORE_URL"), "{err}");
+    }
+
+    #[test]
+    fn check_config_shows_each_workers_final_command_and_how_it_gets_its_key() {
+        let c = Config::from_toml(
+            "[workers]\ndir = \"/w\"\n[[models]]\nname = \"a\"\nlauncher = \"local\"\ntemplate = \"llama-cpp\"\nmodel_path = \"/m/a.gguf\"\nenv = { HF_TOKEN = \"hf_secret_value\" }\n\
+             [[models]]\nname = \"b\"\nlauncher = \"slurm\"\ntemplate = \"vllm\"\nmodel_path = \"/m/b\"\n",
+        )
+        .unwrap();
+        let out = c.render_worker_commands();
+        assert!(out.lines().all(|l| l.starts_with('#')), "comments only, so the effective TOML still parses:\n{out}");
+        assert!(
+            out.contains(
+                "#   command: llama-server --model /m/a.gguf --alias a --host 127.0.0.1 --port <port> --api-key-file /w/keys/a.<id>.key"
+            ),
+            "{out}"
+        );
+        assert!(out.contains("#   command: vllm serve /m/b --served-model-name b --host 127.0.0.1 --port ${GPUHUB_WORKER_PORT}"), "{out}");
+        assert!(out.contains("key: environment VLLM_API_KEY") && out.contains("key: 0600 file {api_key_file}"), "{out}");
+        assert!(out.contains("HF_TOKEN") && !out.contains("hf_secret_value"), "env names, never values:\n{out}");
     }
 
     #[test]

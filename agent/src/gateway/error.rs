@@ -30,6 +30,14 @@ pub enum GatewayError {
     Forbidden(String),
     #[error("no route {method} {path} (the API is under /v1; see `GET /v1/models`)")]
     UnknownRoute { method: String, path: String },
+    /// A `/v1/...` path that is no OpenAI inference route (a worker's management route).
+    #[error(
+        "{method} {path} is not forwarded: the gateway forwards only OpenAI inference routes ({routes}); a worker's own management routes are not reachable through it"
+    )]
+    RouteNotForwarded { method: String, path: String, routes: String },
+    /// An inference route the model's catalog entry does not declare.
+    #[error("model `{model}` does not serve {method} {path}; it serves {served} (`routes` in its catalog entry)")]
+    RouteNotServed { model: String, method: String, path: String, served: String },
     /// A name the registry does not serve (unknown, retired, role without a model).
     #[error("{message}")]
     Refused { status: u16, code: &'static str, message: String },
@@ -57,7 +65,9 @@ impl GatewayError {
             GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             GatewayError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
-            GatewayError::UnknownRoute { .. } => StatusCode::NOT_FOUND,
+            GatewayError::UnknownRoute { .. } | GatewayError::RouteNotForwarded { .. } | GatewayError::RouteNotServed { .. } => {
+                StatusCode::NOT_FOUND
+            }
             GatewayError::Refused { status, .. } => StatusCode::from_u16(*status).unwrap_or(StatusCode::NOT_FOUND),
             GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::ModelUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -79,6 +89,7 @@ impl GatewayError {
             GatewayError::Unauthenticated(_) => "invalid_api_key",
             GatewayError::Forbidden(_) => "model_not_allowed",
             GatewayError::UnknownRoute { .. } => "unknown_route",
+            GatewayError::RouteNotForwarded { .. } | GatewayError::RouteNotServed { .. } => "route_not_served",
             GatewayError::Refused { code, .. } => code,
             GatewayError::Overloaded { .. } => "model_overloaded",
             GatewayError::ModelUnavailable(_) => "model_unavailable",

@@ -1,7 +1,9 @@
-//! Forwards any `/v1/*` call whose body names a model, without understanding the route:
-//! auth (middleware) → read the body (bounded, timed) → find the model → resolve the name →
-//! check the key's allow-list → acquire the model → forward with the worker's key (never the
-//! client's) → answer, with deprecation headers for renamed names → one usage row.
+//! Forwards an OpenAI inference call (`/v1/chat/completions`, ... : [`Route`]) whose body names
+//! a model, without understanding the route further: auth (middleware) → a route the gateway
+//! forwards → read the body (bounded, timed) → find the model → resolve the name → check the
+//! key's allow-list → a route the model serves → acquire the model → forward with the
+//! worker's key (never the client's) → answer, with deprecation headers for renamed names →
+//! one usage row.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +20,7 @@ use super::parse::{self, Parsed};
 use super::usage_log::UsageRow;
 use super::{RequestMeta, stream, upstream, us_since};
 use crate::AppState;
+use crate::models::routes::Route;
 
 /// One call on its way through the gateway: the row it will leave and its timings.
 pub struct Call {
@@ -112,6 +115,15 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
     if !parts.uri.path().starts_with("/v1/") {
         return Err(GatewayError::UnknownRoute { method: parts.method.to_string(), path: crate::util::sanitize(parts.uri.path()) });
     }
+    // Only inference routes are forwarded, decided before the body is read: a worker's
+    // management routes (vLLM's /v1/load_lora_adapter, ...) are never reachable from here.
+    let Some(route) = Route::for_path(parts.uri.path()) else {
+        return Err(GatewayError::RouteNotForwarded {
+            method: parts.method.to_string(),
+            path: crate::util::sanitize(parts.uri.path()),
+            routes: crate::models::routes::describe(&Route::ALL),
+        });
+    };
     let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if matches!(parts.method, Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS) && declared.unwrap_or(0) == 0 {
         return Err(GatewayError::UnknownRoute { method: parts.method.to_string(), path: crate::util::sanitize(parts.uri.path()) });
@@ -148,6 +160,16 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
     };
     call.row.resolved_model = model.to_string();
     id.check_model(&parsed.model, Some(model))?;
+    if let Some(entry) = state.catalog.get(model)
+        && !entry.worker.routes.contains(&route)
+    {
+        return Err(GatewayError::RouteNotServed {
+            model: model.to_string(),
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_string(),
+            served: crate::models::routes::describe(&entry.worker.routes),
+        });
+    }
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| parts.uri.path().to_string());
     let body = parse::upstream_body(&parsed, &bytes, model).map(Bytes::from).unwrap_or(bytes);
     Ok((parsed, Outgoing { method: parts.method, path_and_query, headers: parts.headers, body }))

@@ -1,4 +1,6 @@
-//! Control-socket routes behind `gpuhub models`: list (anyone), load/unload/promote (admins).
+//! Control-socket routes behind `gpuhub models`: list (anyone; the log lines of failed workers
+//! only for admins, since a worker's log can hold other callers' prompts), load/unload/promote
+//! (admins).
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -40,8 +42,14 @@ fn admin(caller: &Caller, what: &str) -> Result<(), (StatusCode, Json<Value>)> {
     caller.require_admin(what).map_err(|(s, m)| err(s, m))
 }
 
-async fn list(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({"models": state.models.statuses()}))
+async fn list(State(state): State<AppState>, caller: Caller) -> Json<Value> {
+    let mut models = state.models.statuses();
+    if !caller.admin {
+        for m in &mut models {
+            m.log_tail.clear();
+        }
+    }
+    Json(json!({"models": models, "log_tail_visible": caller.admin}))
 }
 
 async fn registry(State(state): State<AppState>) -> ApiResult {

@@ -28,6 +28,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::Catalog;
+use super::launcher::account::WorkerUser;
+use super::launcher::proof::{self, PortOwner};
+use super::launcher::secret::KeyFiles;
 use super::launcher::{self, Instance, LaunchSpec, Launchers, RunState};
 use super::metrics::ModelMetrics;
 use super::mlflow::Mlflow;
@@ -218,6 +221,11 @@ struct Runtime {
     metrics: ModelMetrics,
     cfg: WorkersConfig,
     dir: std::path::PathBuf,
+    /// `workers.user`, looked up and its workers dir prepared at start; the error otherwise
+    /// (every start then fails with it).
+    user: Result<WorkerUser, String>,
+    /// This agent's executable (Slurm jobs run its `worker-port` to pick a port).
+    agent_exe: std::path::PathBuf,
     gpus: Box<dyn Fn() -> Vec<GpuInfo> + Send + Sync>,
     mlflow: Option<Mlflow>,
     /// Last `@production` version seen per MLflow model (fallback when MLflow is down).
@@ -255,11 +263,23 @@ impl ModelManager {
     pub async fn start(catalog: Arc<Catalog>, deps: ManagerDeps<'_>) -> ModelManager {
         let workers: BTreeMap<String, Arc<Worker>> = catalog.models().map(|m| (m.name.clone(), Arc::new(Worker::new(m.clone())))).collect();
         let f = &deps.config.file;
-        let dir = f.workers.dir.clone().or_else(|| f.slurm.worker_dir.clone()).unwrap_or_else(|| f.paths.state_dir.join("workers"));
+        let dir = deps.config.workers_dir();
         let metrics = ModelMetrics::register(deps.registry);
         for name in workers.keys() {
             metrics.set_state(name, None, State::Unloaded);
         }
+        let on_demand = workers.values().any(|w| matches!(w.cfg.launcher, LauncherKind::Local | LauncherKind::Slurm));
+        let user = if on_demand {
+            WorkerUser::lookup(&f.workers.user).and_then(|u| launcher::account::prepare_dir(&dir, &u).map(|()| u))
+        } else {
+            Err("no model of this catalog starts workers".to_string())
+        };
+        if on_demand && let Err(e) = &user {
+            tracing::error!(error = %e, "model workers cannot start until this is fixed");
+        }
+        let agent_exe = std::env::current_exe()
+            .map(|p| std::path::PathBuf::from(p.display().to_string().trim_end_matches(" (deleted)")))
+            .unwrap_or_else(|_| std::path::PathBuf::from("/usr/bin/gpuhub-agent"));
         let rt = Runtime {
             launchers: Launchers {
                 local: launcher::local::Local,
@@ -269,6 +289,8 @@ impl ModelManager {
             metrics,
             cfg: f.workers.clone(),
             dir,
+            user,
+            agent_exe,
             gpus: deps.gpus,
             mlflow: f.mlflow.tracking_uri.as_deref().filter(|u| !u.is_empty()).map(Mlflow::new),
             versions: Mutex::new(BTreeMap::new()),
@@ -428,14 +450,13 @@ impl Shared {
                     }
                     State::Failed if s.retry_at.is_some_and(|t| t > Instant::now()) => {
                         let secs = s.retry_at.map(|t| t.saturating_duration_since(Instant::now()).as_secs() + 1).unwrap_or(0);
-                        let mut reason = format!(
-                            "{}; gpuhub retries in {secs}s (or run `gpuhub models load {}`)",
+                        // One line for the caller; the worker's log lines are for admins
+                        // (`gpuhub models`): they can hold other callers' prompts.
+                        let reason = format!(
+                            "{}; gpuhub retries in {secs}s (or an admin runs `gpuhub models load {}`; `gpuhub models` shows admins the worker's log)",
                             s.detail.clone().unwrap_or_else(|| "it failed".into()),
                             m.name
                         );
-                        if !s.log_tail.is_empty() {
-                            reason.push_str(&format!("; last log lines: {}", s.log_tail.join(" | ")));
-                        }
                         return Err(ModelError::Unavailable { model: m.name.clone(), reason });
                     }
                     State::Unloaded | State::Failed => {
@@ -480,7 +501,7 @@ impl Shared {
         };
         Ok(Lease {
             model: m.name.clone(),
-            base_url: instance.base_url.clone(),
+            base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
             _guard: InFlightGuard { worker: w, _permit: permit },
@@ -513,12 +534,9 @@ impl Shared {
                 }
                 let mut s = w.lock();
                 s.instance = None;
-                s.log_tail = tail.clone();
-                let mut full = message.clone();
-                if !tail.is_empty() {
-                    full.push_str(&format!("; last log lines: {}", tail.join(" | ")));
-                }
-                s.outcome = Some((attempt, full));
+                s.log_tail = tail;
+                // Waiters get the reason in one line; the log tail stays with admins.
+                s.outcome = Some((attempt, message.clone()));
                 if counts {
                     s.failures += 1;
                     let backoff = rt.cfg.backoff_s.saturating_mul(1 << s.failures.saturating_sub(1).min(7)).min(600);
@@ -533,42 +551,77 @@ impl Shared {
 
     async fn load_inner(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<Instance, LoadFailure> {
         let m = &w.cfg;
+        let user = rt.user.clone().map_err(|e| LoadFailure::new(format!("workers.user: {e}")))?;
         let evicted =
             self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
         let version = self.resolve_version(rt, m).await;
-        let port =
-            launcher::pick_port(&rt.cfg.host).map_err(|e| LoadFailure::new(format!("cannot find a free port on {}: {e}", rt.cfg.host)))?;
+        let port = match m.launcher {
+            // A Slurm job picks its port when it starts: one picked now could be taken by
+            // anyone while the job pends.
+            LauncherKind::Slurm => None,
+            _ => Some(
+                launcher::pick_port(&rt.cfg.host)
+                    .map_err(|e| LoadFailure::new(format!("cannot find a free port on {}: {e}", rt.cfg.host)))?,
+            ),
+        };
         let api_key = launcher::new_api_key();
+        let key_files = KeyFiles::locate(&rt.dir, &launcher::safe_name(&m.name), &api_key, &m.worker.key);
+        key_files
+            .write(&api_key, &m.worker.key, &user)
+            .map_err(|e| LoadFailure::new(format!("cannot write the worker's key file {}: {e}", key_files.file.display())))?;
         let model_path = m.model_path.clone().unwrap_or_default().replace("{version}", version.as_deref().unwrap_or(""));
-        let port_s = port.to_string();
+        let port_s = port.map(|p| p.to_string()).unwrap_or_default();
+        let key_file_s = key_files.file.display().to_string();
+        let template = match port {
+            Some(_) => m.worker.command.clone(),
+            None => m.worker.command.replace("{port}", "${GPUHUB_WORKER_PORT}"),
+        };
         let command = launcher::render(
-            m.command.as_deref().unwrap_or(""),
+            &template,
             &[
                 ("model", &m.name),
                 ("model_path", &model_path),
                 ("version", version.as_deref().unwrap_or("")),
                 ("port", &port_s),
                 ("host", &rt.cfg.host),
-                ("api_key", &api_key),
+                ("api_key_file", &key_file_s),
             ],
         );
+        // A program the worker account cannot run fails here, with the directory or mode that
+        // stops it, not as an exit status 126 in the worker's log.
+        if let Some(program) = command.split_whitespace().next().filter(|p| p.starts_with('/'))
+            && let Err(e) = user.check_exec(std::path::Path::new(program))
+        {
+            key_files.remove();
+            return Err(LoadFailure::new(format!("the worker cannot start: {e}")));
+        }
         let spec = LaunchSpec {
             model: m.name.clone(),
             command,
-            env: m.env.clone(),
+            env: m.worker.env.clone(),
             resources: m.resources.clone(),
             workdir: m.workdir.clone(),
             dir: rt.dir.clone(),
             host: rt.cfg.host.clone(),
             port,
             api_key,
+            key: m.worker.key.clone(),
+            key_files: key_files.clone(),
+            user,
             version,
             orphan_after_s: m.idle_timeout_s.max(15),
+            agent_exe: rt.agent_exe.clone(),
         };
         let launch_us = crate::util::now_us();
-        let inst = rt.launchers.start(m.launcher, &spec).await.map_err(|e| LoadFailure::new(format!("cannot launch the worker: {e}")))?;
+        let inst = match rt.launchers.start(m.launcher, &spec).await {
+            Ok(i) => i,
+            Err(e) => {
+                key_files.remove();
+                return Err(LoadFailure::new(launcher::secret::redact(&format!("cannot launch the worker: {e}"), &spec.api_key)));
+            }
+        };
         // launch_us: when sbatch (or the child) was started, for bench/models-coldstart.sh.
-        tracing::info!(model = %m.name, worker = %inst.id, url = %inst.base_url, version = inst.version.as_deref().unwrap_or(""), launch_us, "worker launched");
+        tracing::info!(model = %m.name, worker = %inst.id, url = inst.base_url().unwrap_or("(from the job's .addr file)"), version = inst.version.as_deref().unwrap_or(""), launch_us, "worker launched");
         self.remember(rt, &m.name, &inst).await;
         {
             let mut s = w.lock();
@@ -578,23 +631,33 @@ impl Shared {
             self.transition(w, &mut s, to, detail);
         }
         match self.wait_ready(rt, w, &inst, Instant::now() + Duration::from_secs(m.load_timeout_s)).await {
-            Ok(()) => Ok(inst),
-            Err((message, counts)) => {
-                Err(LoadFailure { message, tail: launcher::log_tail(&inst.log_path, LOG_TAIL_LINES), counts, instance: Some(inst) })
+            Ok(()) => {
+                // The address is known now (a Slurm job's .addr file): remember it for adoption.
+                self.remember(rt, &m.name, &inst).await;
+                Ok(inst)
             }
+            Err((message, counts)) => Err(LoadFailure {
+                message: launcher::secret::redact(&message, &inst.api_key),
+                tail: launcher::log_tail(&inst.log_path, LOG_TAIL_LINES, &inst.api_key),
+                counts,
+                instance: Some(inst),
+            }),
         }
     }
 
     /// Polls health from 2 ms, backing off to 10 ms (100 ms after 30 s); checks the launcher
-    /// every 250 ms.
+    /// every 250 ms. The probe carries the worker's key, and a worker is ready only when its
+    /// health path answers 2xx with it and, on this node, every socket listening on its port
+    /// belongs to the worker account: a process of another user there (a squatter) fails the
+    /// load at once with its uid, and is never forwarded a call.
     async fn wait_ready(&self, rt: &Runtime, w: &Worker, inst: &Instance, deadline: Instant) -> Result<(), (String, bool)> {
         let m = &w.cfg;
         let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).pool_max_idle_per_host(0).build().unwrap_or_default();
-        let url = format!("{}{}", inst.base_url, m.health_path);
         let mut delay = Duration::from_millis(2);
         let started = Instant::now();
         let mut next_poll = Instant::now();
         let mut last: Option<RunState> = None;
+        let mut warned_remote = false;
         loop {
             if rt.shutdown.is_cancelled() {
                 return Err(("the agent is shutting down".into(), false));
@@ -615,25 +678,82 @@ impl Shared {
                                     w,
                                     &mut s,
                                     State::Starting,
-                                    Some(format!("worker {} running; waiting for {}", inst.id, m.health_path)),
+                                    Some(format!("worker {} running; waiting for {}", inst.id, m.worker.health_path)),
                                 );
                             }
                         }
-                        RunState::Gone(how) => return Err((format!("the worker ended before it was ready: {how}"), true)),
+                        RunState::Gone(how) => {
+                            let squatter =
+                                inst.base_url().and_then(|u| squatter(u, inst.uid)).map(|s| format!("; {s}")).unwrap_or_default();
+                            return Err((format!("the worker ended before it was ready: {how}{squatter}"), true));
+                        }
                     }
                     last = Some(run);
                 }
             }
-            // Polled even while Slurm still says pending: squeue is checked only every 250 ms,
-            // and a refused connection costs microseconds.
-            if let Ok(r) = http.get(&url).send().await
-                && r.status().is_success()
-            {
-                return Ok(());
+            if inst.base_url().is_none() && inst.launcher == LauncherKind::Slurm {
+                // The job writes its address when it starts (one stat per poll until then).
+                match rt.launchers.slurm.read_addr(&m.name, &inst.id, inst.uid) {
+                    Ok(Some(url)) => inst.set_base_url(url),
+                    Ok(None) => {}
+                    Err(e) => return Err((format!("the worker's address file is not trustworthy: {e}"), true)),
+                }
+            }
+            if let Some(base) = inst.base_url() {
+                // Polled even while Slurm still says pending: squeue is checked only every
+                // 250 ms, and a refused connection costs microseconds. Only once something
+                // listens is its owner checked, and only the worker account's listener is
+                // sent the key: a squatter never sees it.
+                let addr = proof::host_port(base);
+                let listening = match &addr {
+                    Some((host, port)) => {
+                        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect((host.as_str(), *port)))
+                            .await
+                            .is_ok_and(|c| c.is_ok())
+                    }
+                    None => true,
+                };
+                let owner = if listening { port_owner(base, inst.uid) } else { None };
+                match owner {
+                    Some(Ok(PortOwner::Other { uid })) => {
+                        let user = crate::control::peer::user_name(uid).map(|n| format!(" `{n}`")).unwrap_or_default();
+                        return Err((
+                            format!(
+                                "the port of worker {} ({base}) is held by another user's process (uid {uid}{user}), not by the worker's account (uid {}); it was never marked ready and got no call; the next start picks another port",
+                                inst.id, inst.uid
+                            ),
+                            true,
+                        ));
+                    }
+                    Some(Err(e)) => {
+                        return Err((
+                            format!("cannot check who listens on the worker's port ({base}): {e}; /proc/net/tcp must be readable"),
+                            true,
+                        ));
+                    }
+                    Some(Ok(PortOwner::Nobody)) => {}
+                    Some(Ok(PortOwner::Worker)) | None if listening => {
+                        if owner.is_none() && !warned_remote {
+                            tracing::warn!(model = %m.name, url = %base, "worker on another host: the owner of its port cannot be checked; trusting its key");
+                            warned_remote = true;
+                        }
+                        let url = format!("{base}{}", m.worker.health_path);
+                        if let Ok(r) = http.get(&url).bearer_auth(&inst.api_key).send().await
+                            && r.status().is_success()
+                        {
+                            return Ok(());
+                        }
+                    }
+                    _ => {}
+                }
             }
             if Instant::now() >= deadline {
+                let squatter = inst.base_url().and_then(|u| squatter(u, inst.uid)).map(|s| format!("; {s}")).unwrap_or_default();
                 return Err((
-                    format!("the worker did not answer {} within {}s (load_timeout_s); it was stopped", m.health_path, m.load_timeout_s),
+                    format!(
+                        "the worker did not answer {} within {}s (load_timeout_s); it was stopped{squatter}",
+                        m.worker.health_path, m.load_timeout_s
+                    ),
                     true,
                 ));
             }
@@ -666,7 +786,7 @@ impl Shared {
                 }
             }
             if let RunState::Gone(how) = rt.launchers.poll(&inst).await {
-                let tail = launcher::log_tail(&inst.log_path, LOG_TAIL_LINES);
+                let tail = launcher::log_tail(&inst.log_path, LOG_TAIL_LINES, &inst.api_key);
                 self.forget(&w.cfg.name, &inst).await;
                 let mut s = w.lock();
                 if !s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) || s.state != State::Ready {
@@ -849,7 +969,7 @@ impl Shared {
             model: model.to_string(),
             launcher: launcher_name(inst.launcher).into(),
             instance_id: inst.id.clone(),
-            base_url: inst.base_url.clone(),
+            base_url: inst.base_url().unwrap_or_default().to_string(),
             api_key: inst.api_key.clone(),
             version: inst.version.clone(),
             log_path: inst.log_path.display().to_string(),
@@ -860,7 +980,11 @@ impl Shared {
         }
     }
 
+    /// The worker is gone: its key file goes, and the store forgets it.
     async fn forget(&self, model: &str, inst: &Instance) {
+        if let Some(k) = &inst.key_files {
+            k.remove();
+        }
         let Some(store) = self.rt.as_ref().and_then(|rt| rt.store.as_ref()) else { return };
         if let Err(e) = store.delete_worker(model, &inst.id).await {
             tracing::error!(model, worker = %inst.id, error = %e, "cannot forget a stopped worker");
@@ -906,27 +1030,33 @@ impl Shared {
             None => Vec::new(),
         };
         let mut adopted_jobs = Vec::new();
+        let mut kept_keys = Vec::new();
+        let uid = rt.user.as_ref().map(|u| u.uid).ok();
         for row in rows {
             let w = self.workers.get(&row.model).filter(|w| launcher_name(w.cfg.launcher) == row.launcher).cloned();
-            let inst = Instance {
-                launcher: if row.launcher == "slurm" { LauncherKind::Slurm } else { LauncherKind::Local },
-                id: row.instance_id.clone(),
-                base_url: row.base_url.clone(),
-                api_key: row.api_key.clone(),
-                version: row.version.clone(),
-                log_path: row.log_path.clone().into(),
-                started_us: row.started_us,
-                child: None,
-            };
-            let alive = match inst.launcher {
-                LauncherKind::Slurm => match rt.launchers.slurm.job(&inst.id).await {
-                    Ok(Some(j)) => {
-                        j.name == launcher::slurm::job_name(&row.model) && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
-                    }
-                    _ => false,
-                },
-                _ => launcher::local::Local::adopt(&inst.id, &inst.api_key),
-            };
+            let kind = if row.launcher == "slurm" { LauncherKind::Slurm } else { LauncherKind::Local };
+            let mut inst =
+                Instance::new(kind, row.instance_id.clone(), row.api_key.clone(), uid.unwrap_or(u32::MAX), row.log_path.clone().into());
+            if !row.base_url.is_empty() {
+                inst.set_base_url(row.base_url.clone());
+            }
+            inst.version = row.version.clone();
+            inst.started_us = row.started_us;
+            if let Some(w) = &w {
+                inst.key_files = Some(KeyFiles::locate(&rt.dir, &launcher::safe_name(&row.model), &row.api_key, &w.cfg.worker.key));
+            }
+            // Without the worker account (workers.user is broken) no worker can be proven ours.
+            let alive = uid.is_some()
+                && match inst.launcher {
+                    LauncherKind::Slurm => match rt.launchers.slurm.job(&inst.id).await {
+                        Ok(Some(j)) => {
+                            j.name == launcher::slurm::job_name(&row.model)
+                                && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
+                        }
+                        _ => false,
+                    },
+                    _ => uid.is_some_and(|uid| launcher::local::Local::adopt(&inst.id, &inst.api_key, uid)),
+                };
             let Some(w) = w.filter(|_| alive) else {
                 if alive {
                     tracing::warn!(model = %row.model, worker = %row.instance_id, "a remembered worker's model left the catalog; stopping it");
@@ -939,6 +1069,9 @@ impl Shared {
             if inst.launcher == LauncherKind::Slurm {
                 adopted_jobs.push(inst.id.clone());
             }
+            if let Some(k) = &inst.key_files {
+                kept_keys.push(k.clone());
+            }
             let inst = Arc::new(inst);
             {
                 let mut s = w.lock();
@@ -948,6 +1081,7 @@ impl Shared {
             let (me, attempt) = (self.clone(), w.lock().attempt);
             rt.tasks.spawn(async move { me.finish_adoption(w, inst, attempt).await });
         }
+        remove_stale_keys(&rt.dir.join("keys"), &kept_keys);
         if self.workers.values().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
             match rt.launchers.slurm.own_jobs().await {
                 Ok(jobs) => {
@@ -982,6 +1116,40 @@ impl Shared {
                 self.transition(&w, &mut s, State::Unloaded, Some(format!("could not adopt worker {}: {message}", inst.id)));
             }
         }
+    }
+}
+
+/// Removes key files and shims no adopted worker uses (their workers stopped while no agent
+/// ran, or were cancelled as orphans).
+fn remove_stale_keys(keys: &std::path::Path, kept: &[KeyFiles]) {
+    let Ok(entries) = std::fs::read_dir(keys) else { return };
+    for e in entries.flatten() {
+        let path = e.path();
+        if kept.iter().any(|k| k.file == path || k.shim_dir.as_deref() == Some(path.as_path())) {
+            continue;
+        }
+        let removed = if e.file_type().is_ok_and(|t| t.is_dir()) { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        if let Err(err) = removed {
+            tracing::warn!(path = %path.display(), error = %err, "cannot remove a stale worker key file");
+        }
+    }
+}
+
+/// Who listens on the port of `base_url`, against the worker's `uid` (`None`: the worker is
+/// on another host, where the owner cannot be seen).
+fn port_owner(base_url: &str, uid: u32) -> Option<std::io::Result<PortOwner>> {
+    let (host, port) = proof::host_port(base_url)?;
+    proof::is_this_node(&host).then(|| proof::owner(port, uid))
+}
+
+/// "port P is held by another user's process (uid N)", when it is.
+fn squatter(base_url: &str, uid: u32) -> Option<String> {
+    match port_owner(base_url, uid)? {
+        Ok(PortOwner::Other { uid: other }) => {
+            let user = crate::control::peer::user_name(other).map(|n| format!(" `{n}`")).unwrap_or_default();
+            Some(format!("its port ({base_url}) is held by another user's process (uid {other}{user})"))
+        }
+        _ => None,
     }
 }
 

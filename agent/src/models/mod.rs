@@ -6,6 +6,7 @@
 //!   crash restart, adoption, VRAM-aware placement with LRU eviction).
 //! - [`launcher`]: `local` (child process) and `slurm` (sbatch/squeue/scancel) workers.
 //! - [`mlflow`]: `@production` resolution, discovery, eval-gated promotion.
+//! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
 //! - [`metrics`]: `gpuhub_model_*` series.
 //! - [`api`]: the control-socket routes behind `gpuhub models`.
 
@@ -15,6 +16,7 @@ pub mod launcher;
 pub mod lifecycle;
 pub mod metrics;
 pub mod mlflow;
+pub mod routes;
 
 pub use catalog::Catalog;
 pub use lifecycle::{Lease, ManagerDeps, ModelError, ModelManager, ModelStatus, State};

@@ -131,7 +131,17 @@ pub async fn start(extra: &str) -> Agent {
     start_in(dir, up, upstream, extra).await
 }
 
+/// The account local workers run as in these tests: `nobody` under root (tests/run-all.sh),
+/// else the test's own account.
+pub fn worker_user() -> String {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 { "nobody".into() } else { gpuhub_agent::control::peer::user_name(uid).unwrap() }
+}
+
 pub async fn start_in(dir: tempfile::TempDir, up: SocketAddr, upstream: Upstream, extra: &str) -> Agent {
+    // A local worker (running as `worker_user()`) must reach its key file under the workers dir.
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711)).unwrap();
     let d = dir.path().display();
     let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap(); // closed at once
     let mut models = String::new();

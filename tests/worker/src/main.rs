@@ -2,11 +2,13 @@
 //!
 //! It is not a model server. It answers the OpenAI routes gpuhub forwards with deterministic,
 //! made-up content, so gpuhub's tests can start it exactly the way a site starts vLLM (the same
-//! command template: `{model} {model_path} {version} {port} {host} {api_key}`) and check every
+//! command template: `{model} {model_path} {version} {port} {host} {api_key_file}`, the key by
+//! file or by `GPUHUB_TEST_WORKER_API_KEY`, never on the command line) and check every
 //! lifecycle step without a GPU.
 //!
 //! Routes: `/health` (open, like vLLM; 503 until `--ready-delay-ms` has passed), and under `/v1`
-//! (protected by `--api-key`, like vLLM): `GET /v1/models`, `POST /v1/chat/completions` and
+//! (protected by the key, `--api-key-file`, `GPUHUB_TEST_WORKER_API_KEY` or `--api-key`, like
+//! vLLM): `GET /v1/models`, `POST /v1/chat/completions` and
 //! `/v1/completions` (plain, or SSE with a final usage chunk when
 //! `stream_options.include_usage` is true), `/v1/embeddings`, `/v1/audio/speech` (binary WAV),
 //! `/v1/audio/transcriptions` (multipart upload).
@@ -59,9 +61,13 @@ struct Args {
     /// Port to bind; 0 picks a free one (printed, and written to `--report-file`).
     #[arg(long, default_value_t = 0)]
     port: u16,
-    /// Bearer key required on `/v1/*` (none: open).
-    #[arg(long)]
+    /// Bearer key required on `/v1/*` (none: open). Also read from the environment, which is
+    /// how gpuhub passes it without putting it on the command line.
+    #[arg(long, env = "GPUHUB_TEST_WORKER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Read the bearer key from this file (its first line), as gpuhub's `{api_key_file}`.
+    #[arg(long, value_name = "PATH", conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
     /// Write `HOST PORT` here (atomically) once bound.
     #[arg(long)]
     report_file: Option<PathBuf>,
@@ -107,8 +113,21 @@ fn log(msg: &str) {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
     log(&format!("TEST WORKER starting model={} version={} pid={}", args.model, args.version, std::process::id()));
+    if let Some(path) = &args.api_key_file {
+        match std::fs::read_to_string(path) {
+            Ok(text) => args.api_key = text.lines().next().map(|l| l.trim().to_string()).filter(|k| !k.is_empty()),
+            Err(e) => {
+                log(&format!("error: cannot read --api-key-file {}: {e}", path.display()));
+                return std::process::ExitCode::from(2);
+            }
+        }
+        if args.api_key.is_none() {
+            log(&format!("error: --api-key-file {} is empty", path.display()));
+            return std::process::ExitCode::from(2);
+        }
+    }
     if let Some(code) = args.exit_at_start {
         log(&format!("error: cannot load weights for {} (simulated by --exit-at-start {code})", args.model));
         std::process::exit(code);
@@ -472,5 +491,8 @@ mod tests {
             .unwrap_or_else(|e| unreachable!("{e}"));
         assert_eq!((a.model.as_str(), a.version.as_str(), a.port, a.crash_after), ("m", "3", 0, Some(2)));
         assert!(Args::try_parse_from(["w"]).is_err(), "--model is required");
+        let a = Args::try_parse_from(["w", "--model", "m", "--api-key-file", "/run/k"]).unwrap_or_else(|e| unreachable!("{e}"));
+        assert_eq!(a.api_key_file.as_deref(), Some(std::path::Path::new("/run/k")));
+        assert!(Args::try_parse_from(["w", "--model", "m", "--api-key", "k", "--api-key-file", "/run/k"]).is_err(), "one key source");
     }
 }

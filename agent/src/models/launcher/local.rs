@@ -1,10 +1,15 @@
 //! `launcher = "local"`: the worker is a child process of the agent, in its own process group,
-//! with stdout and stderr in `<workers.dir>/<model>.<pid>.log`.
+//! with stdout and stderr in `<workers.dir>/<model>.<time>.log`.
+//!
+//! The child drops to `workers.user` before exec and starts from an empty environment (a
+//! minimal `PATH`/`HOME`/`LANG`, the template's and model's `env`, the key variable if the
+//! template takes the key that way, and `GPUHUB_WORKER_TAG`, the marker an agent that
+//! restarts finds the worker by). Nothing of the agent's environment reaches it.
 
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::{Instance, LaunchError, LaunchSpec, RunState, safe_name};
+use super::{Instance, LaunchError, LaunchSpec, RunState, safe_name, secret};
 use crate::config::LauncherKind;
 
 #[derive(Debug, Clone, Default)]
@@ -12,28 +17,55 @@ pub struct Local;
 
 impl Local {
     pub async fn start(&self, spec: &LaunchSpec) -> Result<Instance, LaunchError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let port = spec.port.ok_or_else(|| LaunchError::Command { cmd: "local worker".into(), message: "no port was picked".into() })?;
         std::fs::create_dir_all(&spec.dir).map_err(|source| LaunchError::Io { path: spec.dir.display().to_string(), source })?;
         let log_path = spec.dir.join(format!("{}.{}.log", safe_name(&spec.model), crate::util::now_us()));
-        let log = std::fs::File::create(&log_path).map_err(|source| LaunchError::Io { path: log_path.display().to_string(), source })?;
+        let log = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o640)
+            .open(&log_path)
+            .map_err(|source| LaunchError::Io { path: log_path.display().to_string(), source })?;
         let err = log.try_clone().map_err(|source| LaunchError::Io { path: log_path.display().to_string(), source })?;
+        let mut env = spec.base_env();
+        match (&spec.key.env, &spec.key.env_for, &spec.key_files.shim_dir) {
+            (Some(_), Some(_), Some(shim)) => {
+                let path = env.get("PATH").cloned().unwrap_or_default();
+                env.insert("PATH".into(), format!("{}:{path}", shim.display()));
+            }
+            (Some(var), None, _) => {
+                env.insert(var.clone(), spec.api_key.clone());
+            }
+            _ => {}
+        }
+        env.insert(secret::TAG_ENV.into(), secret::tag(&spec.api_key));
         let mut cmd = tokio::process::Command::new("/bin/sh");
-        cmd.arg("-c").arg(format!("exec {}", spec.command)).envs(&spec.env).stdin(Stdio::null()).stdout(log).stderr(err).process_group(0);
-        if let Some(dir) = &spec.workdir {
-            cmd.current_dir(dir);
+        cmd.arg("-c")
+            .arg(format!("exec {}", spec.command))
+            .env_clear()
+            .envs(&env)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .process_group(0)
+            .current_dir(spec.workdir.as_deref().unwrap_or(&spec.dir));
+        let user = spec.user.clone();
+        // SAFETY: the closure runs in the forked child before exec and only makes
+        // async-signal-safe syscalls (setgroups, setgid, setuid, getuid) on data prepared
+        // before the fork.
+        unsafe {
+            cmd.pre_exec(move || user.drop_privileges());
         }
         let child = cmd.spawn().map_err(|source| LaunchError::Spawn { cmd: spec.command.clone(), source })?;
         let pid = child.id().map(|p| p.to_string()).unwrap_or_default();
         let host = if spec.host == "0.0.0.0" { "127.0.0.1" } else { spec.host.as_str() };
-        Ok(Instance {
-            launcher: LauncherKind::Local,
-            id: pid,
-            base_url: format!("http://{host}:{}", spec.port),
-            api_key: spec.api_key.clone(),
-            version: spec.version.clone(),
-            log_path,
-            started_us: crate::util::now_us(),
-            child: Some(tokio::sync::Mutex::new(child)),
-        })
+        let mut inst = Instance::new(LauncherKind::Local, pid, spec.api_key.clone(), spec.user.uid, log_path);
+        inst.set_base_url(format!("http://{host}:{port}"));
+        inst.key_files = Some(spec.key_files.clone());
+        inst.version = spec.version.clone();
+        inst.child = Some(tokio::sync::Mutex::new(child));
+        Ok(inst)
     }
 
     pub async fn poll(inst: &Instance) -> RunState {
@@ -64,13 +96,25 @@ impl Local {
         }
     }
 
-    /// Finds a worker this agent started before a restart: the process must still run the
-    /// command that holds the worker's API key (so a reused pid is never mistaken for it).
-    pub fn adopt(pid: &str, api_key: &str) -> bool {
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
-        let cmdline = String::from_utf8_lossy(&cmdline);
-        pid_alive(pid) && cmdline.contains(api_key)
+    /// Finds a worker this agent started before a restart: the process must run as the worker
+    /// account and carry the marker derived from the worker's key in its environment (read
+    /// from `/proc/PID/environ`, which only its owner and root can read), so a reused pid is
+    /// never mistaken for it and the key is never looked for on a command line.
+    pub fn adopt(pid: &str, api_key: &str, uid: u32) -> bool {
+        if !pid_alive(pid) || process_uid(pid) != Some(uid) {
+            return false;
+        }
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else { return false };
+        let marker = format!("{}={}", secret::TAG_ENV, secret::tag(api_key));
+        environ.split(|b| *b == 0).any(|v| v == marker.as_bytes())
     }
+}
+
+fn process_uid(pid: &str) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    // Uid: real effective saved fs; the effective uid is what the worker acts as.
+    line.split_whitespace().nth(2)?.parse().ok()
 }
 
 fn signal_group(pid: i32, sig: i32) {
@@ -90,6 +134,6 @@ fn pid_alive(pid: &str) -> bool {
     {
         return false;
     }
-    // SAFETY: signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 }
+    // SAFETY: signal 0 only checks that the process exists (EPERM: it exists, another uid's).
+    unsafe { libc::kill(pid, 0) == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM) }
 }

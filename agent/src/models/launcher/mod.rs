@@ -5,35 +5,73 @@
 //! - [`slurm`]: an ordinary Slurm batch job (`sbatch`/`squeue`/`scancel`), named
 //!   `gpuhub-worker-<model>`, visible in `squeue` and accounted like any job.
 //!
-//! The agent picks the worker's port and API key and fills them into the catalog's command
-//! template (`{model} {model_path} {version} {port} {host} {api_key}`, shell-quoted), exactly
-//! as a site would start vLLM.
+//! The agent picks the worker's API key (and, for a local worker, its port) and fills the
+//! catalog's command template (`{model} {model_path} {version} {port} {host}
+//! {api_key_file}`, shell-quoted), exactly as a site would start vLLM. The key itself never
+//! appears on a command line: it reaches the worker by environment or by a 0600 file
+//! ([`secret`]). Workers run as the unprivileged `workers.user` ([`account`]) with an
+//! environment of their own (never the agent's), and a worker is ready only once the kernel
+//! shows its account owns the port it answers on ([`proof`]).
 
+pub mod account;
 pub mod local;
+pub mod proof;
+pub mod secret;
 pub mod slurm;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
+use crate::config::templates::KeyDelivery;
 use crate::config::{LauncherKind, ResourceRequest};
+use account::WorkerUser;
+use secret::KeyFiles;
+
+/// `PATH` of a worker unless its model's `env` sets one.
+pub const WORKER_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Everything a launcher needs to start one worker.
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
     pub model: String,
-    /// The command with every placeholder filled in (a `/bin/sh` command line).
+    /// The command with every placeholder filled in (a `/bin/sh` command line). For a Slurm
+    /// worker `{port}` is `${GPUHUB_WORKER_PORT}`, which the job picks when it starts.
     pub command: String,
+    /// The template's and the model's environment (the key is added by the launcher).
     pub env: BTreeMap<String, String>,
     pub resources: ResourceRequest,
     pub workdir: Option<PathBuf>,
-    /// Directory for scripts and logs.
+    /// Directory for scripts, logs, address and key files.
     pub dir: PathBuf,
     pub host: String,
-    pub port: u16,
+    /// The port a local worker binds (a Slurm job picks its own).
+    pub port: Option<u16>,
     pub api_key: String,
+    pub key: KeyDelivery,
+    pub key_files: KeyFiles,
+    pub user: WorkerUser,
     pub version: Option<String>,
     /// A Slurm worker stops itself after this long without an agent heartbeat.
     pub orphan_after_s: u64,
+    /// This agent's executable: a Slurm job runs `<agent> worker-port HOST` to pick its port.
+    pub agent_exe: PathBuf,
+}
+
+impl LaunchSpec {
+    /// The environment every worker starts with: nothing of the agent's, a minimal `PATH`,
+    /// `HOME` and `LANG`, then the template's and model's `env`.
+    pub fn base_env(&self) -> BTreeMap<String, String> {
+        let mut env = BTreeMap::from([
+            ("PATH".to_string(), WORKER_PATH.to_string()),
+            ("HOME".to_string(), self.user.home.display().to_string()),
+            ("USER".to_string(), self.user.name.clone()),
+            ("LOGNAME".to_string(), self.user.name.clone()),
+            ("LANG".to_string(), "C.UTF-8".to_string()),
+        ]);
+        env.extend(self.env.clone());
+        env
+    }
 }
 
 /// One started (or adopted) worker.
@@ -42,13 +80,46 @@ pub struct Instance {
     pub launcher: LauncherKind,
     /// Slurm job id, or the local process id.
     pub id: String,
-    pub base_url: String,
+    /// `http://HOST:PORT` once known: at start for a local worker, from the job's `.addr`
+    /// file for a Slurm worker.
+    addr: OnceLock<String>,
     pub api_key: String,
+    /// The key file (and shim) of this worker, removed when it stops.
+    pub key_files: Option<KeyFiles>,
+    /// The worker account's uid: the owner its port must have.
+    pub uid: u32,
     pub version: Option<String>,
     pub log_path: PathBuf,
     pub started_us: i64,
     /// The child handle of a local worker started by this agent (`None` once adopted).
     pub(crate) child: Option<tokio::sync::Mutex<tokio::process::Child>>,
+}
+
+impl Instance {
+    pub fn new(launcher: LauncherKind, id: String, api_key: String, uid: u32, log_path: PathBuf) -> Instance {
+        Instance {
+            launcher,
+            id,
+            addr: OnceLock::new(),
+            api_key,
+            key_files: None,
+            uid,
+            version: None,
+            log_path,
+            started_us: crate::util::now_us(),
+            child: None,
+        }
+    }
+
+    /// The worker's base URL (without `/v1`), once known.
+    pub fn base_url(&self) -> Option<&str> {
+        self.addr.get().map(String::as_str)
+    }
+
+    /// Sets the base URL (the first value wins).
+    pub fn set_base_url(&self, url: String) {
+        let _ = self.addr.set(url);
+    }
 }
 
 /// What the launcher sees of a worker.
@@ -93,10 +164,14 @@ impl Launchers {
         }
     }
 
+    /// Stops the worker and removes its key file.
     pub async fn stop(&self, inst: &Instance) {
         match inst.launcher {
             LauncherKind::Slurm => self.slurm.stop(inst).await,
             LauncherKind::Local | LauncherKind::Static => local::Local::stop(inst).await,
+        }
+        if let Some(k) = &inst.key_files {
+            k.remove();
         }
     }
 }
@@ -124,8 +199,9 @@ pub fn safe_name(model: &str) -> String {
     model.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect()
 }
 
-/// The last `n` lines of a log file (reads at most the last 64 KiB).
-pub fn log_tail(path: &Path, n: usize) -> Vec<String> {
+/// The last `n` lines of a log file (reads at most the last 64 KiB), with the worker's key
+/// redacted (a server may print its own settings).
+pub fn log_tail(path: &Path, n: usize, key: &str) -> Vec<String> {
     use std::io::{Read, Seek, SeekFrom};
     let Ok(mut f) = std::fs::File::open(path) else { return Vec::new() };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
@@ -136,12 +212,29 @@ pub fn log_tail(path: &Path, n: usize) -> Vec<String> {
     }
     let text = String::from_utf8_lossy(&buf);
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    lines[lines.len().saturating_sub(n)..].iter().map(|l| crate::util::sanitize(l)).collect()
+    lines[lines.len().saturating_sub(n)..].iter().map(|l| crate::util::sanitize(&secret::redact(l, key))).collect()
 }
 
-/// A free TCP port on `host` (bound and released; the worker binds it right after).
+/// A free TCP port on `host` (bound and released; the worker binds it right after). Taken
+/// below the kernel's ephemeral range when there is room (there only a listener can take it,
+/// not any outgoing connection's source port), else from `bind(0)`. A process that takes it
+/// between this pick and the worker's bind is caught by the readiness proof.
 pub fn pick_port(host: &str) -> std::io::Result<u16> {
+    use rand::Rng;
     let bind = if host == "0.0.0.0" || host == "::" { "127.0.0.1" } else { host };
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    if low > 21_000 {
+        let mut rng = rand::thread_rng();
+        for _ in 0..64 {
+            let port = rng.gen_range(20_000..low);
+            if std::net::TcpListener::bind((bind, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = std::net::TcpListener::bind((bind, 0))?;
     Ok(l.local_addr()?.port())
 }
@@ -157,6 +250,17 @@ pub fn new_api_key() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pick_port_stays_below_the_ephemeral_range() {
+        let p = pick_port("127.0.0.1").unwrap();
+        assert!(std::net::TcpListener::bind(("127.0.0.1", p)).is_ok(), "port {p} is free");
+        let low: u16 =
+            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap().split_whitespace().next().unwrap().parse().unwrap();
+        if low > 21_000 {
+            assert!((20_000..low).contains(&p), "{p} is in the ephemeral range");
+        }
+    }
 
     #[test]
     fn render_quotes_values() {

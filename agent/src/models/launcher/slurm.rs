@@ -1,8 +1,10 @@
 //! `launcher = "slurm"`: the worker is an ordinary batch job, `gpuhub-worker-<model>`, submitted
 //! with `sbatch` (partition/account/QOS from `[slurm]`), watched with `squeue` and cancelled
-//! with `scancel`. The job's output goes to `<workers.dir>/<model>.<jobid>.log`; the job script
-//! writes `<host> <port> <jobid>` to `<model>.<jobid>.addr` when it starts, so the agent knows
-//! where the worker listens (the node's name when `workers.host` is not loopback).
+//! with `scancel`. Jobs run as `workers.user` (root submits with `--uid`/`--gid`) with
+//! `--export=NONE` and an environment the script builds. The job's output goes to
+//! `<workers.dir>/<model>.<jobid>.log`; when the job starts it picks a free port and writes
+//! `<host> <port> <jobid>` to `<model>.<jobid>.addr`, which the agent reads to learn where the
+//! worker listens (the node's name when `workers.host` is not loopback).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -49,8 +51,25 @@ impl Slurm {
     }
 
     async fn run(&self, tool: &str, args: &[String]) -> Result<String, LaunchError> {
+        self.run_with(tool, args, false).await
+    }
+
+    /// `run` with an environment of sbatch's own: `PATH` and `SLURM_CONF` only, so no variable
+    /// of the agent's (SBATCH_*, credentials in the unit's environment) shapes the job.
+    async fn run_clean(&self, tool: &str, args: &[String]) -> Result<String, LaunchError> {
+        self.run_with(tool, args, true).await
+    }
+
+    async fn run_with(&self, tool: &str, args: &[String], clean_env: bool) -> Result<String, LaunchError> {
         let cmd = format!("{tool} {}", args.join(" "));
-        let fut = tokio::process::Command::new(self.bin(tool)).args(args).kill_on_drop(true).output();
+        let mut command = tokio::process::Command::new(self.bin(tool));
+        if clean_env {
+            command.env_clear().env("PATH", std::env::var("PATH").unwrap_or_else(|_| super::WORKER_PATH.to_string()));
+            if let Ok(conf) = std::env::var("SLURM_CONF") {
+                command.env("SLURM_CONF", conf);
+            }
+        }
+        let fut = command.args(args).kill_on_drop(true).output();
         let out = match tokio::time::timeout(Duration::from_secs(30), fut).await {
             Ok(Ok(o)) => o,
             Ok(Err(source)) => return Err(LaunchError::Spawn { cmd, source }),
@@ -63,16 +82,47 @@ impl Slurm {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// Writes the job script and submits it.
+    /// Writes the job script and submits it as the worker account.
     pub async fn start(&self, spec: &LaunchSpec) -> Result<Instance, LaunchError> {
         std::fs::create_dir_all(&spec.dir).map_err(|source| LaunchError::Io { path: spec.dir.display().to_string(), source })?;
         let safe = safe_name(&spec.model);
         let script_path = spec.dir.join(format!("{safe}.sbatch"));
+        let script = self.script(spec);
+        crate::util::write_atomic(&script_path, script.as_bytes(), 0o600)
+            .map_err(|source| LaunchError::Io { path: script_path.display().to_string(), source })?;
+        let mut args = vec!["--parsable".to_string()];
+        if !spec.user.is_self {
+            // Root submits on the account's behalf; the job runs as it (sbatch(1) --uid/--gid).
+            args.push(format!("--uid={}", spec.user.uid));
+            args.push(format!("--gid={}", spec.user.gid));
+        }
+        args.push(script_path.display().to_string());
+        let out = self.run_clean("sbatch", &args).await?;
+        let id = out.trim().split(';').next().unwrap_or("").to_string();
+        if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
+            return Err(LaunchError::Command { cmd: "sbatch --parsable".into(), message: format!("unexpected output `{}`", out.trim()) });
+        }
+        let mut inst =
+            Instance::new(LauncherKind::Slurm, id.clone(), spec.api_key.clone(), spec.user.uid, spec.dir.join(format!("{safe}.{id}.log")));
+        inst.key_files = Some(spec.key_files.clone());
+        inst.version = spec.version.clone();
+        Ok(inst)
+    }
+
+    /// The job script. The job's environment is built here and nowhere else: sbatch gets
+    /// `--export=NONE` (nothing from the agent's or sbatch's environment but Slurm's own
+    /// SLURM_* variables), then the script exports a minimal PATH/HOME/LANG, the template's
+    /// and model's `env`, and the key variable read from the 0600 key file with the shell's
+    /// `read` builtin. The port is picked when the job starts (a port chosen at submission
+    /// could be taken by anyone while the job pends) and written with the host to
+    /// `<model>.<jobid>.addr`, which the agent reads.
+    pub fn script(&self, spec: &LaunchSpec) -> String {
+        let safe = safe_name(&spec.model);
         let mut s = String::from("#!/bin/sh\n# Written by gpuhub-agent: one model worker. Do not edit; it is rewritten at each start.\n");
         s.push_str(&format!("#SBATCH --job-name={}\n", shell_quote(&job_name(&spec.model))));
         s.push_str(&format!("#SBATCH --output={}\n", spec.dir.join(format!("{safe}.%j.log")).display()));
         s.push_str(&format!("#SBATCH --comment={}\n", shell_quote(&self.comment())));
-        s.push_str("#SBATCH --nodes=1 --ntasks=1\n");
+        s.push_str("#SBATCH --nodes=1 --ntasks=1\n#SBATCH --export=NONE\n");
         if spec.resources.gpus > 0 {
             s.push_str(&format!("#SBATCH --gres=gpu:{}\n", spec.resources.gpus));
         } else if spec.resources.shards > 0 {
@@ -83,15 +133,36 @@ impl Slurm {
                 s.push_str(&format!("#SBATCH --{flag}={v}\n"));
             }
         }
-        if let Some(w) = &spec.workdir {
-            s.push_str(&format!("#SBATCH --chdir={}\n", w.display()));
+        s.push_str(&format!("#SBATCH --chdir={}\n", spec.workdir.as_deref().unwrap_or(&spec.dir).display()));
+        s.push_str("umask 027\n");
+        for (k, v) in spec.base_env() {
+            s.push_str(&format!("export {k}={}\n", shell_quote(&v)));
         }
-        for (k, v) in &spec.env {
-            s.push_str(&format!("export {k}={}\n", shell_quote(v)));
+        let key_file = shell_quote(&spec.key_files.file.display().to_string());
+        match (&spec.key.env, &spec.key.env_for, &spec.key_files.shim_dir) {
+            (Some(_), Some(program), Some(shim)) => {
+                s.push_str(&format!(
+                    "# only {program} gets the key (a shim first on PATH reads it)\nexport PATH={}:\"$PATH\"\n",
+                    shell_quote(&shim.display().to_string())
+                ));
+            }
+            (Some(var), None, _) => s.push_str(&format!(
+                "IFS= read -r {var} < {key_file} || {{ echo \"gpuhub: cannot read the worker key file\" >&2; exit 1; }}\nexport {var}\n"
+            )),
+            _ => {}
         }
+        let bind = if spec.host == "0.0.0.0" || spec.host == "::" { "127.0.0.1" } else { spec.host.as_str() };
+        s.push_str(&format!(
+            "GPUHUB_WORKER_PORT=$({} worker-port {}) || {{ echo \"gpuhub: cannot pick a free port on {bind}\" >&2; exit 1; }}\n",
+            shell_quote(&spec.agent_exe.display().to_string()),
+            shell_quote(bind)
+        ));
+        let host = if spec.host == "0.0.0.0" || spec.host == "::" { "$(hostname)".to_string() } else { shell_quote(&spec.host) };
         let addr = spec.dir.join(format!("{safe}.$SLURM_JOB_ID.addr"));
-        let host = if spec.host == "0.0.0.0" || spec.host == "::" { "$(hostname)".to_string() } else { spec.host.clone() };
-        s.push_str(&format!("echo \"{host} {} $SLURM_JOB_ID\" > \"{}\"\n", spec.port, addr.display()));
+        s.push_str(&format!(
+            "printf '%s %s %s\\n' \"{host}\" \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" > \"{addr}.tmp\" && mv -f \"{addr}.tmp\" \"{addr}\" || {{ echo \"gpuhub: cannot write {addr}\" >&2; exit 1; }}\n",
+            addr = addr.display()
+        ));
         // The worker runs under a watchdog: if no agent has touched the heartbeat file for
         // `orphan_after_s` (the model's idle timeout), the agent is gone and nobody will ever
         // unload this worker, so it stops itself instead of holding the GPU.
@@ -102,25 +173,36 @@ impl Slurm {
             hb = hb.display(),
             orphan = spec.orphan_after_s,
         ));
-        std::fs::write(&script_path, s).map_err(|source| LaunchError::Io { path: script_path.display().to_string(), source })?;
-        let out = self.run("sbatch", &["--parsable".into(), script_path.display().to_string()]).await?;
-        let id = out.trim().split(';').next().unwrap_or("").to_string();
-        if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
-            return Err(LaunchError::Command { cmd: "sbatch --parsable".into(), message: format!("unexpected output `{}`", out.trim()) });
-        }
-        let url_host = if spec.host == "0.0.0.0" { "127.0.0.1" } else { spec.host.as_str() };
-        Ok(Instance {
-            launcher: LauncherKind::Slurm,
-            log_path: spec.dir.join(format!("{safe}.{id}.log")),
-            id,
-            base_url: format!("http://{url_host}:{}", spec.port),
-            api_key: spec.api_key.clone(),
-            version: spec.version.clone(),
-            started_us: crate::util::now_us(),
-            child: None,
-        })
+        s
     }
 
+    /// Where job `id` of `model` writes its address.
+    pub fn addr_path(&self, model: &str, id: &str) -> PathBuf {
+        self.dir.join(format!("{}.{id}.addr", safe_name(model)))
+    }
+
+    /// The `http://HOST:PORT` job `id` wrote, once it has: `Ok(None)` until the file exists.
+    /// The file must be a regular file of the worker account (or root), not writable by
+    /// others, and name this job; anything else is refused with what was wrong.
+    pub fn read_addr(&self, model: &str, id: &str, uid: u32) -> Result<Option<String>, String> {
+        use std::os::unix::fs::MetadataExt;
+        let path = self.addr_path(model, id);
+        let meta = match std::fs::symlink_metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        if !meta.file_type().is_file() || (meta.uid() != uid && meta.uid() != 0) || meta.mode() & 0o002 != 0 {
+            return Err(format!(
+                "{} is not a file written by the worker (owner uid {}, mode {:o}; expected a regular file of uid {uid}, not writable by other users); the workers dir must be root:<worker group> 0770",
+                path.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            ));
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        parse_addr(&text, id).map(Some).map_err(|e| format!("{}: {e}", path.display()))
+    }
     /// One job's state. A job squeue no longer lists has ended.
     pub async fn poll(&self, inst: &Instance) -> RunState {
         match self.job(&inst.id).await {
@@ -178,6 +260,23 @@ impl Slurm {
     }
 }
 
+/// Parses an `.addr` file: `HOST PORT JOBID`, the job id this job's.
+fn parse_addr(text: &str, id: &str) -> Result<String, String> {
+    let mut f = text.split_whitespace();
+    let (Some(host), Some(port), Some(job), None) = (f.next(), f.next(), f.next(), f.next()) else {
+        return Err(format!("expected `HOST PORT JOBID`, found `{}`", crate::util::sanitize(text.trim())));
+    };
+    if job != id {
+        return Err(format!("names job {}, not {id}", crate::util::sanitize(job)));
+    }
+    let port: u16 = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| format!("`{}` is not a port", crate::util::sanitize(port)))?;
+    if host.is_empty() || !host.chars().all(|c| c.is_ascii_alphanumeric() || ".-:[]".contains(c)) {
+        return Err(format!("`{}` is not a host name or address", crate::util::sanitize(host)));
+    }
+    let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_string() };
+    Ok(format!("http://{host}:{port}"))
+}
+
 fn parse_squeue(out: &str) -> Vec<JobInfo> {
     out.lines()
         .filter_map(|l| {
@@ -190,4 +289,99 @@ fn parse_squeue(out: &str) -> Vec<JobInfo> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::config::templates::KeyDelivery;
+    use crate::models::launcher::account::WorkerUser;
+    use crate::models::launcher::secret::KeyFiles;
+
+    fn spec(dir: &std::path::Path, key: KeyDelivery) -> LaunchSpec {
+        let api_key = "gpuhub-worker-00112233445566778899aabbccddeeff".to_string();
+        LaunchSpec {
+            model: "m/x".into(),
+            command: "srv --port ${GPUHUB_WORKER_PORT}".into(),
+            env: std::collections::BTreeMap::from([("HF_HOME".to_string(), "/models/hf".to_string())]),
+            resources: Default::default(),
+            workdir: None,
+            dir: dir.to_path_buf(),
+            host: "127.0.0.1".into(),
+            port: None,
+            key_files: KeyFiles::locate(dir, "m_x", &api_key, &key),
+            api_key,
+            key,
+            user: WorkerUser {
+                name: "gpuhub-worker".into(),
+                uid: 990,
+                gid: 990,
+                home: "/var/lib/gpuhub-worker".into(),
+                groups: vec![990],
+                is_self: false,
+            },
+            version: None,
+            orphan_after_s: 60,
+            agent_exe: "/usr/bin/gpuhub-agent".into(),
+        }
+    }
+
+    #[test]
+    fn the_job_script_builds_its_own_environment_and_never_holds_the_key() {
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into() };
+        let sp = spec(std::path::Path::new("/w"), KeyDelivery { env: Some("VLLM_API_KEY".into()), ..KeyDelivery::default() });
+        let s = slurm.script(&sp);
+        assert!(!s.contains(&sp.api_key), "the key is in the job script:\n{s}");
+        for want in [
+            "#SBATCH --export=NONE\n",
+            "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n",
+            "export HOME=/var/lib/gpuhub-worker\n",
+            "export HF_HOME=/models/hf\n",
+            "IFS= read -r VLLM_API_KEY < /w/keys/m_x.",
+            "export VLLM_API_KEY\n",
+            "GPUHUB_WORKER_PORT=$(/usr/bin/gpuhub-agent worker-port 127.0.0.1)",
+            "/w/m_x.$SLURM_JOB_ID.addr.tmp",
+            "srv --port ${GPUHUB_WORKER_PORT} &\n",
+            "#SBATCH --chdir=/w\n",
+        ] {
+            assert!(s.contains(want), "missing `{want}` in:\n{s}");
+        }
+        let file_only = slurm.script(&spec(std::path::Path::new("/w"), KeyDelivery::default()));
+        assert!(!file_only.contains("read -r"), "a file-only template reads no variable");
+        let shim = slurm.script(&spec(
+            std::path::Path::new("/w"),
+            KeyDelivery { env: Some("API_KEY".into()), env_for: Some("text-generation-router".into()), ..KeyDelivery::default() },
+        ));
+        assert!(
+            shim.contains("export PATH=/w/keys/m_x.") && shim.contains(".bin:\"$PATH\"") && !shim.contains("read -r API_KEY"),
+            "{shim}"
+        );
+    }
+
+    #[test]
+    fn the_address_file_is_checked_before_it_is_used() {
+        assert_eq!(parse_addr("gpu01 20123 42\n", "42").unwrap(), "http://gpu01:20123");
+        assert_eq!(parse_addr("::1 20123 42", "42").unwrap(), "http://[::1]:20123");
+        assert!(parse_addr("gpu01 20123 43", "42").unwrap_err().contains("not 42"));
+        assert!(parse_addr("gpu01 0 42", "42").unwrap_err().contains("not a port"));
+        assert!(parse_addr("evil/host 1 42", "42").is_err());
+        assert!(parse_addr("a b", "42").is_err());
+
+        let dir = tempfile::tempdir().unwrap();
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: dir.path().to_path_buf() };
+        // SAFETY: plain syscall.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(slurm.read_addr("m", "42", me).unwrap(), None, "no file yet");
+        let path = slurm.addr_path("m", "42");
+        std::fs::write(&path, "127.0.0.1 20001 42\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(slurm.read_addr("m", "42", me).unwrap().as_deref(), Some("http://127.0.0.1:20001"));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(slurm.read_addr("m", "42", me).unwrap_err().contains("not a file written by the worker"));
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", &path).unwrap();
+        assert!(slurm.read_addr("m", "42", me).is_err(), "a link is never followed");
+    }
 }
