@@ -410,8 +410,8 @@ impl Driver {
 fn loading_comment(model: &str, status: Option<&crate::models::ModelStatus>, waited_s: u64) -> String {
     let what = match status {
         Some(s) => match s.detail.as_deref().filter(|d| !d.is_empty()) {
-            Some(d) => format!("is {} ({})", s.state, d),
-            None => format!("is {}", s.state),
+            Some(d) => format!("is loading ({}: {})", s.state, d),
+            None => format!("is loading ({})", s.state),
         },
         None => "is loading".to_string(),
     };
@@ -722,11 +722,11 @@ mod tests {
         let c = loading_comment("big", Some(&st), 12);
         assert_eq!(
             c,
-            ": gpuhub: model `big` is pending (Slurm job 7 pending: Resources; GPU 0 is held by Slurm job 3 `train` of alice); waited 12s so far\n\n"
+            ": gpuhub: model `big` is loading (pending: Slurm job 7 pending: Resources; GPU 0 is held by Slurm job 3 `train` of alice); waited 12s so far\n\n"
         );
         assert_eq!(event_end(c.as_bytes()), Some(c.len()), "one SSE comment event");
         st.detail = None;
-        assert_eq!(loading_comment("big", Some(&st), 0), ": gpuhub: model `big` is pending; waited 0s so far\n\n");
+        assert_eq!(loading_comment("big", Some(&st), 0), ": gpuhub: model `big` is loading (pending); waited 0s so far\n\n");
     }
 
     #[test]
