@@ -116,8 +116,10 @@ if [ ! -s "$emb_cached" ]; then
     "$VENV/bin/python" "$conv" "$src" "$emb_cached.tmp" all-MiniLM-L6-v2 || die "converting all-MiniLM-L6-v2 failed"
     mv "$emb_cached.tmp" "$emb_cached"
 fi
-install -m 0644 "$emb_cached" "$MODELS/all-MiniLM-L6-v2.gguf.tmp"
-mv "$MODELS/all-MiniLM-L6-v2.gguf.tmp" "$MODELS/all-MiniLM-L6-v2.gguf"
+if ! cmp -s "$emb_cached" "$MODELS/all-MiniLM-L6-v2.gguf"; then
+    install -m 0644 "$emb_cached" "$MODELS/all-MiniLM-L6-v2.gguf.tmp"
+    mv "$MODELS/all-MiniLM-L6-v2.gguf.tmp" "$MODELS/all-MiniLM-L6-v2.gguf"
+fi
 
 # Readable by the lab's unprivileged worker user (Slurm jobs), writable only by root.
 chmod -R go+rX,go-w "$PREFIX"
