@@ -11,6 +11,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 lab_require
 lab_user
 
+MT_GATEWAY_EXTRA="keepalive_s = 1"
 models_setup "
 [[models]]
 name = \"mt-held\"
@@ -19,8 +20,7 @@ command = \"@WORKER@ --model {model} --host {host} --port {port} --api-key {api_
 resources = { gpus = 1, vram_gib = 1.0 }
 idle_timeout_s = 5
 load_timeout_s = 60
-" "[gateway]
-keepalive_s = 1"
+"
 
 echo "== a user's job holds both GPUs (time limit 5 minutes)"
 hold="$(runuser -u "$LAB_USER" -- sbatch --parsable -J hold-gpus --gres=gpu:2 -t 5 -D /tmp -o /dev/null --wrap 'sleep 120' | cut -d';' -f1)"
