@@ -64,7 +64,11 @@ echo "== cold start as a Slurm job ($COLD runs): first call -> first streamed to
 printf '%-4s %9s %9s %9s %9s %9s %9s %9s\n' run total_ms gpuhub_ms slurm_ms server_ms load_ms ready_ms token_ms
 : > "$MT_DIR/cold"
 for i in $(seq "$COLD"); do
+    old="$(models_field "$M" worker_id)"
     "${CLI[@]}" models unload "$M" >/dev/null
+    # A cold start comes long after the last worker ended: wait until its job has left the
+    # node (COMPLETING while uvicorn shuts down), or Slurm's wait for it lands in this start.
+    for ((w = 0; w < 300; w++)); do [ -z "$old" ] || [ -z "$(squeue -h -j "$old" -o %T 2>/dev/null)" ] && break; sleep 0.1; done
     read -r t0 tfirst _ <<<"$(first_token "http://$MT_GW" "$MT_KEY")"
     [ "$tfirst" != 0 ] || models_fail "cold run $i: no token"
     job="$(models_field "$M" worker_id)"
@@ -106,10 +110,15 @@ q = [{"role": "user", "content": "What is the capital of France? Answer in one w
 plain = json.dumps({"model": model, "messages": q, "temperature": 0, "max_tokens": 1})
 stream = json.dumps({"model": model, "messages": q, "temperature": 0, "max_tokens": 8, "stream": True})
 conns = {}
-def call(base, body, streamed):
+def connect(base):
+    # A fresh kept-alive connection per block: uvicorn closes one idle for 5 s (while the other
+    # target's block runs), and a reconnect must not land in the timed calls.
+    if base in conns:
+        conns[base].close()
     u = urllib.parse.urlparse(base)
-    c = conns.get(base) or http.client.HTTPConnection(u.hostname, u.port, timeout=120)
-    conns[base] = c
+    conns[base] = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+def call(base, body, streamed):
+    c = conns[base]
     t0 = time.perf_counter()
     c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json", "authorization": f"Bearer {key}"})
     r = c.getresponse()
@@ -125,12 +134,16 @@ def call(base, body, streamed):
 lat = {(t, k): [] for t in ("direct", "gateway") for k in ("plain", "ttft")}
 cpu = {"direct": 0.0, "gateway": 0.0}
 n = {"direct": 0, "gateway": 0}
-for warm in range(5):
-    call(direct, plain, False); call(gateway, plain, False)
+for base in (direct, gateway):
+    connect(base)
+    for warm in range(5):
+        call(base, plain, False)
 done = 0
 while done < calls:
     block = min(50, calls - done)
     for target, base in (("direct", direct), ("gateway", gateway)):
+        connect(base)
+        call(base, plain, False)  # untimed: opens the connection
         c0 = cpu_s()
         for _ in range(block):
             lat[(target, "plain")].append(call(base, plain, False))
