@@ -44,6 +44,9 @@ install -d -m 0755 "$PREFIX" "$MODELS" "$WHEELS" "$GGUF_CACHE"
 # pip reads PIP_FIND_LINKS etc. from the environment; only the cache counts here.
 unset PIP_FIND_LINKS PIP_NO_INDEX
 pip_() { "$VENV/bin/pip" --disable-pip-version-check -q "$@"; }
+# User + system CPU seconds of this script's finished children (cutime + cstime of
+# /proc/$$/stat, in clock ticks).
+children_cpu_s() { sed 's/.*) //' "/proc/$$/stat" | awk -v hz="$(getconf CLK_TCK)" '{printf "%.1f", ($14 + $15) / hz}'; }
 
 if [ ! -x "$VENV/bin/python" ] || [ "$(readlink -f "$VENV/bin/python")" != "$(readlink -f "$PY")" ]; then
     log "creating $VENV"
@@ -62,6 +65,7 @@ if ! have_wheel; then
     build="$(mktemp -d /var/tmp/gpuhub-llama-wheel.XXXXXX)"
     log "building llama-cpp-python $LLAMA_VERSION from source, once per machine (6-12 min on 2 cores; CMAKE_ARGS=$LLAMA_CMAKE_ARGS)"
     t0=$SECONDS
+    cpu0="$(children_cpu_s)"
     if ! CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
         "$VENV/bin/pip" --disable-pip-version-check wheel --no-deps --no-binary llama-cpp-python \
         -w "$build" "llama-cpp-python==$LLAMA_VERSION" >"$build/build.log" 2>&1; then
@@ -71,7 +75,7 @@ if ! have_wheel; then
     mv "$build"/llama_cpp_python-"$LLAMA_VERSION"-*.whl "$WHEELS/"
     echo "$LLAMA_CMAKE_ARGS" >"$stamp"
     rm -rf "$build"
-    log "llama-cpp-python wheel built in $((SECONDS - t0)) s, cached in $WHEELS"
+    log "llama-cpp-python wheel built in $((SECONDS - t0)) s ($(awk -v a="$cpu0" -v b="$(children_cpu_s)" 'BEGIN {printf "%.0f", b - a}') CPU-s on $(nproc) CPUs, load average $(cut -d' ' -f1 /proc/loadavg)), cached in $WHEELS"
 fi
 
 # 2. Everything else as wheels in the same cache (downloaded once), then an offline install.
