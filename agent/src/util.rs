@@ -19,6 +19,13 @@ pub fn utc_stamp(unix_s: i64) -> String {
     format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
 }
 
+/// UTC time as `YYYY-MM-DD HH:MM:SS UTC`, for messages people read.
+pub fn utc_time(unix_s: i64) -> String {
+    let (days, secs) = (unix_s.div_euclid(86_400), unix_s.rem_euclid(86_400));
+    let (y, m, d) = civil_from_days(days);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", secs / 3600, secs % 3600 / 60, secs % 60)
+}
+
 /// (year, month, day) for days since 1970-01-01 (H. Hinnant's civil-from-days).
 pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;

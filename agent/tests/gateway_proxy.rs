@@ -169,7 +169,7 @@ async fn upstream_failures_name_the_model_and_what_happened() {
     // Mid-stream failure: an error event, then [DONE].
     let ev = events(post(&a, &key, "/v1/chat/completions", json!({"model": "break", "stream": true})).await).await;
     assert_eq!(ev.len(), 4, "{ev:?}");
-    assert!(ev[2].contains("\"code\":\"upstream_error\"") && ev[2].contains("break"), "{ev:?}");
+    assert!(ev[2].contains("\"code\":\"stream_broken\"") && ev[2].contains("break"), "{ev:?}");
     assert_eq!(ev[3], "data: [DONE]");
     let ev = events(post(&a, &key, "/v1/chat/completions", json!({"model": "nodone", "stream": true})).await).await;
     assert!(ev[ev.len() - 2].contains("without [DONE]"), "{ev:?}");
@@ -181,7 +181,8 @@ async fn upstream_failures_name_the_model_and_what_happened() {
     assert!(
         codes.contains(&"upstream_timeout")
             && codes.contains(&"bad_param")
-            && codes.iter().filter(|c| **c == "upstream_error").count() == 5,
+            && codes.iter().filter(|c| **c == "upstream_error").count() == 3
+            && codes.iter().filter(|c| **c == "stream_broken").count() == 2,
         "{codes:?}"
     );
     a.stop().await;

@@ -5,6 +5,7 @@
 #
 #   models_setup MODELS_TOML [EXTRA_TOML]   write the config, start the agent, create an API key
 #                                           (MT_AGENT_ENV="K=V ...": extra environment for the agent)
+#                                           ($MT_GATEWAY_EXTRA: more keys of its [gateway] table)
 #   models_agent_start / models_agent_kill9  (re)start the test agent / kill -9 it
 #   models_call MODEL [CONTENT]             one chat call; sets MC_STATUS and MC_BODY
 #   models_state MODEL                      the model's state from `gpuhub models --json`
@@ -81,6 +82,7 @@ runtime_dir = "$MT_DIR/run"
 spool_dir = "$MT_DIR/spool"
 [gateway]
 listen = "$MT_GW"
+${MT_GATEWAY_EXTRA:-}
 [metrics]
 listen = "$MT_METRICS"
 [workers]

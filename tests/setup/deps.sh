@@ -2,6 +2,9 @@
 # Installs everything gpuhub's build and tests need on a fresh Debian 12 machine, idempotently.
 # Run as root. Used by tests/run-all.sh (and so by .ci/run) and by tests/lab/up.sh.
 #   GPUHUB_DEPS_PYTHON=0   skip the Python venv (mlflow, openai) used by some system tests
+#   GPUHUB_LLAMA=0         skip llama.cpp's server and the lab's real models (tests/setup/llama.sh:
+#                          the first run on a machine builds llama-cpp-python, 6-12 min on 2
+#                          cores; later runs install the cached wheel in seconds)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 log() { echo "[deps] $*"; }
@@ -50,4 +53,6 @@ if [ "${GPUHUB_DEPS_PYTHON:-1}" = 1 ]; then
         "$venv/bin/pip" install -q --disable-pip-version-check mlflow openai
     fi
 fi
+# llama.cpp's server and the lab's real models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2).
+"$REPO/tests/setup/llama.sh" || { echo "[deps] ERROR: tests/setup/llama.sh failed (GPUHUB_LLAMA=0 skips it)" >&2; exit 1; }
 log "ok"

@@ -21,7 +21,7 @@ before="$(changes)"
 tomorrow="$(date -u -d '+1 day' +%F)"
 
 echo "== renaming onto a name that serves another model needs --force (exit 1)"
-expect 1 'already exists and serves model `demo-chat`' "$GPUHUB" names rename dots.ocr demo-chat --sunset "$tomorrow"
+expect 1 'already exists and serves model `SmolLM2-135M-Instruct`' "$GPUHUB" names rename dots.ocr SmolLM2-135M-Instruct --sunset "$tomorrow"
 echo "== a cycle: svc-ocr -> dots.ocr exists, so dots.ocr -> svc-ocr is refused"
 expect 2 'would make a cycle' "$GPUHUB" names rename dots.ocr svc-ocr
 echo "== odd characters"
@@ -30,11 +30,11 @@ expect 2 'not ASCII' "$GPUHUB" names rename svc-ocr 'dоts.ocr'
 expect 2 'control character' "$GPUHUB" names retire "$(printf 'svc\tocr')"
 expect 2 'must start with a letter or a digit' "$GPUHUB" names deprecate --replacement dots.ocr -- -svc
 echo "== sunsets: in the past, today, not a date"
-expect 2 'is not in the future' "$GPUHUB" names rename demo-chat dots.ocr --sunset 2020-01-01
-expect 2 'is not in the future' "$GPUHUB" names rename demo-chat dots.ocr --sunset "$(date -u +%F)"
-expect 2 'use YYYY-MM-DD' "$GPUHUB" names rename demo-chat dots.ocr --sunset 31/12/2030
+expect 2 'is not in the future' "$GPUHUB" names rename SmolLM2-135M-Instruct dots.ocr --sunset 2020-01-01
+expect 2 'is not in the future' "$GPUHUB" names rename SmolLM2-135M-Instruct dots.ocr --sunset "$(date -u +%F)"
+expect 2 'use YYYY-MM-DD' "$GPUHUB" names rename SmolLM2-135M-Instruct dots.ocr --sunset 31/12/2030
 echo "== targets that are not served, unknown names, roles"
-expect 2 'is not served here' "$GPUHUB" names rename demo-chat no-such-model
+expect 2 'is not served here' "$GPUHUB" names rename SmolLM2-135M-Instruct no-such-model
 expect 2 'did you mean `dots.ocr`' "$GPUHUB" names retire dots-ocr
 expect 2 'assign `dots.ocr`' "$GPUHUB" roles set ocr svc-ocr
 expect 2 'is a role' "$GPUHUB" names rename ocr dots.ocr

@@ -183,6 +183,27 @@ pub struct ModelConfig {
     /// The entry resolved against its template (filled by validation).
     #[serde(skip)]
     pub worker: WorkerSpec,
+    /// LoRA adapters this model's worker serves, `"NAME=PATH"` each. Callers name an adapter
+    /// like any model; the gateway forwards the call to this model's worker under the
+    /// adapter's own name (the `model` field is not rewritten) and the usage row shows both.
+    /// `{adapters}` in the command expands to them, one argument each (vLLM:
+    /// `--enable-lora --lora-modules {adapters}`). A `static` worker's adapters may be bare
+    /// names (the server already knows them).
+    #[serde(default)]
+    pub adapters: Vec<String>,
+    /// The worker's endpoint that counts a prompt's tokens (POST), asked after a stream in
+    /// which the worker reported no usage: llama-cpp-python `/extras/tokenize/count`, vLLM
+    /// `/tokenize`, llama.cpp's `llama-server` `/tokenize`. Without it such a stream's row
+    /// has the counted completion tokens only (`usage_source = counted`).
+    #[serde(default)]
+    pub tokenize_path: Option<String>,
+}
+
+impl ModelConfig {
+    /// The adapters' names (`NAME` of each `NAME=PATH`).
+    pub fn adapter_names(&self) -> impl Iterator<Item = &str> {
+        self.adapters.iter().map(|a| a.split_once('=').map_or(a.as_str(), |(n, _)| n).trim())
+    }
 }
 
 fn default_idle_timeout() -> u64 {
@@ -227,6 +248,28 @@ pub(super) fn validate(
                 return Err((format!("{key}.name"), format!("`{n}` is used by two catalog entries; each name may appear once")));
             }
         }
+        for (j, a) in m.adapters.iter().enumerate() {
+            let akey = format!("{key}.adapters[{j}]");
+            let (name, path) = match a.split_once('=') {
+                Some((n, p)) => (n.trim(), Some(p.trim())),
+                None => (a.trim(), None),
+            };
+            valid_model_name(name).map_err(|e| (akey.clone(), format!("{e} (adapters are \"NAME=PATH\")")))?;
+            if !seen.insert(name.to_string()) {
+                return Err((akey, format!("`{name}` is used by two catalog entries; each name may appear once")));
+            }
+            if m.launcher != LauncherKind::Static && path.is_none_or(str::is_empty) {
+                return Err((
+                    akey,
+                    format!("adapter `{name}` of `{}` needs its weights: \"{name}=PATH\" (the worker loads it from PATH)", m.name),
+                ));
+            }
+        }
+        if let Some(p) = &m.tokenize_path
+            && !p.starts_with('/')
+        {
+            return Err((format!("{key}.tokenize_path"), format!("`{p}` must start with / (e.g. \"/extras/tokenize/count\")")));
+        }
         match m.launcher {
             LauncherKind::Static => {
                 let url = m.url.as_deref().unwrap_or("");
@@ -264,6 +307,15 @@ pub(super) fn validate(
             return Err((
                 format!("{key}.command"),
                 format!("the command of `{}` must contain {{port}} so the worker listens where the gateway expects", m.name),
+            ));
+        }
+        if !m.adapters.is_empty() && m.launcher != LauncherKind::Static && !m.worker.command.contains("{adapters}") {
+            return Err((
+                format!("{key}.command"),
+                format!(
+                    "`{}` has adapters but its command has no {{adapters}}; the worker would not load them (vLLM: --enable-lora --lora-modules {{adapters}})",
+                    m.name
+                ),
             ));
         }
         if m.resources.gpus > 0 && m.resources.shards > 0 {
@@ -342,5 +394,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("models[0].command") && e.contains("{port}"), "{e}");
+    }
+
+    #[test]
+    fn adapters_are_names_with_weights_that_the_command_loads() {
+        let entry = |adapters: &str, cmd: &str| {
+            format!("[[models]]\nname = \"base\"\nlauncher = \"slurm\"\ncommand = \"{cmd}\"\nadapters = {adapters}\n")
+        };
+        let ok = Config::from_toml(&entry(r#"["sql-lora=/w/sql", "chat-lora = /w/chat"]"#, "vllm --port {port} --lora-modules {adapters}"))
+            .unwrap();
+        assert_eq!(ok.file.models[0].adapter_names().collect::<Vec<_>>(), ["sql-lora", "chat-lora"]);
+        let e = Config::from_toml(&entry(r#"["sql-lora=/w/sql"]"#, "vllm --port {port}")).unwrap_err().to_string();
+        assert!(e.contains("models[0].command") && e.contains("{adapters}"), "{e}");
+        let e = Config::from_toml(&entry(r#"["sql-lora"]"#, "vllm --port {port} {adapters}")).unwrap_err().to_string();
+        assert!(e.contains("models[0].adapters[0]") && e.contains("sql-lora=PATH"), "{e}");
+        let e = Config::from_toml(&entry(r#"["base=/w"]"#, "vllm --port {port} {adapters}")).unwrap_err().to_string();
+        assert!(e.contains("models[0].adapters[0]") && e.contains("two catalog entries"), "{e}");
+        let e = Config::from_toml(&entry(r#"["bad name=/w"]"#, "vllm --port {port} {adapters}")).unwrap_err().to_string();
+        assert!(e.contains("models[0].adapters[0]") && e.contains("NAME=PATH"), "{e}");
+        let e = Config::from_toml(
+            "[[models]]\nname = \"m\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:1\"\ntokenize_path = \"tokenize\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("models[0].tokenize_path"), "{e}");
+        // A static worker's adapters are names the server already serves.
+        Config::from_toml("[[models]]\nname = \"m\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:1\"\nadapters = [\"m-lora\"]\n")
+            .unwrap();
     }
 }

@@ -49,6 +49,9 @@ pub enum GatewayError {
     LoadTimeout(String),
     #[error("model `{model}`: {what}")]
     Upstream { model: String, what: String },
+    /// A committed stream that ended before its protocol's last event.
+    #[error("model `{model}`: {what}; the answer is incomplete, retry the call")]
+    StreamBroken { model: String, what: String },
     #[error("model `{model}` did not answer within {seconds}s (gateway.upstream_timeout_s)")]
     UpstreamTimeout { model: String, seconds: u64 },
     #[error("the gateway failed to handle this request; the details are in the agent's log (request id {request_id})")]
@@ -72,7 +75,7 @@ impl GatewayError {
             GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::ModelUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::LoadTimeout(_) | GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            GatewayError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::Upstream { .. } | GatewayError::StreamBroken { .. } => StatusCode::BAD_GATEWAY,
             GatewayError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -95,6 +98,7 @@ impl GatewayError {
             GatewayError::ModelUnavailable(_) => "model_unavailable",
             GatewayError::LoadTimeout(_) => "model_load_timeout",
             GatewayError::Upstream { .. } => "upstream_error",
+            GatewayError::StreamBroken { .. } => "stream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::Internal { .. } => "internal_error",
         }

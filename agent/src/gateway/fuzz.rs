@@ -29,7 +29,7 @@ pub fn check_request(body: &[u8]) -> bool {
             Ok(p) => {
                 accepted = true;
                 assert!(!p.model.is_empty() && p.model.len() <= MAX_MODEL_NAME, "accepted a bad model name {:?}", p.model);
-                if let Some(new) = upstream_body(&p, body, "renamed-model") {
+                if let Some(new) = upstream_body(&p, body, "renamed-model", true) {
                     let again = parse(*ct, &new)
                         .unwrap_or_else(|e| panic!("rewritten body no longer parses ({e}): {:?}", String::from_utf8_lossy(&new)));
                     assert_eq!(again.model, "renamed-model", "content type {ct:?}, body {:?}", String::from_utf8_lossy(body));

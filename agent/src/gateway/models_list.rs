@@ -23,13 +23,35 @@ fn entry(s: &ModelStatus) -> Value {
         "state": s.state,
         "role": s.role,
         "aliases": s.aliases,
+        "adapters": s.adapters,
         "in_flight": s.in_flight,
         "detail": s.detail,
     })
 }
 
+/// A LoRA adapter, listed like vLLM lists one: its own id, `parent` the base model (whose
+/// worker, state and detail it shares).
+fn adapter_entry(name: &str, base: &ModelStatus) -> Value {
+    json!({
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "gpuhub",
+        "parent": base.name,
+        "state": base.state,
+        "in_flight": base.in_flight,
+        "detail": base.detail,
+    })
+}
+
 pub async fn list(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>) -> Response {
-    let data: Vec<Value> = state.models.statuses().iter().filter(|s| id.may_list(&s.name)).map(entry).collect();
+    let mut data: Vec<Value> = Vec::new();
+    for s in state.models.statuses() {
+        if id.may_list(&s.name) {
+            data.push(entry(&s));
+        }
+        data.extend(s.adapters.iter().filter(|a| id.may_list(a)).map(|a| adapter_entry(a, &s)));
+    }
     let mut call = meta.call("/v1/models", &id);
     call.row.status = 200;
     call.record(&state);
@@ -58,8 +80,14 @@ pub async fn get(
     let Some(s) = state.models.statuses().into_iter().find(|s| s.name == model) else {
         return call.fail(&state, GatewayError::ModelUnavailable(format!("model `{model}` is in no catalog entry")));
     };
+    let adapter = state.names.adapter(&name);
+    call.row.adapter = adapter.clone().unwrap_or_default();
     call.row.status = 200;
     let extra = std::mem::take(&mut call.extra_headers);
     call.record(&state);
-    with_headers(Json(entry(&s)).into_response(), &extra)
+    let body = match &adapter {
+        Some(a) => adapter_entry(a, &s),
+        None => entry(&s),
+    };
+    with_headers(Json(body).into_response(), &extra)
 }

@@ -97,11 +97,13 @@ fn check_name(s: &str) -> Result<String, GatewayError> {
 
 /// The body to send upstream. The client's bytes go unchanged unless the gateway must
 /// rewrite them: a name served under another name (a deprecated name, an alias, a role) is
-/// replaced by the model's name, because workers (like vLLM) answer only to their own; a
-/// stream that did not ask for the final usage chunk asks for it.
-pub fn upstream_body(p: &Parsed, original: &[u8], model: &str) -> Option<Vec<u8>> {
+/// replaced by `model`, the name the worker serves (the catalog model, or the LoRA adapter:
+/// an adapter keeps its own name), because workers (like vLLM) answer only to their own; a
+/// stream that did not ask for the final usage chunk asks for it where the route has one
+/// (`ask_usage`, see [`asks_usage_chunk`]).
+pub fn upstream_body(p: &Parsed, original: &[u8], model: &str, ask_usage: bool) -> Option<Vec<u8>> {
     let rename = p.model != model;
-    let want_usage = p.stream && !p.client_wants_usage;
+    let want_usage = ask_usage && p.stream && !p.client_wants_usage;
     if let Some(span) = &p.model_span {
         if !rename || span.end > original.len() {
             return None;
@@ -214,9 +216,27 @@ pub fn usage_of(body: &[u8]) -> Option<(i64, i64)> {
     }
     find(body, b"\"usage\"")?;
     let u = serde_json::from_slice::<WithUsage>(body).ok()?.usage?;
+    Some(token_counts(&u))
+}
+
+/// (prompt, completion) tokens of an OpenAI `usage` object. Embeddings report only prompt
+/// tokens; the Responses API and audio APIs report input/output tokens.
+pub fn token_counts(u: &Map<String, Value>) -> (i64, i64) {
     let n = |k: &str| u.get(k).and_then(Value::as_i64).unwrap_or(0);
-    // Embeddings report only prompt tokens; audio APIs may report input/output tokens.
-    Some((n("prompt_tokens").max(n("input_tokens")), n("completion_tokens").max(n("output_tokens"))))
+    (n("prompt_tokens").max(n("input_tokens")), n("completion_tokens").max(n("output_tokens")))
+}
+
+/// Where `needle` first occurs in `hay`.
+pub fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    find(hay, needle)
+}
+
+/// Whether a streamed call to `path` may be asked for the final usage chunk
+/// (`stream_options.include_usage`): chat and text completions. The Responses API reports
+/// usage in `response.completed` and has no such option (a strict server refuses it).
+pub fn asks_usage_chunk(path: &str) -> bool {
+    let path = path.split('?').next().unwrap_or(path);
+    path.ends_with("/chat/completions") || path.ends_with("/completions")
 }
 
 #[cfg(test)]
@@ -229,14 +249,17 @@ mod tests {
         let raw = br#"{"model":"m","stream":true,"messages":[{"content":"x"}]}"#;
         let p = parse(Some("application/json"), raw).unwrap();
         assert_eq!((p.model.as_str(), p.stream, p.client_wants_usage), ("m", true, false));
-        let body: Value = serde_json::from_slice(&upstream_body(&p, raw, "m").unwrap()).unwrap();
+        let body: Value = serde_json::from_slice(&upstream_body(&p, raw, "m", true).unwrap()).unwrap();
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["messages"][0]["content"], "x");
-        let body: Value = serde_json::from_slice(&upstream_body(&p, raw, "new").unwrap()).unwrap();
+        let body: Value = serde_json::from_slice(&upstream_body(&p, raw, "new", true).unwrap()).unwrap();
         assert_eq!(body["model"], "new");
+        assert!(upstream_body(&p, raw, "m", false).is_none(), "no usage chunk is asked where the route has none");
+        assert!(asks_usage_chunk("/v1/chat/completions") && asks_usage_chunk("/v1/completions?x=1"));
+        assert!(!asks_usage_chunk("/v1/responses") && !asks_usage_chunk("/v1/embeddings"));
         let raw = br#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#;
         let p = parse(None, raw).unwrap();
-        assert!(p.client_wants_usage && upstream_body(&p, raw, "m").is_none());
+        assert!(p.client_wants_usage && upstream_body(&p, raw, "m", true).is_none());
     }
 
     #[test]
@@ -261,8 +284,8 @@ mod tests {
         let p = parse(Some("multipart/form-data; boundary=XyZ"), body).unwrap();
         assert_eq!(p.model, "whisper-1");
         assert!(!p.stream);
-        assert!(upstream_body(&p, body, "whisper-1").is_none());
-        let renamed = upstream_body(&p, body, "whisper-large").unwrap();
+        assert!(upstream_body(&p, body, "whisper-1", false).is_none());
+        let renamed = upstream_body(&p, body, "whisper-large", false).unwrap();
         assert_eq!(parse(Some("multipart/form-data; boundary=XyZ"), &renamed).unwrap().model, "whisper-large");
         assert_eq!(renamed.len(), body.len() + 4);
         assert_eq!(parse(Some("multipart/form-data; boundary=\"XyZ\""), body).unwrap().model, "whisper-1");
@@ -276,5 +299,6 @@ mod tests {
         assert_eq!(usage_of(br#"{"usage":null}"#), None);
         assert_eq!(usage_of(br#"{"choices":[]}"#), None);
         assert_eq!(usage_of(br#"{"usage":{"prompt_tokens":5,"total_tokens":5}}"#), Some((5, 0)));
+        assert_eq!(usage_of(br#"{"object":"response","usage":{"input_tokens":9,"output_tokens":4}}"#), Some((9, 4)));
     }
 }

@@ -170,8 +170,13 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
             served: crate::models::routes::describe(&entry.worker.routes),
         });
     }
+    // A LoRA adapter is served by its base model's worker under its own name.
+    let adapter = state.names.adapter(&parsed.model);
+    let upstream_name = adapter.as_deref().unwrap_or(model);
+    call.row.adapter = adapter.clone().unwrap_or_default();
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| parts.uri.path().to_string());
-    let body = parse::upstream_body(&parsed, &bytes, model).map(Bytes::from).unwrap_or(bytes);
+    let ask_usage = parse::asks_usage_chunk(parts.uri.path());
+    let body = parse::upstream_body(&parsed, &bytes, upstream_name, ask_usage).map(Bytes::from).unwrap_or(bytes);
     Ok((parsed, Outgoing { method: parts.method, path_and_query, headers: parts.headers, body }))
 }
 
@@ -338,6 +343,7 @@ async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
     if let Some((p, c)) = parse::usage_of(&body) {
         call.row.prompt_tokens = p;
         call.row.completion_tokens = c;
+        call.row.usage_source = super::usage_log::UsageSource::Reported;
     }
     call.row.status = status.as_u16();
     if !status.is_success() {

@@ -7,12 +7,24 @@
 //! response; once the stream is committed, failures become an error event followed by
 //! `data: [DONE]`.
 //!
-//! - The upstream is asked for the final usage chunk (`stream_options.include_usage`); if the
-//!   client did not ask for it, that chunk is taken out before it reaches the client.
+//! - Each protocol's stream ends where it ends: chat and completions at `data: [DONE]`, the
+//!   Responses API (`/v1/responses`) at its last event (`response.completed`,
+//!   `response.incomplete` or `response.failed`), which carries its usage. A stream that
+//!   ends before that broke off: the client gets an error event and the row says
+//!   `stream_broken`.
+//! - Chat and completions upstreams are asked for the final usage chunk
+//!   (`stream_options.include_usage`); if the client did not ask for it, that chunk is taken
+//!   out before it reaches the client.
+//! - A worker that reports no usage in its streams (llama.cpp's server ignores
+//!   `include_usage`) still leaves counts: the gateway counts the content deltas it forwards
+//!   (one per token for llama.cpp's server) and, if the model has a `tokenize_path`, asks the
+//!   worker to count the prompt. The row's `usage_source` says which (`reported`, `counted`,
+//!   `tokenized`).
 //! - While a model loads longer than a moment, the stream is committed and SSE comments say
-//!   so every `gateway.keepalive_s`; the same comments keep a silent upstream's stream alive.
-//! - The `[DONE]` event is held back until the row is journaled, so a client that saw the
-//!   end of its stream always has its row.
+//!   so every `gateway.keepalive_s` (with the model's state and why: Slurm's reason, what
+//!   holds the GPU); the same comments keep a silent upstream's stream alive.
+//! - The last event (`[DONE]`, `response.completed`) is held back until the row is journaled,
+//!   so a client that saw the end of its stream always has its row.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +39,7 @@ use super::metrics::GaugeGuard;
 use super::parse::{self, Parsed};
 use super::proxy::{self, Call, Outgoing};
 use super::us_since;
+use super::usage_log::UsageSource;
 use crate::AppState;
 
 /// How long a stream waits for its model before committing to SSE with loading comments.
@@ -35,6 +48,32 @@ const LOAD_GRACE: Duration = Duration::from_millis(500);
 const DRAIN: Duration = Duration::from_millis(200);
 /// Events buffered between the driving task and a slow client.
 const CHANNEL: usize = 64;
+/// Longest wait for the worker's tokenize endpoint after a stream without usage.
+const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How a stream ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// Chat and text completions (and anything else): `data: [DONE]`.
+    Done,
+    /// The Responses API: `response.completed` (or `.incomplete`, `.failed`); no `[DONE]`.
+    Responses,
+}
+
+impl Protocol {
+    /// The protocol of a request path (`/v1/responses`, `/v1/responses?...`).
+    pub fn of_path(path: &str) -> Protocol {
+        let path = path.split('?').next().unwrap_or(path);
+        if path == "/v1/responses" { Protocol::Responses } else { Protocol::Done }
+    }
+
+    fn end(self) -> &'static str {
+        match self {
+            Protocol::Done => "[DONE]",
+            Protocol::Responses => "response.completed",
+        }
+    }
+}
 
 /// The task's first word to the handler.
 enum Head {
@@ -52,7 +91,10 @@ pub async fn start(state: AppState, call: Call, parsed: Parsed, out: Outgoing) -
     let request_id = call.row.request_id.clone();
     let task_state = state.clone();
     state.tasks.spawn(async move {
-        Driver { state: task_state, call, head: Some(head_tx), body: body_tx, client_gone: false }.run(parsed, out).await;
+        let protocol = Protocol::of_path(&out.path_and_query);
+        let driver =
+            Driver { state: task_state, call, head: Some(head_tx), body: body_tx, client_gone: false, protocol, reported: None, deltas: 0 };
+        driver.run(parsed, out).await;
     });
     match head_rx.await {
         Ok(Head::Error(resp)) => resp,
@@ -80,6 +122,11 @@ struct Driver {
     head: Option<oneshot::Sender<Head>>,
     body: mpsc::Sender<Bytes>,
     client_gone: bool,
+    protocol: Protocol,
+    /// Usage the worker reported, if it did.
+    reported: Option<(i64, i64)>,
+    /// Content deltas forwarded (the completion tokens when the worker reports none).
+    deltas: i64,
 }
 
 impl Driver {
@@ -106,7 +153,7 @@ impl Driver {
     }
 
     /// Ends the call with an error: an error response if nothing was committed yet, else an
-    /// error event and `[DONE]`.
+    /// error event (and `[DONE]` for chat and completions: the Responses API has none).
     async fn fail(mut self, e: GatewayError) {
         if let Some(h) = self.head.take() {
             let resp = self.call.fail(&self.state, e);
@@ -114,13 +161,15 @@ impl Driver {
             return;
         }
         self.call.row.error_code = e.code().to_string();
+        self.settle_usage();
         let event = format!("data: {}\n\n", e.body());
         self.send(Bytes::from(event)).await;
-        self.finish(true).await;
+        let tail = (self.protocol == Protocol::Done).then(|| Bytes::from_static(b"data: [DONE]\n\n"));
+        self.finish(tail).await;
     }
 
-    /// Journals the row, then sends `[DONE]` (held back until now).
-    async fn finish(mut self, done: bool) {
+    /// Journals the row, then sends `tail`, the stream's last event (held back until now).
+    async fn finish(mut self, tail: Option<Bytes>) {
         if self.client_gone && self.call.row.error_code.is_empty() {
             self.call.row.error_code = "client_closed".into();
         }
@@ -128,8 +177,65 @@ impl Driver {
         let Driver { call, body, client_gone, .. } = &mut self;
         let call = std::mem::replace(call, Call::new(Default::default(), Instant::now()));
         call.record(&state);
-        if done && !*client_gone {
-            let _ = body.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        if let Some(tail) = tail
+            && !*client_gone
+        {
+            let _ = body.send(tail).await;
+        }
+    }
+
+    /// The row's token counts from what the stream showed: the worker's usage, else the
+    /// deltas counted (a stream that never reached the worker has none).
+    fn settle_usage(&mut self) {
+        let row = &mut self.call.row;
+        match self.reported {
+            Some((p, c)) => {
+                row.prompt_tokens = p;
+                row.completion_tokens = c;
+                row.usage_source = UsageSource::Reported;
+            }
+            None if self.deltas > 0 => {
+                row.completion_tokens = self.deltas;
+                row.usage_source = UsageSource::Counted;
+            }
+            None => row.usage_source = UsageSource::None,
+        }
+    }
+
+    /// A stream that ended without usage: counts the prompt with the worker's tokenize
+    /// endpoint, if the model has one (`tokenize_path`). Bounded by [`TOKENIZE_TIMEOUT`].
+    async fn tokenize_prompt(&mut self, lease: &crate::models::Lease, out: &Outgoing) {
+        let Some(path) = self.state.catalog.get(&lease.model).and_then(|m| m.tokenize_path.clone()) else { return };
+        let Some(text) = prompt_text(&out.body) else { return };
+        let upstream_name = serde_json::from_slice::<serde_json::Value>(&out.body)
+            .ok()
+            .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_string))
+            .unwrap_or_else(|| lease.model.clone());
+        // The field names of llama-cpp-python (`input`), vLLM (`prompt`) and llama.cpp's
+        // server (`content`): each ignores the others.
+        let body = serde_json::json!({"model": upstream_name, "input": text, "prompt": text, "content": text, "add_special": true});
+        let mut headers = axum::http::HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let req = Outgoing { method: axum::http::Method::POST, path_and_query: path.clone(), headers, body: Bytes::from(body.to_string()) };
+        let t0 = Instant::now();
+        let counted = tokio::time::timeout(TOKENIZE_TIMEOUT, async {
+            let resp = proxy::send_upstream(&self.state, lease, &req, &self.call.row.request_id).await.ok()?;
+            if !resp.status.is_success() {
+                return None;
+            }
+            let bytes = resp.bytes().await.ok()?;
+            token_count(&bytes)
+        })
+        .await;
+        self.call.upstream_us += us_since(t0);
+        match counted {
+            Ok(Some(n)) => {
+                self.call.row.prompt_tokens = n;
+                self.call.row.usage_source = UsageSource::Tokenized;
+            }
+            _ => {
+                tracing::warn!(model = %lease.model, path = %path, "the worker's tokenize endpoint did not count the prompt; the row has no prompt tokens")
+            }
         }
     }
 
@@ -149,7 +255,7 @@ impl Driver {
                     r = &mut acquire => break r,
                     _ = tokio::time::sleep(wait) => {
                         wait = self.keepalive();
-                        let note = format!(": gpuhub: model `{model}` is loading; waited {}s so far\n\n", t.elapsed().as_secs());
+                        let note = loading_comment(&model, state.models.status(&model).as_ref(), t.elapsed().as_secs());
                         self.send(Bytes::from(note)).await;
                     }
                 }
@@ -216,12 +322,12 @@ impl Driver {
         self.call.row.status = StatusCode::OK.as_u16();
         self.commit();
 
-        // 3. Pump events.
-        let strip_usage = !parsed.client_wants_usage;
+        // 3. Pump events until the protocol's last event (held back in `tail`).
+        let strip_usage = !parsed.client_wants_usage && self.protocol == Protocol::Done;
         let mut buf = BytesMut::new();
-        let mut saw_done = false;
+        let mut tail: Option<Bytes> = None;
         let keepalive = self.keepalive();
-        while !saw_done {
+        while tail.is_none() {
             let silence = keepalive.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             match tokio::time::timeout(silence, resp.chunk()).await {
                 Err(_) if tokio::time::Instant::now() >= deadline => {
@@ -233,14 +339,17 @@ impl Driver {
                 Ok(Err(e)) => {
                     self.call.upstream_us += us_since(t0);
                     tracing::warn!(model = %lease.model, error = %e, "upstream stream broke off");
-                    let err =
-                        GatewayError::Upstream { model: lease.model.clone(), what: "its worker's stream broke off before the end".into() };
+                    let err = GatewayError::StreamBroken {
+                        model: lease.model.clone(),
+                        what: format!("its worker's stream broke off before {}", self.protocol.end()),
+                    };
                     return self.fail(err).await;
                 }
                 Ok(Ok(Some(chunk))) => {
                     buf.extend_from_slice(&chunk);
                     while let Some(end) = event_end(&buf) {
                         let event = buf.split_to(end).freeze();
+                        self.deltas += content_deltas(&event);
                         match classify(&event, strip_usage) {
                             Event::Forward(usage) => {
                                 self.note_usage(usage);
@@ -251,20 +360,37 @@ impl Driver {
                                 self.send(ev).await;
                             }
                             Event::Drop(usage) => self.note_usage(Some(usage)),
-                            Event::Done => saw_done = true,
+                            Event::Done => tail = Some(event),
+                            Event::End { usage, failed } => {
+                                self.note_usage(usage);
+                                if failed {
+                                    self.call.row.error_code = "response_failed".into();
+                                }
+                                tail = Some(event);
+                            }
+                        }
+                        if tail.is_some() {
+                            break;
                         }
                     }
                 }
             }
         }
         self.call.upstream_us += us_since(t0);
-        if !saw_done {
-            let err = GatewayError::Upstream { model: lease.model.clone(), what: "its worker's stream ended without [DONE]".into() };
+        let Some(tail) = tail else {
+            let err = GatewayError::StreamBroken {
+                model: lease.model.clone(),
+                what: format!("its worker's stream ended without {}", self.protocol.end()),
+            };
             return self.fail(err).await;
+        };
+        self.settle_usage();
+        if self.reported.is_none() {
+            self.tokenize_prompt(&lease, &out).await;
         }
         drop(_in_flight);
         drop(lease);
-        self.finish(true).await;
+        self.finish(Some(tail)).await;
         // What follows [DONE] is the end of the worker's body (usually in the same read):
         // read it, so the connection goes back to the pool instead of being reset.
         let _ = tokio::time::timeout(DRAIN, async { while let Ok(Some(_)) = resp.chunk().await {} }).await;
@@ -273,11 +399,25 @@ impl Driver {
 
 impl Driver {
     fn note_usage(&mut self, usage: Option<(i64, i64)>) {
-        if let Some((p, c)) = usage {
-            self.call.row.prompt_tokens = p;
-            self.call.row.completion_tokens = c;
+        if let Some(u) = usage {
+            self.reported = Some(u);
         }
     }
+}
+
+/// The SSE comment a stream waiting for its model gets: the model's state and why (Slurm's
+/// reason, what holds the GPU and until when), and how long it has waited.
+fn loading_comment(model: &str, status: Option<&crate::models::ModelStatus>, waited_s: u64) -> String {
+    let what = match status {
+        Some(s) => match s.detail.as_deref().filter(|d| !d.is_empty()) {
+            Some(d) => format!("is loading ({}: {})", s.state, d),
+            None => format!("is loading ({})", s.state),
+        },
+        None => "is loading".to_string(),
+    };
+    // One comment line: no newline from a detail may end it early.
+    let what = what.replace(['\r', '\n'], " ");
+    format!(": gpuhub: model `{model}` {what}; waited {waited_s}s so far\n\n")
 }
 
 /// The end of the first complete SSE event in `buf` (after its blank line), if any.
@@ -308,6 +448,10 @@ pub enum Event {
     Drop((i64, i64)),
     /// `data: [DONE]`: held back until the row is journaled.
     Done,
+    /// The Responses API's last event (`response.completed`, `response.incomplete`,
+    /// `response.failed`), with the usage of its `response`: held back until the row is
+    /// journaled, then forwarded.
+    End { usage: Option<(i64, i64)>, failed: bool },
 }
 
 /// The `data:` payload of an event (multi-line data joined with newlines).
@@ -327,11 +471,45 @@ fn data_of(event: &[u8]) -> Option<Vec<u8>> {
     data
 }
 
+/// The `event:` field of an SSE event, if any.
+fn event_name(event: &[u8]) -> Option<&[u8]> {
+    event.split(|b| *b == b'\n').find_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        line.strip_prefix(b"event:").map(|r| r.trim_ascii())
+    })
+}
+
+/// The Responses API's last events.
+const RESPONSE_ENDS: [&str; 3] = ["response.completed", "response.incomplete", "response.failed"];
+
+/// A Responses API event's `type` and its `response.usage`, if the data is one.
+fn response_event(data: &[u8]) -> Option<(String, Option<(i64, i64)>)> {
+    #[derive(serde::Deserialize)]
+    struct Head {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        response: Option<serde_json::Map<String, serde_json::Value>>,
+    }
+    parse::find_bytes(data, b"\"response.")?;
+    let h = serde_json::from_slice::<Head>(data).ok()?;
+    let usage = h.response.as_ref().and_then(|r| r.get("usage")).and_then(|u| u.as_object()).map(parse::token_counts);
+    Some((h.kind?, usage))
+}
+
 /// Decides what to do with one upstream event (public for the fuzz loop).
 pub fn classify(event: &[u8], strip_usage: bool) -> Event {
     let Some(data) = data_of(event) else { return Event::Forward(None) };
     if data.trim_ascii() == b"[DONE]" {
         return Event::Done;
+    }
+    let named_end = event_name(event).and_then(|n| std::str::from_utf8(n).ok()).is_some_and(|n| RESPONSE_ENDS.contains(&n));
+    if (named_end || parse::find_bytes(&data, b"\"response.").is_some())
+        && let Some((kind, usage)) = response_event(&data)
+    {
+        if RESPONSE_ENDS.contains(&kind.as_str()) {
+            return Event::End { usage, failed: kind == "response.failed" };
+        }
+        return Event::Forward(None);
     }
     let Some(usage) = parse::usage_of(&data) else { return Event::Forward(None) };
     if !strip_usage {
@@ -355,6 +533,94 @@ pub fn classify(event: &[u8], strip_usage: bool) -> Event {
     }
 }
 
+/// Content deltas in one event: 1 for a chat chunk whose `choices[].delta` has non-empty
+/// `content` (or `reasoning_content`), a completion chunk with non-empty `choices[].text`,
+/// or a Responses API `response.output_text.delta`; else 0. llama.cpp's server sends one
+/// token per delta, so for it this counts the completion tokens; servers that send several
+/// tokens per delta are undercounted (they report usage anyway).
+pub fn content_deltas(event: &[u8]) -> i64 {
+    #[derive(serde::Deserialize)]
+    struct Delta<'a> {
+        #[serde(borrow)]
+        content: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        reasoning_content: Option<std::borrow::Cow<'a, str>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Choice<'a> {
+        #[serde(borrow)]
+        delta: Option<Delta<'a>>,
+        #[serde(borrow)]
+        text: Option<std::borrow::Cow<'a, str>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Chunk<'a> {
+        #[serde(borrow)]
+        choices: Option<Vec<Choice<'a>>>,
+        #[serde(borrow, rename = "type")]
+        kind: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        delta: Option<std::borrow::Cow<'a, str>>,
+    }
+    let Some(data) = data_of(event) else { return 0 };
+    // Cheap test first: most events of a stream are deltas, but comments and the usage and
+    // end events are not.
+    if parse::find_bytes(&data, b"\"delta\"").is_none() && parse::find_bytes(&data, b"\"text\"").is_none() {
+        return 0;
+    }
+    let Ok(c) = serde_json::from_slice::<Chunk>(&data) else { return 0 };
+    if c.kind.as_deref() == Some("response.output_text.delta") {
+        return i64::from(c.delta.as_deref().is_some_and(|d| !d.is_empty()));
+    }
+    let non_empty = |s: &Option<std::borrow::Cow<'_, str>>| s.as_deref().is_some_and(|t| !t.is_empty());
+    let produced = c
+        .choices
+        .unwrap_or_default()
+        .iter()
+        .any(|ch| non_empty(&ch.text) || ch.delta.as_ref().is_some_and(|d| non_empty(&d.content) || non_empty(&d.reasoning_content)));
+    i64::from(produced)
+}
+
+/// The prompt's text from a request body, for the worker's tokenize endpoint: a completion's
+/// `prompt` (string or strings), a chat's messages' text, a Responses API `input`.
+pub fn prompt_text(body: &[u8]) -> Option<String> {
+    use serde_json::Value;
+    fn text_of(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::String(s) => out.push(s.clone()),
+            Value::Array(a) => a.iter().for_each(|x| text_of(x, out)),
+            Value::Object(o) => {
+                // Message parts: {"type":"text","text":..}, {"role":..,"content":..},
+                // Responses items: {"type":"input_text","text":..}.
+                if let Some(t) = o.get("text") {
+                    text_of(t, out);
+                }
+                if let Some(c) = o.get("content") {
+                    text_of(c, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let mut parts = Vec::new();
+    for k in ["prompt", "messages", "input", "instructions"] {
+        if let Some(x) = v.get(k) {
+            text_of(x, &mut parts);
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join("\n"))
+}
+
+/// A tokenize endpoint's answer: `{"count": N}` or `{"tokens": [...]}`.
+pub fn token_count(body: &[u8]) -> Option<i64> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if let Some(n) = v.get("count").and_then(serde_json::Value::as_i64) {
+        return Some(n);
+    }
+    v.get("tokens").and_then(serde_json::Value::as_array).map(|t| t.len() as i64)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -365,6 +631,102 @@ mod tests {
         assert_eq!(event_end(b"data: a\n\ndata: b"), Some(9));
         assert_eq!(event_end(b"data: a\r\n\r\n"), Some(11));
         assert_eq!(event_end(b"data: a\n"), None);
+    }
+
+    #[test]
+    fn each_protocol_ends_where_it_ends() {
+        assert_eq!(Protocol::of_path("/v1/responses"), Protocol::Responses);
+        assert_eq!(Protocol::of_path("/v1/responses?stream=true"), Protocol::Responses);
+        assert_eq!(Protocol::of_path("/v1/chat/completions"), Protocol::Done);
+        assert_eq!(Protocol::of_path("/v1/responses/abc/cancel"), Protocol::Done);
+        let completed = b"event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":9,\"response\":{\"status\":\"completed\",\"usage\":{\"input_tokens\":11,\"output_tokens\":5,\"total_tokens\":16}}}\n\n";
+        assert_eq!(classify(completed, true), Event::End { usage: Some((11, 5)), failed: false });
+        assert_eq!(classify(completed, false), Event::End { usage: Some((11, 5)), failed: false });
+        // Without the `event:` line (some servers send only data), and the other ends.
+        let incomplete = b"data: {\"type\":\"response.incomplete\",\"response\":{\"usage\":{\"input_tokens\":2,\"output_tokens\":9}}}\n\n";
+        assert_eq!(classify(incomplete, true), Event::End { usage: Some((2, 9)), failed: false });
+        let failed = b"event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"usage\":null}}\n\n";
+        assert_eq!(classify(failed, true), Event::End { usage: None, failed: true });
+        // Events on the way are forwarded, never ends, even when they carry a usage: null.
+        let created = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\n";
+        assert_eq!(classify(created, true), Event::Forward(None));
+        let delta = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Par\"}\n\n";
+        assert_eq!(classify(delta, true), Event::Forward(None));
+        // A chat chunk that mentions the words is still a chat chunk.
+        let chat = b"data: {\"choices\":[{\"delta\":{\"content\":\"the \\\"response.completed\\\" event\"}}]}\n\n";
+        assert_eq!(classify(chat, true), Event::Forward(None));
+    }
+
+    #[test]
+    fn content_deltas_count_one_per_token_event() {
+        let chat = |c: &str| format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{c}}},\"finish_reason\":null}}]}}\n\n");
+        assert_eq!(content_deltas(chat("\" Paris\"").as_bytes()), 1);
+        assert_eq!(content_deltas(chat("\"\"").as_bytes()), 0, "an empty delta is no token");
+        assert_eq!(content_deltas(chat("null").as_bytes()), 0);
+        // llama.cpp's first chunk (role only) and last (finish_reason, empty delta).
+        assert_eq!(content_deltas(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n"), 0);
+        assert_eq!(content_deltas(b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n"), 0);
+        assert_eq!(content_deltas(b"data: {\"choices\":[{\"index\":0,\"text\":\" de\"}]}\n\n"), 1, "completions");
+        assert_eq!(content_deltas(b"data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"hm\"}}]}\n\n"), 1);
+        assert_eq!(
+            content_deltas(b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Par\"}\n\n"),
+            1
+        );
+        assert_eq!(
+            content_deltas(b"data: {\"type\":\"response.output_text.done\",\"text\":\"Paris\"}\n\n"),
+            0,
+            "the done event repeats the text"
+        );
+        assert_eq!(content_deltas(b"data: [DONE]\n\n"), 0);
+        assert_eq!(content_deltas(b": keep-alive\n\n"), 0);
+        assert_eq!(content_deltas(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\n"), 0);
+        assert_eq!(content_deltas(b"data: {not json \"delta\"\n\n"), 0);
+    }
+
+    #[test]
+    fn the_prompt_text_and_the_tokenize_answer() {
+        assert_eq!(prompt_text(br#"{"model":"m","prompt":"one two"}"#).as_deref(), Some("one two"));
+        assert_eq!(prompt_text(br#"{"prompt":["a","b"]}"#).as_deref(), Some("a\nb"));
+        let chat = br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+        assert_eq!(prompt_text(chat).as_deref(), Some("be brief\nhi"));
+        assert_eq!(
+            prompt_text(br#"{"input":[{"role":"user","content":[{"type":"input_text","text":"q"}]}],"instructions":"sys"}"#).as_deref(),
+            Some("q\nsys")
+        );
+        assert_eq!(prompt_text(br#"{"model":"m"}"#), None);
+        assert_eq!(prompt_text(b"not json"), None);
+        assert_eq!(token_count(br#"{"count":12}"#), Some(12));
+        assert_eq!(token_count(br#"{"tokens":[1,2,3]}"#), Some(3));
+        assert_eq!(token_count(br#"{"detail":"Not Found"}"#), None);
+    }
+
+    #[test]
+    fn loading_comments_say_why_on_one_line() {
+        let mut st = crate::models::ModelStatus {
+            name: "big".into(),
+            state: "pending",
+            role: None,
+            aliases: vec![],
+            adapters: vec![],
+            in_flight: 0,
+            detail: Some("Slurm job 7 pending: Resources; GPU 0 is held by Slurm job 3 `train`\nof alice".into()),
+            launcher: crate::config::LauncherKind::Slurm,
+            version: None,
+            worker_id: Some("7".into()),
+            vram_gib: 100.0,
+            idle_s: None,
+            idle_timeout_s: 600,
+            log_tail: vec![],
+            waiting: 1,
+        };
+        let c = loading_comment("big", Some(&st), 12);
+        assert_eq!(
+            c,
+            ": gpuhub: model `big` is loading (pending: Slurm job 7 pending: Resources; GPU 0 is held by Slurm job 3 `train` of alice); waited 12s so far\n\n"
+        );
+        assert_eq!(event_end(c.as_bytes()), Some(c.len()), "one SSE comment event");
+        st.detail = None;
+        assert_eq!(loading_comment("big", Some(&st), 0), ": gpuhub: model `big` is loading (pending); waited 0s so far\n\n");
     }
 
     #[test]

@@ -69,6 +69,41 @@ pub struct UsageRow {
     pub upstream_ttfb_us: i64,
     /// Time spent in the gateway itself (latency minus time waiting for the upstream).
     pub overhead_us: i64,
+    /// Where `prompt_tokens`/`completion_tokens` came from.
+    pub usage_source: UsageSource,
+    /// The LoRA adapter that served the call on `resolved_model`'s worker ("" if none).
+    pub adapter: String,
+}
+
+/// Where a row's token counts came from (the usage log's `usage_source`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageSource {
+    /// The worker's own `usage` (a plain answer, a stream's usage chunk, `response.completed`).
+    Reported,
+    /// The worker reported none in its stream: the completion tokens are the gateway's count
+    /// of content deltas (one per token for llama.cpp's server; a lower bound for servers
+    /// that batch tokens into a delta); the prompt tokens are unknown (0).
+    Counted,
+    /// As `Counted`, and the prompt tokens are the count of the worker's tokenize endpoint
+    /// (`tokenize_path`) for the prompt's text (for chat: the messages' text, without the
+    /// chat template's own tokens).
+    Tokenized,
+    /// No counts: a failure before the worker answered, or an answer without usage (audio,
+    /// images, a server that reports none).
+    #[default]
+    None,
+}
+
+impl UsageSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageSource::Reported => "reported",
+            UsageSource::Counted => "counted",
+            UsageSource::Tokenized => "tokenized",
+            UsageSource::None => "none",
+        }
+    }
 }
 
 enum Msg {

@@ -12,6 +12,8 @@ pub struct Catalog {
     models: BTreeMap<String, Arc<ModelConfig>>,
     /// alias -> canonical model name (active aliases, not deprecated names).
     aliases: BTreeMap<String, String>,
+    /// LoRA adapter -> the model whose worker serves it.
+    adapters: BTreeMap<String, String>,
     /// role -> model name (`None`: role exists, no model assigned).
     roles: BTreeMap<String, Option<String>>,
 }
@@ -22,6 +24,9 @@ impl Catalog {
         for m in &file.models {
             for a in &m.aliases {
                 c.aliases.insert(a.clone(), m.name.clone());
+            }
+            for a in m.adapter_names() {
+                c.adapters.insert(a.to_string(), m.name.clone());
             }
             if let Some(role) = &m.role {
                 c.roles.insert(role.clone(), Some(m.name.clone()));
@@ -35,9 +40,21 @@ impl Catalog {
         c
     }
 
-    /// The catalog entry for a canonical name or an active alias.
+    /// The catalog entry for a canonical name, an active alias, or an adapter (its base model).
     pub fn get(&self, name: &str) -> Option<&Arc<ModelConfig>> {
-        self.models.get(name).or_else(|| self.aliases.get(name).and_then(|m| self.models.get(m)))
+        self.models
+            .get(name)
+            .or_else(|| self.aliases.get(name).and_then(|m| self.models.get(m)))
+            .or_else(|| self.adapters.get(name).and_then(|m| self.models.get(m)))
+    }
+
+    /// Whether `name` is a LoRA adapter (served by its base model's worker under its own name).
+    pub fn is_adapter(&self, name: &str) -> bool {
+        self.adapters.contains_key(name)
+    }
+
+    pub fn adapters_of(&self, model: &str) -> Vec<String> {
+        self.adapters.iter().filter(|(_, m)| m.as_str() == model).map(|(a, _)| a.clone()).collect()
     }
 
     pub fn models(&self) -> impl Iterator<Item = &Arc<ModelConfig>> {
@@ -52,8 +69,8 @@ impl Catalog {
         &self.roles
     }
 
-    /// Every name the catalog serves (canonical names and aliases).
+    /// Every name the catalog serves (canonical names, aliases, adapters).
     pub fn all_names(&self) -> impl Iterator<Item = &String> {
-        self.models.keys().chain(self.aliases.keys())
+        self.models.keys().chain(self.aliases.keys()).chain(self.adapters.keys())
     }
 }

@@ -36,7 +36,7 @@ use super::metrics::ModelMetrics;
 use super::mlflow::Mlflow;
 use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
 use crate::store::{Store, WorkerRow};
-use crate::telemetry::GpuInfo;
+use crate::telemetry::{GpuInfo, GpuJob};
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 const LOG_TAIL_LINES: usize = 10;
@@ -133,6 +133,8 @@ pub struct ModelStatus {
     pub state: &'static str,
     pub role: Option<String>,
     pub aliases: Vec<String>,
+    /// LoRA adapters this model's worker serves (each called by its own name).
+    pub adapters: Vec<String>,
     pub in_flight: u32,
     /// Slurm's pending reason, why it failed or was unloaded, what it evicted.
     pub detail: Option<String>,
@@ -362,6 +364,7 @@ impl Shared {
             state: if m.launcher == LauncherKind::Static { "ready" } else { s.state.as_str() },
             role: self.catalog.roles().iter().find(|(_, v)| v.as_deref() == Some(m.name.as_str())).map(|(r, _)| r.clone()),
             aliases: self.catalog.aliases_of(&m.name),
+            adapters: self.catalog.adapters_of(&m.name),
             in_flight: w.in_flight.load(Ordering::Relaxed),
             detail: s.detail.clone(),
             launcher: m.launcher,
@@ -577,7 +580,7 @@ impl Shared {
             None => m.worker.command.replace("{port}", "${GPUHUB_WORKER_PORT}"),
         };
         let command = launcher::render(
-            &template,
+            &launcher::render_adapters(&template, &m.adapters),
             &[
                 ("model", &m.name),
                 ("model_path", &model_path),
@@ -668,8 +671,14 @@ impl Shared {
                 if last.as_ref() != Some(&run) {
                     match &run {
                         RunState::Pending(reason) => {
+                            // Waiting for GPUs or shards: say who holds them and until when.
+                            let held = if reason == "Resources" {
+                                format!("; {}", self.holders(rt, &m.name, &self.room(rt, &m.name, &[])).await)
+                            } else {
+                                String::new()
+                            };
                             let mut s = w.lock();
-                            self.transition(w, &mut s, State::Pending, Some(format!("Slurm job {} pending: {reason}", inst.id)));
+                            self.transition(w, &mut s, State::Pending, Some(format!("Slurm job {} pending: {reason}{held}", inst.id)));
                         }
                         RunState::Running => {
                             let mut s = w.lock();
@@ -850,22 +859,28 @@ impl Shared {
         true
     }
 
-    /// Makes room for `w` on the GPUs: evicts idle workers, least recently used first.
+    /// Makes room for `w` on the GPUs: evicts idle workers, least recently used first, until
+    /// it fits on one GPU (or on `resources.gpus` GPUs), never on the sum of several.
     /// Returns the evicted names, or the message for the caller's 503.
     async fn place(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<Vec<String>, String> {
         let need = w.cfg.resources.vram_gib;
         if need <= 0.0 {
             return Ok(Vec::new());
         }
+        let gpus_wanted = w.cfg.resources.gpus;
         let _one_at_a_time = rt.placement.lock().await;
         let mut evicted = Vec::new();
+        let mut evicted_jobs: Vec<String> = Vec::new();
         loop {
-            let Some(free) = self.free_gib(rt, &w.cfg.name) else { return Ok(evicted) };
-            if need <= free + 1e-9 {
+            let room = self.room(rt, &w.cfg.name, &evicted_jobs);
+            if room.fits(need, gpus_wanted) {
                 if !evicted.is_empty() {
                     tracing::info!(model = %w.cfg.name, evicted = %evicted.join(", "), "unloaded idle models to make room");
                 }
                 return Ok(evicted);
+            }
+            if let Some(message) = room.never_fits(need, gpus_wanted) {
+                return Err(message);
             }
             let victim = self
                 .workers
@@ -878,65 +893,180 @@ impl Shared {
                 .min_by_key(|(t, _)| *t)
                 .map(|(_, o)| o);
             let Some(victim) = victim else {
-                return Err(self.no_room_message(rt, w, need, free));
+                return Err(self.no_room_message(rt, w, need, &room).await);
             };
-            tracing::info!(model = %w.cfg.name, victim = %victim.cfg.name, need_gib = need, free_gib = free, "evicting the least recently used idle model");
+            tracing::info!(model = %w.cfg.name, victim = %victim.cfg.name, need_gib = need, room = %room.summary(), "evicting the least recently used idle model");
             rt.metrics.evicted(&victim.cfg.name);
+            let job = victim.lock().instance.as_ref().map(|i| i.id.clone());
             if self.unload(&victim, &format!("evicted to make room for `{}`", w.cfg.name)).await {
                 evicted.push(format!("`{}`", victim.cfg.name));
+                evicted_jobs.extend(job);
             }
         }
     }
 
-    /// GPU memory free for a new worker, GiB (`None`: unknown, so everything fits).
-    fn free_gib(&self, rt: &Runtime, except: &str) -> Option<f64> {
+    /// The room for a new worker: the `workers.vram_gib` budget left, and each GPU's free
+    /// memory (NVML's, less what workers still loading will take; plus what the jobs in
+    /// `evicted` still hold, which NVML's last sample may not have seen leave).
+    fn room(&self, rt: &Runtime, except: &str, evicted: &[String]) -> Room {
         let others = |pred: fn(State) -> bool| -> f64 {
             self.workers.values().filter(|o| o.cfg.name != except).filter(|o| pred(o.lock().state)).map(|o| o.cfg.resources.vram_gib).sum()
         };
-        let budget = rt.cfg.vram_gib.map(|b| b - others(State::holds_gpu));
-        let gpus = (rt.gpus)();
-        // NVML already counts running workers; subtract those that are still loading.
-        let nvml = (!gpus.is_empty()).then(|| {
-            gpus.iter().map(|g| g.memory_free_bytes as f64 / GIB).sum::<f64>() - others(|s| matches!(s, State::Pending | State::Starting))
-        });
-        match (budget, nvml) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-
-    fn no_room_message(&self, rt: &Runtime, w: &Worker, need: f64, free: f64) -> String {
-        let mut holders: Vec<String> = self
-            .workers
-            .values()
-            .filter(|o| o.cfg.name != w.cfg.name)
-            .filter_map(|o| {
-                let s = o.lock();
-                s.state.holds_gpu().then(|| {
-                    let n = o.in_flight.load(Ordering::Relaxed) + o.waiting.load(Ordering::Relaxed);
-                    let why = if s.state == State::Ready { format!("{n} calls in flight") } else { s.state.as_str().to_string() };
-                    format!("`{}` ({:.1} GiB, {why})", o.cfg.name, o.cfg.resources.vram_gib)
-                })
+        let budget_gib = rt.cfg.vram_gib.map(|b| b - others(State::holds_gpu));
+        let mut gpus: Vec<GpuRoom> = (rt.gpus)()
+            .into_iter()
+            .map(|g| {
+                let (gone, jobs): (Vec<GpuJob>, Vec<GpuJob>) = g.jobs.into_iter().partition(|j| evicted.contains(&j.job_id.to_string()));
+                let back: u64 = gone.iter().map(|j| j.vram_bytes).sum();
+                let total_gib = g.memory_total_bytes as f64 / GIB;
+                let nvml_free_gib = g.memory_free_bytes as f64 / GIB;
+                GpuRoom {
+                    index: g.index,
+                    total_gib,
+                    nvml_free_gib,
+                    free_gib: ((g.memory_free_bytes + back) as f64 / GIB).min(total_gib),
+                    jobs,
+                }
             })
             .collect();
-        let gpus = (rt.gpus)();
+        // Workers still loading are not in NVML's numbers yet: each takes its share on the
+        // GPUs with the most room (where Slurm's first fit is likely to put it).
         if !gpus.is_empty() {
-            let used: f64 = gpus.iter().map(|g| (g.memory_total_bytes - g.memory_free_bytes.min(g.memory_total_bytes)) as f64 / GIB).sum();
-            let workers: f64 = self
-                .workers
-                .values()
-                .filter(|o| o.cfg.name != w.cfg.name && o.lock().state == State::Ready)
-                .map(|o| o.cfg.resources.vram_gib)
-                .sum();
-            if used - workers > 0.05 {
-                holders.push(format!("other GPU processes (training jobs?) ({:.1} GiB)", used - workers));
+            for o in self.workers.values().filter(|o| o.cfg.name != except && o.cfg.resources.vram_gib > 0.0) {
+                if !matches!(o.lock().state, State::Pending | State::Starting) {
+                    continue;
+                }
+                let n = (o.cfg.resources.gpus.max(1) as usize).min(gpus.len());
+                let per = o.cfg.resources.vram_gib / n as f64;
+                gpus.sort_by(|a, b| b.free_gib.total_cmp(&a.free_gib));
+                for g in gpus.iter_mut().take(n) {
+                    g.free_gib -= per;
+                }
+            }
+            gpus.sort_by_key(|g| g.index);
+        }
+        Room { budget_gib, gpus }
+    }
+
+    /// The 503 for a model that does not fit: the numbers per GPU, what holds each GPU (model
+    /// or Slurm job, user, since when, until when), and what to do.
+    async fn no_room_message(&self, rt: &Runtime, w: &Worker, need: f64, room: &Room) -> String {
+        let n = w.cfg.resources.gpus.max(1);
+        let numbers = if let Some(b) = room.budget_gib.filter(|b| need > b + 1e-9) {
+            format!("it needs {need:.1} GiB of GPU memory but only {:.1} GiB of workers.vram_gib is free", b.max(0.0))
+        } else if n == 1 {
+            let sum: f64 = room.gpus.iter().map(|g| g.free_gib.max(0.0)).sum();
+            let all = if sum + 1e-9 >= need {
+                format!(" ({sum:.1} GiB free in all, but a model runs on one GPU unless it asks for several with resources.gpus)")
+            } else {
+                String::new()
+            };
+            format!("it needs {need:.1} GiB of GPU memory on one GPU and no GPU has that much free: {}{all}", room.per_gpu())
+        } else {
+            format!(
+                "it needs {need:.1} GiB of GPU memory on {n} GPUs ({:.1} GiB each) and fewer GPUs have that much free: {}",
+                need / f64::from(n),
+                room.per_gpu()
+            )
+        };
+        let held = self.holders(rt, &w.cfg.name, room).await;
+        format!(
+            "{numbers}; no idle model can be unloaded; {held}; retry when they free it, or free memory with `gpuhub models unload NAME`"
+        )
+    }
+
+    /// What holds the GPUs, for messages: per GPU (from NVML's per-job view) gpuhub's own
+    /// workers by model and other Slurm jobs by id, user, since when and until when (the
+    /// model's idle timeout, the job's time limit); without NVML, gpuhub's workers and the
+    /// running Slurm jobs that hold GPUs or shards.
+    async fn holders(&self, rt: &Runtime, except: &str, room: &Room) -> String {
+        let mine: Vec<(Arc<Worker>, Arc<Instance>)> = self
+            .workers
+            .values()
+            .filter(|o| o.cfg.name != except)
+            .filter_map(|o| {
+                let s = o.lock();
+                s.state.holds_gpu().then(|| s.instance.clone().map(|i| (o.clone(), i))).flatten()
+            })
+            .collect();
+        let on_gpus: Vec<String> = room.gpus.iter().flat_map(|g| g.jobs.iter().map(|j| j.job_id.to_string())).collect();
+        let uses_slurm = self.workers.values().any(|o| o.cfg.launcher == LauncherKind::Slurm);
+        let slurm = if !on_gpus.is_empty() {
+            let mut ids = on_gpus.clone();
+            ids.sort();
+            ids.dedup();
+            rt.launchers.slurm.holder_jobs(Some(&ids)).await.unwrap_or_default()
+        } else if room.gpus.is_empty() && uses_slurm {
+            rt.launchers.slurm.holder_jobs(None).await.unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let describe_mine = |o: &Worker, inst: &Instance| -> String {
+            let s = o.lock();
+            let in_flight = o.in_flight.load(Ordering::Relaxed) + o.waiting.load(Ordering::Relaxed);
+            let job = slurm.iter().find(|j| j.id == inst.id);
+            let who = match (inst.launcher, job) {
+                (LauncherKind::Slurm, Some(j)) => format!("Slurm job {} of {}", inst.id, crate::util::sanitize(&j.user)),
+                (LauncherKind::Slurm, None) => format!("Slurm job {}", inst.id),
+                _ => format!("pid {}", inst.id),
+            };
+            let since = crate::util::utc_time(inst.started_us / 1_000_000);
+            let idle = o.cfg.idle_timeout_s;
+            let until = match s.state {
+                State::Ready if in_flight == 0 => {
+                    let left = idle.saturating_sub(s.last_used.elapsed().as_secs());
+                    format!(
+                        "frees when idle for {idle}s (idle_timeout_s), at {} if no call comes",
+                        crate::util::utc_time(crate::util::now_s() + left as i64)
+                    )
+                }
+                State::Ready => format!("{in_flight} calls in flight; frees {idle}s after its last call (idle_timeout_s)"),
+                other => format!("{}; frees {idle}s after its last call (idle_timeout_s)", other.as_str()),
+            };
+            let limit = job
+                .filter(|j| !matches!(j.end.as_str(), "" | "Unknown" | "NONE" | "N/A"))
+                .map(|j| format!(", or at its Slurm time limit at {}", j.end))
+                .unwrap_or_default();
+            format!("model `{}` ({who}, {:.1} GiB) since {since}, {until}{limit}", o.cfg.name, o.cfg.resources.vram_gib)
+        };
+        let mut parts = Vec::new();
+        let mut placed: Vec<String> = Vec::new();
+        for g in &room.gpus {
+            let mut on = Vec::new();
+            let mut attributed = 0u64;
+            for j in &g.jobs {
+                let id = j.job_id.to_string();
+                attributed += j.vram_bytes;
+                if let Some((o, inst)) = mine.iter().find(|(_, i)| i.launcher == LauncherKind::Slurm && i.id == id) {
+                    on.push(describe_mine(o, inst));
+                    placed.push(id);
+                } else if let Some(h) = slurm.iter().find(|h| h.id == id) {
+                    on.push(h.describe());
+                } else {
+                    let user = if j.user.is_empty() { "an unknown user".to_string() } else { crate::util::sanitize(&j.user) };
+                    on.push(format!("Slurm job {id} of {user} ({:.1} GiB)", j.vram_bytes as f64 / GIB));
+                }
+            }
+            let used = g.total_gib - g.nvml_free_gib;
+            let other = used - attributed as f64 / GIB;
+            if other > 0.5 {
+                on.push(format!("processes outside Slurm jobs ({other:.1} GiB)"));
+            }
+            if !on.is_empty() {
+                parts.push(format!("GPU {} is held by {}", g.index, on.join(" and ")));
             }
         }
-        let held = if holders.is_empty() { "nothing gpuhub started".to_string() } else { holders.join(", ") };
-        format!(
-            "it needs {need:.1} GiB of GPU memory but only {:.1} GiB is free and no idle model can be unloaded; the GPU is held by {held}; retry when those calls finish, or free memory with `gpuhub models unload NAME`",
-            free.max(0.0)
-        )
+        let rest: Vec<String> = mine.iter().filter(|(_, i)| !placed.contains(&i.id)).map(|(o, i)| describe_mine(o, i)).collect();
+        if !rest.is_empty() {
+            parts.push(format!("gpuhub's workers: {}", rest.join("; ")));
+        }
+        if room.gpus.is_empty() {
+            let others: Vec<String> = slurm.iter().filter(|h| !mine.iter().any(|(_, i)| i.id == h.id)).map(|h| h.describe()).collect();
+            if !others.is_empty() {
+                parts.push(format!("Slurm jobs holding GPUs: {}", others.join("; ")));
+            }
+        }
+        if parts.is_empty() { "nothing gpuhub can see holds the GPUs".to_string() } else { parts.join("; ") }
     }
 
     /// `@production` for the worker about to start; the last known version when MLflow is down.
@@ -1164,6 +1294,89 @@ struct LoadFailure {
 impl LoadFailure {
     fn new(message: String) -> LoadFailure {
         LoadFailure { message, tail: Vec::new(), counts: true, instance: None }
+    }
+}
+
+/// One GPU as placement sees it.
+#[derive(Debug, Clone)]
+struct GpuRoom {
+    index: u32,
+    total_gib: f64,
+    /// NVML's free memory, as sampled.
+    nvml_free_gib: f64,
+    /// Free for a new worker: NVML's, less what loading workers will take, plus what evicted
+    /// jobs still hold in NVML's last sample.
+    free_gib: f64,
+    /// The Slurm jobs on it (evicted ones left out).
+    jobs: Vec<GpuJob>,
+}
+
+/// The room for a new worker.
+#[derive(Debug, Clone)]
+struct Room {
+    /// `workers.vram_gib` less what other workers hold (`None`: no budget set).
+    budget_gib: Option<f64>,
+    /// Per GPU (empty: NVML unknown, so the GPUs do not limit placement).
+    gpus: Vec<GpuRoom>,
+}
+
+impl Room {
+    /// Whether `need` GiB fits: within the budget, and on one GPU (or `gpus` GPUs, an equal
+    /// share on each). Free memory of several GPUs is never added up.
+    fn fits(&self, need: f64, gpus: u32) -> bool {
+        if self.budget_gib.is_some_and(|b| need > b + 1e-9) {
+            return false;
+        }
+        if self.gpus.is_empty() {
+            return true;
+        }
+        let n = gpus.max(1) as usize;
+        let per = need / n as f64;
+        self.gpus.iter().filter(|g| g.free_gib + 1e-9 >= per).count() >= n
+    }
+
+    /// The refusal for a model no eviction can make fit: bigger than the GPUs themselves.
+    fn never_fits(&self, need: f64, gpus: u32) -> Option<String> {
+        if self.gpus.is_empty() {
+            return None;
+        }
+        let n = gpus.max(1) as usize;
+        let per = need / n as f64;
+        if self.gpus.iter().filter(|g| g.total_gib + 1e-9 >= per).count() >= n {
+            return None;
+        }
+        let largest = self.gpus.iter().map(|g| g.total_gib).fold(0.0, f64::max);
+        Some(if n == 1 {
+            format!(
+                "it needs {need:.1} GiB of GPU memory on one GPU and the largest GPU here has {largest:.1} GiB in all; ask for several GPUs with resources.gpus (the server must split the model), or use a smaller model"
+            )
+        } else {
+            format!(
+                "it needs {per:.1} GiB on each of {n} GPUs and this node has {} GPUs with that much memory in all; lower resources.gpus or vram_gib",
+                self.gpus.iter().filter(|g| g.total_gib + 1e-9 >= per).count()
+            )
+        })
+    }
+
+    /// `GPU 0 has 70.0 of 141.0 GiB free, GPU 1 has 62.0 of 141.0 GiB free`.
+    fn per_gpu(&self) -> String {
+        self.gpus
+            .iter()
+            .map(|g| format!("GPU {} has {:.1} of {:.1} GiB free", g.index, g.free_gib.max(0.0), g.total_gib))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// For logs: `budget 3.0 GiB; GPU 0 70.0 GiB free, ...`.
+    fn summary(&self) -> String {
+        let mut s = self.budget_gib.map(|b| format!("budget {b:.1} GiB free")).unwrap_or_default();
+        for g in &self.gpus {
+            if !s.is_empty() {
+                s.push_str(", ");
+            }
+            s.push_str(&format!("GPU {} {:.1} GiB free", g.index, g.free_gib));
+        }
+        s
     }
 }
 

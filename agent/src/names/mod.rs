@@ -434,6 +434,17 @@ impl NameRegistry {
         resolve_in(&self.catalog, &inner, asked)
     }
 
+    /// The LoRA adapter a served name ends at (directly, or through a deprecated name or a
+    /// role), if any: the gateway forwards the call under that name to its base model's
+    /// worker, which [`resolve`](Self::resolve) returns.
+    pub fn adapter(&self, asked: &str) -> Option<String> {
+        let inner = match self.inner.read() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        adapter_in(&self.catalog, &inner, asked)
+    }
+
     /// What the gateway answers when `asked` is not served (`None`: it is served).
     /// Retired names get `names.retired_status` (404 or 410).
     pub fn refusal(&self, asked: &str, r: &Resolution) -> Option<Refusal> {
@@ -525,6 +536,31 @@ pub fn refusal_for(asked: &str, r: &Resolution, retired_status: u16) -> Option<R
     }
 }
 
+/// The adapter `name` is served as, following registry names and roles as
+/// [`resolve_in`] does (at most a few steps).
+pub(crate) fn adapter_in(catalog: &Catalog, inner: &Inner, name: &str) -> Option<String> {
+    let mut name = name.to_string();
+    for _ in 0..6 {
+        if let Some(rec) = inner.names.get(&name) {
+            if rec.state == NameState::Retired {
+                return None;
+            }
+            if catalog.get(&name).is_none() {
+                name = rec.replacement.clone()?;
+                continue;
+            }
+        }
+        if catalog.get(&name).is_some() {
+            return catalog.is_adapter(&name).then_some(name);
+        }
+        match inner.roles.get(&name) {
+            Some(Some(m)) => name = m.clone(),
+            _ => return None,
+        }
+    }
+    None
+}
+
 /// The model that serves `name` (following at most a few registry aliases), if any.
 pub(crate) fn served_model(catalog: &Catalog, inner: &Inner, name: &str) -> Option<String> {
     let mut name = name.to_string();
@@ -606,6 +642,9 @@ pub(crate) fn entries_in(catalog: &Catalog, inner: &Inner) -> Vec<NameEntry> {
         out.insert(m.name.clone(), plain(&m.name, "model", Some(m.name.clone())));
         for a in catalog.aliases_of(&m.name) {
             out.insert(a.clone(), plain(&a, "alias", Some(m.name.clone())));
+        }
+        for a in catalog.adapters_of(&m.name) {
+            out.insert(a.clone(), plain(&a, "adapter", Some(m.name.clone())));
         }
     }
     for (role, model) in &inner.roles {
@@ -714,6 +753,25 @@ sunset = "2026-12-31"
         assert_eq!(r.refusal("svc-ocr", &r.resolve("svc-ocr")).unwrap().status, 410);
         // Unknown names stay 404: only a name that existed is Gone.
         assert_eq!(r.refusal("nope", &r.resolve("nope")).unwrap().status, 404);
+    }
+
+    #[test]
+    fn adapters_resolve_to_their_base_model_and_keep_their_name() {
+        let toml = format!(
+            "{LAB}\n[[models]]\nname = \"base\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9\"\nadapters = [\"sql-lora\"]\n[[names.history]]\nname = \"old-sql\"\nstate = \"deprecated\"\nreplacement = \"sql-lora\"\n"
+        );
+        let cfg = Config::from_toml(&toml).unwrap();
+        let r = NameRegistry::new(Arc::new(Catalog::from_config(&cfg.file)), &cfg.file.names);
+        r.inner.write().unwrap().roles.insert("sql".into(), Some("sql-lora".into()));
+        assert_eq!(r.resolve("sql-lora"), Resolution::Active { model: "base".into() });
+        assert_eq!(r.adapter("sql-lora").as_deref(), Some("sql-lora"));
+        assert_eq!(r.adapter("sql").as_deref(), Some("sql-lora"), "a role whose model is an adapter");
+        assert_eq!(r.adapter("old-sql").as_deref(), Some("sql-lora"), "a deprecated name of an adapter");
+        assert_eq!(r.resolve("old-sql").model(), Some("base"));
+        assert_eq!(r.adapter("base"), None);
+        assert_eq!(r.adapter("nope"), None);
+        let e = r.entries().into_iter().find(|e| e.name == "sql-lora").unwrap();
+        assert_eq!((e.kind, e.serves.as_deref()), ("adapter", Some("base")));
     }
 
     #[test]

@@ -30,10 +30,12 @@ const USAGE_COLUMNS: &[&str] = &[
     "latency_us",
     "upstream_ttfb_us",
     "overhead_us",
+    "usage_source",
+    "adapter",
 ];
 
-/// Rows per INSERT statement. PostgreSQL: 20 columns x 200 rows stays far below its limit of
-/// 65535 bind parameters. SQLite: 20 x 64 = 1280 of its 32766. SQLite gets anonymous `?`
+/// Rows per INSERT statement. PostgreSQL: 22 columns x 200 rows stays far below its limit of
+/// 65535 bind parameters. SQLite: 22 x 64 = 1408 of its 32766. SQLite gets anonymous `?`
 /// placeholders (see [`usage_insert_sql`]): sqlx asks `sqlite3_bind_parameter_name` for every
 /// bind, which scans the statement's list of *named* parameters, so `$N` placeholders made
 /// binding quadratic in the parameters per statement (at 200 rows it took 40 % of the agent's
@@ -178,7 +180,9 @@ impl Store {
                     .bind(i64::from(r.streamed))
                     .bind(r.latency_us)
                     .bind(r.upstream_ttfb_us)
-                    .bind(r.overhead_us);
+                    .bind(r.overhead_us)
+                    .bind(r.usage_source.as_str())
+                    .bind(&r.adapter);
             }
             if learn_ids {
                 let ids: Vec<String> =

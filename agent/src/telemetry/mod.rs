@@ -184,6 +184,20 @@ pub struct GpuInfo {
     pub name: String,
     pub memory_total_bytes: u64,
     pub memory_free_bytes: u64,
+    /// The Slurm jobs on this GPU (by their processes, or by the plugin's records of the
+    /// job's GPUs), for placement messages that say what holds a GPU.
+    #[serde(default)]
+    pub jobs: Vec<GpuJob>,
+}
+
+/// A Slurm job on a GPU, as the last sample saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuJob {
+    pub job_id: u32,
+    /// Its user ("" if neither its processes nor Slurm said).
+    pub user: String,
+    /// GPU memory its processes hold on this GPU.
+    pub vram_bytes: u64,
 }
 
 /// What NVML measured for one job on one GPU, accumulated over the job's lifetime.

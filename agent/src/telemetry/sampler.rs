@@ -256,6 +256,7 @@ impl GpuSampler {
         let now_s = now as i64;
         let mut live_pids = HashSet::new();
         let mut jobs_per_gpu: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        let mut holders: BTreeMap<u32, Vec<super::GpuJob>> = BTreeMap::new();
         let mut gpu_now = HashSet::new();
         let mut job_now = HashSet::new();
         let mut unattributed_now = HashSet::new();
@@ -350,6 +351,10 @@ impl GpuSampler {
                 records.push((*id, s.uuid.clone(), s.index, util, j.vram, job_energy));
             }
             jobs_per_gpu.insert(s.index, jobs.keys().copied().collect());
+            holders.insert(
+                s.index,
+                jobs.iter().map(|(id, j)| super::GpuJob { job_id: *id, user: j.user.clone(), vram_bytes: j.vram }).collect(),
+            );
         }
 
         {
@@ -379,6 +384,7 @@ impl GpuSampler {
                 name: s.name.clone(),
                 memory_total_bytes: s.memory_total_bytes.unwrap_or(0),
                 memory_free_bytes: s.memory_free_bytes.unwrap_or(0),
+                jobs: holders.remove(&s.index).unwrap_or_default(),
             })
             .collect::<Vec<_>>();
         if up && gpus.is_empty() && !self.logged_no_nvml {

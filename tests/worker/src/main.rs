@@ -10,13 +10,19 @@
 //! (protected by the key, `--api-key-file`, `GPUHUB_TEST_WORKER_API_KEY` or `--api-key`, like
 //! vLLM): `GET /v1/models`, `POST /v1/chat/completions` and
 //! `/v1/completions` (plain, or SSE with a final usage chunk when
-//! `stream_options.include_usage` is true), `/v1/embeddings`, `/v1/audio/speech` (binary WAV),
-//! `/v1/audio/transcriptions` (multipart upload).
+//! `stream_options.include_usage` is true), `/v1/responses` (the Responses API: plain, or
+//! SSE events `response.created` ... `response.completed`, which carries the usage, and no
+//! `[DONE]`), `/v1/embeddings`, `/v1/audio/speech` (binary WAV), `/v1/audio/transcriptions`
+//! (multipart upload).
 //!
-//! Test knobs: `--startup-delay-ms` (before binding, like a server loading weights first),
+//! `POST /tokenize` (vLLM's shape, behind the key) counts a prompt's words.
+//!
+//! Test knobs: `--no-stream-usage` (streams never carry usage, as llama.cpp's Python server),
+//! `--startup-delay-ms` (before binding, like a server loading weights first),
 //! `--ready-delay-ms` (bound, `/health` 503 meanwhile), `--token-delay-ms` (between streamed
 //! chunks), `--stamp-chunks` (each chunk carries `x_sent_unix_ns`), `--crash-after N` (the process exits on the call after N answered `/v1` calls),
-//! `--exit-at-start CODE` (fails during startup after printing a log line), `--vram-gib`
+//! `--exit-at-start CODE` (fails during startup after printing a log line), `--break-stream-after N`
+//! (a stream breaks off after N content events, without its last event), `--vram-gib`
 //! (reported in `/health`), `--port 0` (pick a free port; the address is printed on stdout and
 //! written to `--report-file`).
 //!
@@ -93,6 +99,14 @@ struct Args {
     /// VRAM this worker claims to use, GiB (reported in `/health`).
     #[arg(long, default_value_t = 0.0)]
     vram_gib: f64,
+    /// Streams (chat, completions, responses) break off after this many content events: the
+    /// connection is cut without the stream's last event.
+    #[arg(long)]
+    break_stream_after: Option<usize>,
+    /// Streams carry no usage even when `stream_options.include_usage` asks for it (as
+    /// llama.cpp's Python server): the gateway must count.
+    #[arg(long)]
+    no_stream_usage: bool,
 }
 
 struct Worker {
@@ -171,11 +185,13 @@ async fn main() -> std::process::ExitCode {
         .route("/models", get(models))
         .route("/chat/completions", post(chat))
         .route("/completions", post(completions))
+        .route("/responses", post(responses))
         .route("/embeddings", post(embeddings))
         .route("/audio/speech", post(speech))
         .route("/audio/transcriptions", post(transcriptions))
         .layer(middleware::from_fn_with_state(state.clone(), guard));
-    let app = Router::new().route("/health", get(health)).nest("/v1", v1).with_state(state);
+    let tokenize = Router::new().route("/tokenize", post(tokenize)).layer(middleware::from_fn_with_state(state.clone(), guard));
+    let app = Router::new().route("/health", get(health)).nest("/v1", v1).merge(tokenize).with_state(state);
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};
         if let Ok(mut s) = signal(SignalKind::terminate()) {
@@ -317,15 +333,23 @@ async fn respond(w: &Worker, req: &Value, object: &str, answer: &str, prompt_tok
         };
         return Json(json!({"id": id, "object": object, "created": now_s(), "model": model, "system_fingerprint": fingerprint(w), "choices": [choice], "usage": usage})).into_response();
     }
-    let include_usage = req.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = !w.args.no_stream_usage && req.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
     let chunk_object = if chat { "chat.completion.chunk" } else { "text_completion" };
     let fp = fingerprint(w);
     let stamp = w.args.stamp_chunks;
+    let break_after = w.args.break_stream_after;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     tokio::spawn(async move {
         let usage_null = if include_usage { json!({"usage": null}) } else { json!({}) };
         let n = pieces.len();
         for (i, p) in pieces.into_iter().enumerate() {
+            if break_after == Some(i) {
+                log(&format!("BREAK: stream cut after {i} chunks (--break-stream-after)"));
+                // Let the chunks already sent reach the client before the connection is cut.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = tx.send(Err(std::io::Error::other("stream cut by --break-stream-after"))).await;
+                return;
+            }
             if i > 0 && !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
@@ -367,10 +391,136 @@ async fn respond(w: &Worker, req: &Value, object: &str, answer: &str, prompt_tok
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", "cannot build the stream"))
 }
 
+/// The Responses API (`POST /v1/responses`): `input` (a string, or items with text), answered
+/// with one output message; streamed as the Responses API streams (typed events, the usage in
+/// `response.completed`, no `[DONE]`).
+async fn responses(State(w): State<Shared>, body: Bytes) -> Response {
+    let v = match parse(&w, &body) {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    fn text_of(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::String(s) => out.push(s.clone()),
+            Value::Array(a) => a.iter().for_each(|x| text_of(x, out)),
+            Value::Object(o) => {
+                for k in ["text", "content"] {
+                    if let Some(x) = o.get(k) {
+                        text_of(x, out);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut parts = Vec::new();
+    if let Some(i) = v.get("input") {
+        text_of(i, &mut parts);
+    }
+    let prompt = parts.join(" ");
+    let last = parts.last().cloned().unwrap_or_default();
+    let answer =
+        format!("Hello from {} version {}: you said: {last}", w.args.model, if w.args.version.is_empty() { "-" } else { &w.args.version });
+    let model = v.get("model").and_then(Value::as_str).unwrap_or("").to_string();
+    let pieces: Vec<String> = answer.split_inclusive(' ').map(str::to_string).collect();
+    let (input_tokens, output_tokens) = (words(&prompt).max(1), pieces.len() as u64);
+    let n = w.calls.load(Ordering::Relaxed);
+    let (resp_id, msg_id) = (format!("resp_test{n}"), format!("msg_test{n}"));
+    let created = now_s();
+    let message = |status: &str, text: Option<&str>| {
+        let content = match text {
+            Some(t) => json!([{"type": "output_text", "text": t, "annotations": []}]),
+            None => json!([]),
+        };
+        json!({"type": "message", "id": msg_id, "status": status, "role": "assistant", "content": content})
+    };
+    let response = |status: &str, output: Value, usage: Value| {
+        json!({
+            "id": resp_id, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "usage": usage, "error": null, "incomplete_details": null, "instructions": null,
+            "metadata": {}, "parallel_tool_calls": true, "temperature": 1.0, "tool_choice": "auto", "tools": [], "top_p": 1.0,
+        })
+    };
+    let usage = json!({
+        "input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens,
+        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
+    });
+    let done = response("completed", json!([message("completed", Some(&answer))]), usage);
+    if !v.get("stream").and_then(Value::as_bool).unwrap_or(false) {
+        return Json(done).into_response();
+    }
+    let mut events: Vec<(String, Value)> = vec![
+        ("response.created".into(), json!({"response": response("in_progress", json!([]), Value::Null)})),
+        ("response.in_progress".into(), json!({"response": response("in_progress", json!([]), Value::Null)})),
+        ("response.output_item.added".into(), json!({"output_index": 0, "item": message("in_progress", None)})),
+        (
+            "response.content_part.added".into(),
+            json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ),
+    ];
+    let first_delta = events.len();
+    for p in &pieces {
+        events.push((
+            "response.output_text.delta".into(),
+            json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "delta": p, "logprobs": []}),
+        ));
+    }
+    events.push((
+        "response.output_text.done".into(),
+        json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "text": answer, "logprobs": []}),
+    ));
+    events.push((
+        "response.content_part.done".into(),
+        json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": answer, "annotations": []}}),
+    ));
+    events.push(("response.output_item.done".into(), json!({"output_index": 0, "item": message("completed", Some(&answer))})));
+    events.push(("response.completed".into(), json!({"response": done})));
+    let delay = Duration::from_millis(w.args.token_delay_ms);
+    let break_at = w.args.break_stream_after.map(|k| first_delta + k);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    tokio::spawn(async move {
+        for (seq, (kind, mut data)) in events.into_iter().enumerate() {
+            if break_at == Some(seq) {
+                log(&format!("BREAK: responses stream cut before event {seq} (--break-stream-after)"));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = tx.send(Err(std::io::Error::other("stream cut by --break-stream-after"))).await;
+                return;
+            }
+            if seq > first_delta && !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            if let Some(o) = data.as_object_mut() {
+                o.insert("type".into(), json!(kind));
+                o.insert("sequence_number".into(), json!(seq));
+            }
+            if tx.send(Ok(Bytes::from(format!("event: {kind}\ndata: {data}\n\n")))).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(tokio_stream_from(rx)))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", "cannot build the stream"))
+}
+
 fn tokio_stream_from(
     rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
     futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+}
+
+/// `POST /tokenize` (vLLM's shape): `{"model", "prompt"}` → `{"count": N, "tokens": [...]}`,
+/// one token per word, as the other routes count them.
+async fn tokenize(State(w): State<Shared>, body: Bytes) -> Response {
+    let v = match parse(&w, &body) {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let text = ["prompt", "input", "content"].iter().find_map(|k| v.get(*k).and_then(Value::as_str)).unwrap_or("");
+    let n = words(text);
+    Json(json!({"count": n, "max_model_len": 4096, "tokens": (0..n).collect::<Vec<u64>>()})).into_response()
 }
 
 async fn embeddings(State(w): State<Shared>, body: Bytes) -> Response {

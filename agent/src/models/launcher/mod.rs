@@ -194,6 +194,22 @@ pub fn render(template: &str, values: &[(&str, &str)]) -> String {
     out
 }
 
+/// Expands `{adapters}` to the LoRA adapters, `NAME=PATH` each as one shell-quoted argument
+/// (vLLM's `--lora-modules {adapters}`); run before [`render`].
+pub fn render_adapters(template: &str, adapters: &[String]) -> String {
+    if !template.contains("{adapters}") {
+        return template.to_string();
+    }
+    let list: Vec<String> = adapters
+        .iter()
+        .map(|a| match a.split_once('=') {
+            Some((n, p)) => shell_quote(&format!("{}={}", n.trim(), p.trim())),
+            None => shell_quote(a.trim()),
+        })
+        .collect();
+    template.replace("{adapters}", &list.join(" "))
+}
+
 /// A file-name-safe form of a model name (`Qwen/Qwen3-8B` → `Qwen_Qwen3-8B`).
 pub fn safe_name(model: &str) -> String {
     model.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect()
@@ -269,6 +285,8 @@ mod tests {
             &[("model", "a/b"), ("model_path", "/x y/it's"), ("port", "8000")],
         );
         assert_eq!(r, "srv --model a/b --path '/x y/it'\\''s' --port 8000");
+        let a = render_adapters("vllm --lora-modules {adapters} --port {port}", &["sql = /w/sql".into(), "b=/w/my b".into()]);
+        assert_eq!(a, "vllm --lora-modules sql=/w/sql 'b=/w/my b' --port {port}");
         assert_eq!(safe_name("Qwen/Qwen3-8B:v1"), "Qwen_Qwen3-8B_v1");
     }
 }

@@ -241,6 +241,24 @@ impl Slurm {
             .collect())
     }
 
+    /// Running jobs that hold GPUs or shards (`ids`: just those jobs, whatever they hold), with
+    /// user, name, start and end (its time limit) as Slurm prints them: what placement
+    /// messages name as the holders of the GPUs. Limited to `slurm.worker_partition` if set.
+    pub async fn holder_jobs(&self, ids: Option<&[String]>) -> Result<Vec<HolderJob>, LaunchError> {
+        let mut args: Vec<String> = vec!["-h".into(), "-t".into(), "RUNNING".into(), "-o".into(), "%i|%u|%S|%e|%b|%j".into()];
+        match ids {
+            Some([]) => return Ok(Vec::new()),
+            Some(ids) => args.extend(["-j".to_string(), ids.join(",")]),
+            None => {
+                if let Some(p) = &self.cfg.worker_partition {
+                    args.extend(["-p".to_string(), p.clone()]);
+                }
+            }
+        }
+        let out = self.run("squeue", &args).await?;
+        Ok(out.lines().filter_map(parse_holder).filter(|j| ids.is_some() || j.gpus > 0 || j.shards > 0).collect())
+    }
+
     /// scancel, then wait (at most 30 s) until squeue no longer lists the job.
     pub async fn stop(&self, inst: &Instance) {
         self.cancel(&inst.id).await;
@@ -275,6 +293,58 @@ fn parse_addr(text: &str, id: &str) -> Result<String, String> {
     }
     let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_string() };
     Ok(format!("http://{host}:{port}"))
+}
+
+/// A running job that holds GPUs or shards (see [`Slurm::holder_jobs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HolderJob {
+    pub id: String,
+    pub user: String,
+    pub name: String,
+    /// Slurm's start time (`2026-12-01T13:02:11`, the cluster's local time).
+    pub start: String,
+    /// When its time limit ends it (`Unknown`/`NONE`: no limit).
+    pub end: String,
+    pub gpus: u32,
+    pub shards: u32,
+}
+
+impl HolderJob {
+    /// `Slurm job 57 `train.sh` of alice (1 GPU) since 2026-12-01T11:00:00, until its time
+    /// limit at 2026-12-01T15:00:00`.
+    pub fn describe(&self) -> String {
+        let what = match (self.gpus, self.shards) {
+            (0, 0) => String::new(),
+            (g, 0) => format!(", {g} GPU{}", if g == 1 { "" } else { "s" }),
+            (_, s) => format!(", {s} shard{}", if s == 1 { "" } else { "s" }),
+        };
+        let until = match self.end.as_str() {
+            "" | "Unknown" | "NONE" | "N/A" => "with no time limit".to_string(),
+            end => format!("until its time limit at {end}"),
+        };
+        format!(
+            "Slurm job {} `{}` of {}{what} since {}, {until}",
+            self.id,
+            crate::util::sanitize(&self.name),
+            crate::util::sanitize(&self.user),
+            self.start
+        )
+    }
+}
+
+fn parse_holder(line: &str) -> Option<HolderJob> {
+    let mut f = line.trim().splitn(6, '|');
+    let (id, user, start, end, gres, name) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    let (gpus, shards) = crate::telemetry::slurm::parse_gres_counts(gres);
+    Some(HolderJob {
+        id: id.trim().to_string(),
+        user: user.trim().to_string(),
+        name: name.trim().to_string(),
+        start: start.trim().to_string(),
+        end: end.trim().to_string(),
+        gpus,
+        shards,
+    })
 }
 
 fn parse_squeue(out: &str) -> Vec<JobInfo> {
@@ -383,5 +453,18 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         std::os::unix::fs::symlink("/etc/hostname", &path).unwrap();
         assert!(slurm.read_addr("m", "42", me).is_err(), "a link is never followed");
+    }
+
+    #[test]
+    fn holder_jobs_say_who_since_when_and_until_when() {
+        let j = parse_holder("57|alice|2026-12-01T11:00:00|2026-12-01T15:00:00|gres/gpu:1|train|x.sh").unwrap_or_else(|| unreachable!());
+        assert_eq!((j.gpus, j.shards, j.name.as_str()), (1, 0, "train|x.sh"));
+        assert_eq!(
+            j.describe(),
+            "Slurm job 57 `train|x.sh` of alice, 1 GPU since 2026-12-01T11:00:00, until its time limit at 2026-12-01T15:00:00"
+        );
+        let j = parse_holder("9|bob|2026-12-01T11:00:00|NONE|gres/shard:7|nb").unwrap_or_else(|| unreachable!());
+        assert!(j.describe().ends_with("7 shards since 2026-12-01T11:00:00, with no time limit"), "{}", j.describe());
+        assert!(parse_holder("garbage").is_none());
     }
 }
