@@ -186,7 +186,8 @@ impl Driver {
             resp.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
         if !status.is_success() || !is_sse {
             let headers = std::mem::take(&mut resp.headers);
-            let bytes = tokio::time::timeout_at(deadline, resp.bytes()).await.ok().and_then(Result::ok).unwrap_or_default();
+            let limit = self.state.config.file.gateway.max_response_bytes;
+            let bytes = tokio::time::timeout_at(deadline, resp.bytes_limited(limit)).await.ok().and_then(Result::ok).unwrap_or_default();
             self.call.upstream_us += us_since(t0);
             if status.is_server_error() || (status.is_success() && !is_sse) {
                 let what = if status.is_success() {
@@ -221,6 +222,7 @@ impl Driver {
         let mut buf = BytesMut::new();
         let mut saw_done = false;
         let keepalive = self.keepalive();
+        let max_event = self.state.config.file.gateway.max_response_bytes;
         while !saw_done {
             let silence = keepalive.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             match tokio::time::timeout(silence, resp.chunk()).await {
@@ -240,6 +242,9 @@ impl Driver {
                 Ok(Ok(Some(chunk))) => {
                     buf.extend_from_slice(&chunk);
                     while let Some(end) = event_end(&buf) {
+                        if end > max_event {
+                            break; // refused below, like an event that never ends
+                        }
                         let event = buf.split_to(end).freeze();
                         match classify(&event, strip_usage) {
                             Event::Forward(usage) => {
@@ -253,6 +258,17 @@ impl Driver {
                             Event::Drop(usage) => self.note_usage(Some(usage)),
                             Event::Done => saw_done = true,
                         }
+                    }
+                    if buf.len() > max_event {
+                        // One event that never ends would grow this buffer without bound.
+                        self.call.upstream_us += us_since(t0);
+                        tracing::warn!(model = %lease.model, limit = max_event, "a worker's stream event is over gateway.max_response_bytes");
+                        let err = GatewayError::ResponseTooLarge {
+                            model: lease.model.clone(),
+                            limit: max_event,
+                            what: " (one event of its stream)",
+                        };
+                        return self.fail(err).await;
                     }
                 }
             }
