@@ -20,7 +20,7 @@ gw_config
 gw_start
 KEY="$(gw_key alice flood)"
 gw_rows "SELECT 1" >/dev/null
-bytes() { du -sb "$GW_DIR/state" | awk '{print $1}'; }
+bytes() { du -s -B1 "$GW_DIR/state" | awk '{print $1}'; }   # blocks in use (journal segments are sparse)
 ROWS0="$(gw_rows 'SELECT COUNT(*) FROM usage_log')"
 BYTES0="$(bytes)"
 N=100000
@@ -29,7 +29,8 @@ LONG="/v1/$(head -c 2000 /dev/zero | tr '\0' p)"
 cp "$GW_REPO/tests/lib/flood.lua" "$GW_DIR/flood.lua"
 echo "== $N unauthenticated requests as $USER_ (wrk, $THREADS threads, 32 connections)"
 start=$SECONDS
-runuser -u "$USER_" -- env FLOOD_PER_THREAD=$((N / THREADS)) wrk -t "$THREADS" -c 32 -d 100s -s "$GW_DIR/flood.lua" \
+# setpriv execs wrk as the user (so $! is wrk itself, which SIGINT stops below).
+setpriv --reuid "$USER_" --regid "$USER_" --init-groups -- env FLOOD_PER_THREAD=$((N / THREADS)) wrk -t "$THREADS" -c 32 -d 100s -s "$GW_DIR/flood.lua" \
     -H 'Authorization: Bearer ghk_0000000000000000000000000000000000000000' "$GW_URL$LONG" >"$GW_DIR/wrk.out" 2>"$GW_DIR/wrk.err" &
 WRK=$!
 GW_PIDS+=("$WRK")
@@ -37,6 +38,12 @@ sleep 3
 during="$(curl -s -o /dev/null -w '%{http_code} %{time_total}' -H "Authorization: Bearer $KEY" -H 'content-type: application/json' \
     -d '{"model":"demo-chat","messages":[{"role":"user","content":"hi"}]}' "$GW_URL/v1/chat/completions")"
 echo "a call with a valid key during the flood: $during"
+# wrk runs for its whole -d even after every thread stopped; once the agent has refused N
+# calls, SIGINT makes it print its summary and exit.
+refused_so_far() { curl -s "http://127.0.0.1:$GW_METRICS_PORT/metrics" | awk '/^gpuhub_gateway_refused_calls_total\{peer="127.0.0.1"/ {s += $2} END {print s + 0}'; }
+while kill -0 "$WRK" 2>/dev/null && [ "$(refused_so_far)" -lt "$N" ]; do sleep 0.5; done
+sleep 1
+kill -INT "$WRK" 2>/dev/null || true
 wait "$WRK" || gw_fail "wrk failed: $(cat "$GW_DIR/wrk.err")"
 cat "$GW_DIR/wrk.out"; cat "$GW_DIR/wrk.err"
 echo "flood took $((SECONDS - start)) s"

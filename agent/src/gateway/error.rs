@@ -52,8 +52,8 @@ pub enum GatewayError {
     #[error("model `{model}`: its worker's answer is larger than {limit} bytes (gateway.max_response_bytes){what}")]
     ResponseTooLarge { model: String, limit: usize, what: &'static str },
     #[error(
-        "the gateway cannot record calls right now: its state directory ({dir}) is full and {waiting} usage rows wait in memory \
-         (gateway.usage_queue = {cap}); retry once an admin frees space there"
+        "the gateway cannot record calls right now: its usage journal in {dir} cannot be written (is the disk full?) and {waiting} \
+         usage rows wait in memory (gateway.usage_queue = {cap}); retry once an admin frees space there (paths.state_dir)"
     )]
     UsageBacklog { waiting: usize, cap: usize, dir: String },
     #[error(
