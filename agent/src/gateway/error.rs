@@ -22,7 +22,7 @@ pub enum GatewayError {
     BadRequest(String),
     #[error("the request body is larger than the limit of {limit} bytes (gateway.max_body_bytes)")]
     BodyTooLarge { limit: usize },
-    #[error("the request body did not arrive within {seconds}s")]
+    #[error("the request body did not arrive within {seconds}s (gateway.body_timeout_s)")]
     BodyTimeout { seconds: u64 },
     #[error("{0}")]
     Unauthenticated(String),

@@ -26,6 +26,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -264,6 +265,10 @@ struct WatchState {
 
 struct Watch {
     state: Mutex<WatchState>,
+    /// Set while the connection is idle and no byte arrived since: the next read records its
+    /// first byte (a cheap check on every read, the lock only then).
+    awaiting_first_byte: AtomicBool,
+    /// Wakes the connection's task when a deadline moved earlier (a head began while idle).
     changed: Notify,
 }
 
@@ -283,6 +288,7 @@ impl Watch {
         let now = Instant::now();
         Watch {
             state: Mutex::new(WatchState { opened: now, active: 0, served: 0, idle_since: now, first_byte: None }),
+            awaiting_first_byte: AtomicBool::new(true),
             changed: Notify::new(),
         }
     }
@@ -292,11 +298,19 @@ impl Watch {
     }
 
     fn bytes_in(&self) {
+        if !self.awaiting_first_byte.swap(false, Ordering::Relaxed) {
+            return;
+        }
         let mut s = self.lock();
         if s.active == 0 && s.first_byte.is_none() {
             s.first_byte = Some(Instant::now());
+            // A new connection's deadline stays its opening's; a kept-alive one's moves
+            // earlier (from the idle timeout to the header timeout): wake the task.
+            let moved = s.served > 0;
             drop(s);
-            self.changed.notify_one();
+            if moved {
+                self.changed.notify_one();
+            }
         }
     }
 
@@ -317,30 +331,31 @@ impl Watch {
 /// Counts a request as in progress until dropped (with its answer's body).
 struct Active(Arc<Watch>);
 
+// Neither the start nor the end of a request wakes the connection's task: while a request is
+// in progress the task's timer is armed an idle timeout ahead, which is never later than the
+// deadline the connection has once it is idle again, so the timer fires, finds the new
+// deadline and re-arms.
 impl Active {
     fn start(w: &Arc<Watch>) -> Active {
-        {
-            let mut s = w.lock();
-            s.active += 1;
-            s.served += 1;
-            s.first_byte = None;
-        }
-        w.changed.notify_one();
+        w.awaiting_first_byte.store(false, Ordering::Relaxed);
+        let mut s = w.lock();
+        s.active += 1;
+        s.served += 1;
+        s.first_byte = None;
+        drop(s);
         Active(w.clone())
     }
 }
 
 impl Drop for Active {
     fn drop(&mut self) {
-        {
-            let mut s = self.0.lock();
-            s.active = s.active.saturating_sub(1);
-            if s.active == 0 {
-                s.idle_since = Instant::now();
-                s.first_byte = None;
-            }
+        let mut s = self.0.lock();
+        s.active = s.active.saturating_sub(1);
+        if s.active == 0 {
+            s.idle_since = Instant::now();
+            s.first_byte = None;
+            self.0.awaiting_first_byte.store(true, Ordering::Relaxed);
         }
-        self.0.changed.notify_one();
     }
 }
 
@@ -433,10 +448,14 @@ where
     let conn = builder.serve_connection(TokioIo::new(Watched { inner: io, watch: watch.clone() }), svc);
     let mut conn = std::pin::pin!(conn);
     let mut shutting_down = false;
-    let far = Duration::from_secs(86_400);
+    let arm = |w: &Watch| match w.deadline(&conns.limits) {
+        Some((t, _)) => t,
+        None => Instant::now() + conns.limits.idle_timeout,
+    };
+    let mut at = arm(&watch);
+    let timer = tokio::time::sleep_until(tokio::time::Instant::from_std(at));
+    let mut timer = std::pin::pin!(timer);
     loop {
-        let deadline = watch.deadline(&conns.limits);
-        let at = deadline.map_or_else(|| Instant::now() + far, |(t, _)| t);
         tokio::select! {
             r = conn.as_mut() => {
                 if let Err(e) = r {
@@ -444,12 +463,14 @@ where
                 }
                 break;
             }
-            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
-                // Still due? (A request may have arrived at the last moment.)
-                let Some((t, why)) = watch.deadline(&conns.limits) else { continue };
-                if t > Instant::now() {
+            _ = timer.as_mut() => {
+                // Due? (A request may have arrived, or ended, since the timer was armed.)
+                let due = watch.deadline(&conns.limits).filter(|(t, _)| *t <= Instant::now());
+                let Some((_, why)) = due else {
+                    at = arm(&watch);
+                    timer.as_mut().reset(tokio::time::Instant::from_std(at));
                     continue;
-                }
+                };
                 let kind = match why {
                     Expiry::Header => {
                         // Nothing of an answer was written on this connection since it went
@@ -463,7 +484,13 @@ where
                 conns.timeouts.get_or_create(&TimeoutLabel { kind }).inc();
                 break;
             }
-            _ = watch.changed.notified() => {}
+            _ = watch.changed.notified() => {
+                let next = arm(&watch);
+                if next < at {
+                    at = next;
+                    timer.as_mut().reset(tokio::time::Instant::from_std(at));
+                }
+            }
             _ = shutdown.cancelled(), if !shutting_down => {
                 shutting_down = true;
                 conn.as_mut().graceful_shutdown();
