@@ -36,6 +36,7 @@ df -h "$STATE" | tail -n1
 runuser -u "$USER_" -- python3 "$GW_REPO/tests/lib/gateway_calls.py" "$GW_URL" "$KEY" "$U/calls" --max 20000 --stop-after-refused 20
 kill -0 "$GW_AGENT_PID" 2>/dev/null || gw_fail "the agent died on a full disk (exit status: $(wait "$GW_AGENT_PID"; echo $?))"
 curl -sf "$GW_URL/healthz" >/dev/null || gw_fail "/healthz does not answer on a full disk"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "$GW_URL/readyz")" = 503 ] || gw_fail "/readyz does not say 503 while calls are refused"
 ok="$(awk '$1 == 200' "$U/calls" | wc -l)"
 full="$(awk '$1 == 503 && $3 == "usage_log_full"' "$U/calls" | wc -l)"
 other="$(awk '$1 != 200 && !($1 == 503 && $3 == "usage_log_full")' "$U/calls" | wc -l)"

@@ -76,8 +76,15 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// Store reachable and catalog loaded.
+/// Store reachable, catalog loaded, and the usage log takes rows (calls are not refused
+/// with `usage_log_full`).
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    if !state.gateway.usage.accepting() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "usage log full: the state directory cannot be written"})),
+        );
+    }
     match state.store.ping().await {
         Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready", "models": state.catalog.models().count()}))),
         Err(e) => {
