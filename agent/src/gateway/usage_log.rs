@@ -771,6 +771,11 @@ mod tests {
         let h = log.health();
         assert!(h.journal_failing && h.memory_only >= cap, "{h:?}");
         assert!(n > cap, "rows the journal had reserved room for were journaled first");
+        // The disk stays full a while: the writer retries, other writers of the store fail too.
+        for i in 0..10 {
+            let _ = store.set_setting("while-full", &"x".repeat(4096 * (i + 1))).await;
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
         // Space returns: every row is stored, and calls are accepted again.
         std::fs::remove_file(filler).unwrap();
         let t = Instant::now();
@@ -782,6 +787,14 @@ mod tests {
         log.flush().await;
         assert_eq!(store.usage_row_count().await.unwrap(), n as i64 + 1);
         assert!(log.accepting());
+        // No connection the full disk broke was put back in the pool holding the write lock:
+        // every other writer of the store gets through too.
+        for i in 0..8 {
+            tokio::time::timeout(Duration::from_secs(3), store.set_setting("after-full-disk", &i.to_string()))
+                .await
+                .expect("a write after the full disk waited for a lock")
+                .unwrap();
+        }
         let h = log.health();
         assert!(!h.journal_failing && h.memory_only == 0, "{h:?}");
         log.close().await;

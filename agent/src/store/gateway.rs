@@ -140,20 +140,36 @@ impl Store {
         if rows.is_empty() {
             return Ok(0);
         }
+        let mut conn = self.pool().acquire().await?;
         // Usually every row is new, and the insert needs no ids back (with SQLite each returned
         // id is a message from the database thread). If some were stored before (a replayed
         // journal, a commit retried after an ambiguous failure), that transaction is rolled
         // back and the batch inserted again, learning which rows are new.
-        match self.insert_usage_with(rows, false).await? {
-            Some(n) => Ok(n),
-            None => Ok(self.insert_usage_with(rows, true).await?.unwrap_or(0)),
+        let inserted = match self.insert_usage_with(&mut conn, rows, false).await {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => self.insert_usage_with(&mut conn, rows, true).await.map(|n| n.unwrap_or(0)),
+            Err(e) => Err(e),
+        };
+        if inserted.is_err() {
+            // On some errors (a full disk) SQLite rolls the transaction back by itself; sqlx
+            // does not know, and the connection can end up inside a later transaction that
+            // holds the write lock, so that every other writer gets "database is locked"
+            // (seen with the state directory full). A connection that failed is not reused.
+            conn.close_on_drop();
         }
+        inserted
     }
 
-    /// One transaction: the rows and the rollups of those that are new. Without `learn_ids`,
-    /// gives up (rolls back, `None`) unless every row is new.
-    async fn insert_usage_with(&self, rows: &[UsageRow], learn_ids: bool) -> Result<Option<usize>, StoreError> {
-        let mut tx = self.pool().begin().await?;
+    /// One transaction on `conn`: the rows and the rollups of those that are new. Without
+    /// `learn_ids`, gives up (rolls back, `None`) unless every row is new.
+    async fn insert_usage_with(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        rows: &[UsageRow],
+        learn_ids: bool,
+    ) -> Result<Option<usize>, StoreError> {
+        use sqlx::Connection;
+        let mut tx = conn.begin().await?;
         let mut learned: Vec<UsageRow> = Vec::new();
         for chunk in rows.chunks(rows_per_statement(self.backend())) {
             let sql = usage_insert_sql(self.backend(), chunk.len(), learn_ids);
