@@ -163,23 +163,46 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let m_addr = listeners.metrics.local_addr()?;
     tracing::info!(gateway = %gw_addr, metrics = %m_addr, control = %config.control_socket.display(), "gpuhub-agent listening");
 
+    gateway::server::raise_fd_limit(config.file.gateway.max_connections);
+    // The SSO socket (`[gateway.sso] socket`): the same gateway, for a proxy that proves
+    // itself by its uid.
+    let sso_listener = match config.file.gateway.sso.socket.as_deref().filter(|_| config.file.gateway.sso.enabled) {
+        Some(path) => Some(control::server::bind(path).with_context(|| {
+            format!("cannot create the SSO socket {} (set gateway.sso.socket to a path in a directory root can write)", path.display())
+        })?),
+        None => None,
+    };
     let gateway = {
         let app = gateway::router(state.clone());
-        let token = token.clone();
+        let (token, conns) = (token.clone(), state.gateway.connections.clone());
+        let sso = sso_listener.map(|l| tokio::spawn(gateway::server::serve(l, app.clone(), conns.clone(), token.clone())));
         tokio::spawn(async move {
-            // TCP_NODELAY: SSE chunks are small writes; with Nagle a chunk can wait ~40 ms for
-            // the client's delayed ACK of the previous one.
-            use axum::serve::ListenerExt;
-            let listener = listeners.gateway.tap_io(|tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gateway connection");
+            let tcp = gateway::server::serve(listeners.gateway, app, conns, token).await;
+            if let Some(sso) = sso {
+                match sso.await {
+                    Ok(Err(e)) => tracing::error!(error = %e, "the SSO socket's server ended with an error"),
+                    Err(e) => tracing::error!(error = %e, "the SSO socket's server failed"),
+                    Ok(Ok(())) => {}
                 }
-            });
-            axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
-                .with_graceful_shutdown(async move { token.cancelled().await })
-                .await
+            }
+            tcp
         })
     };
+    // Refused calls are kept as one usage row per peer and minute: recorded once the minute
+    // is over.
+    {
+        let (state, token) = (state.clone(), token.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => state.gateway.flush_refusals(false),
+                    _ = token.cancelled() => return,
+                }
+            }
+        });
+    }
     let mut ingestor = accounting::Ingestor::new(store.clone(), config.file.paths.spool_dir.clone(), state.telemetry.clone(), acct_metrics);
     let tcfg = &config.file.telemetry;
     if tcfg.enable_slurm && config.file.accounting.slurm_reconcile {
@@ -232,6 +255,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     state.tasks.close();
     tracing::info!(pending = state.tasks.len(), "shutdown: waiting for deferred writes");
     state.tasks.wait().await;
+    state.gateway.flush_refusals(true);
     tracing::info!("shutdown: writing the usage log");
     state.gateway.usage.close().await;
     store.close().await;

@@ -244,7 +244,10 @@ async fn bad_input_gets_openai_shaped_errors() {
 
 #[tokio::test]
 async fn identity_keys_tokens_sso_and_allow_lists() {
-    let a = start("[gateway.sso]\nenabled = true\nuser_header = \"X-Forwarded-User\"\ntrusted_proxies = [\"127.0.0.2\"]\n").await;
+    let a = start(
+        "[gateway.sso]\nenabled = true\nuser_header = \"X-Forwarded-User\"\ntrusted_proxies = [\"127.0.0.2\"]\nshared_secret = \"proxy-secret-0123456789\"\n",
+    )
+    .await;
     let body = json!({"model": "chat"});
     // No credentials, a made-up key, a spoofed SSO header from an untrusted peer.
     let (s, e) = error_of(client().post(a.url("/v1/chat/completions")).json(&body).send().await.unwrap()).await;
@@ -255,9 +258,36 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
         error_of(client().post(a.url("/v1/chat/completions")).header("x-forwarded-user", "root").json(&body).send().await.unwrap()).await;
     assert_eq!(s, 401);
     assert!(e["message"].as_str().unwrap().contains("only accepted from the site's proxy"), "{e}");
-    // The same header from the trusted proxy address.
+    // Even with the secret, not from another address than the proxy's.
+    let (s, _) = error_of(
+        client()
+            .post(a.url("/v1/chat/completions"))
+            .header("x-forwarded-user", "root")
+            .header("x-gpuhub-proxy-secret", "proxy-secret-0123456789")
+            .json(&body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, 401);
+    // From the proxy's address: without the secret (or with a wrong one) refused, with it accepted.
     let proxy = reqwest::Client::builder().local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap()).build().unwrap();
-    let r = proxy.post(a.url("/v1/chat/completions")).header("x-forwarded-user", "dave").json(&body).send().await.unwrap();
+    for secret in [None, Some("proxy-secret-0123456780")] {
+        let mut r = proxy.post(a.url("/v1/chat/completions")).header("x-forwarded-user", "dave").json(&body);
+        if let Some(s) = secret {
+            r = r.header("x-gpuhub-proxy-secret", s);
+        }
+        assert_eq!(error_of(r.send().await.unwrap()).await.0, 401, "secret {secret:?}");
+    }
+    let r = proxy
+        .post(a.url("/v1/chat/completions"))
+        .header("x-forwarded-user", "dave")
+        .header("x-gpuhub-proxy-secret", "proxy-secret-0123456789")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     // Revoked keys say so.
     let (key, id) = a.key("alice", "ocr", &[]).await;
@@ -279,7 +309,9 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     assert_eq!(post(&a, &token, "/v1/chat/completions", body.clone()).await.status(), 200);
     let forged = token.replace(".4242.", ".4243.");
     assert_eq!(error_of(post(&a, &forged, "/v1/chat/completions", body.clone()).await).await.0, 401);
-    let rows = a.rows(10).await;
+    // Calls that were served or refused after authentication have their own rows; the 401s
+    // are counted in one row per peer and minute (written at shutdown, checked below).
+    let rows = a.rows(5).await;
     let job = rows.iter().find(|r| r["user_name"] == me.as_str() && r["app"] == "job").unwrap();
     assert_eq!(job["job_id"].as_i64(), Some(4242));
     assert!(rows.iter().any(|r| r["user_name"] == "dave" && r["app"] == "sso"));
@@ -292,7 +324,18 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     assert!(err.contains("not in the catalog"), "{err}");
     let calls = a.control("GET", "/v1/usage/calls?since=1h", None).await.unwrap();
     assert!(calls["calls"].as_array().unwrap().iter().any(|c| c["user"] == "alice" && c["calls"] == 1), "{calls}");
-    a.stop().await;
+    let db = a.db_url.clone();
+    let _dir = a.stop().await;
+    let rows = gateway_support::read_rows(&db).await;
+    let refused: Vec<&Value> = rows.iter().filter(|r| r["status"] == 401).collect();
+    // Two peers (127.0.0.1, and the proxy's 127.0.0.2): one row each (two if a minute ended).
+    assert!((2..=4).contains(&refused.len()), "the 401s are kept as one row per peer and minute: {refused:#?}");
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(&db).await.unwrap();
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT CAST(SUM(calls) AS BIGINT) FROM usage_log WHERE status = 401").fetch_one(&pool).await.unwrap();
+    assert_eq!(n, 8, "no credentials, a made-up key, four SSO headers without the proof, a revoked key, a forged token");
+    pool.close().await;
 }
 
 #[tokio::test]

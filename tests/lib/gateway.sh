@@ -3,6 +3,7 @@
 #   gw_init                      temp dir $GW_DIR, free ports, builds nothing
 #   gw_worker NAME [ARGS..]      starts the test worker; sets $GW_WORKER_ADDR
 #   gw_config [STORE_URL]        writes $GW_DIR/agent.toml (model demo-chat -> the worker)
+#   gw_config_add SECTION LINE   adds LINE (`key = value`) to [SECTION] of that file (gateway, store)
 #   gw_start / gw_kill9 / gw_stop  run the real agent binary
 #   gw_key USER APP              prints a new API key (through the real `gpuhub` CLI)
 #   gw_rows SQL                  runs SQL against the store (SQLite or PostgreSQL)
@@ -72,6 +73,12 @@ api_key = "worker-key"
 max_concurrency = 512
 queue_len = 512
 TOML
+}
+
+gw_config_add() {
+    local section="$1" line="$2"
+    grep -q "^\[$section\]\$" "$GW_DIR/agent.toml" || gw_fail "gw_config_add: no [$section] in $GW_DIR/agent.toml"
+    sed -i "/^\[$section\]\$/a $line" "$GW_DIR/agent.toml"
 }
 
 gw_start() {

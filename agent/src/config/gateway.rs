@@ -1,5 +1,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// `[gateway]`: the OpenAI-compatible API.
@@ -19,8 +23,26 @@ pub struct GatewayConfig {
     pub upstream_timeout_s: u64,
     /// A request body must arrive within this many seconds (slow clients get a 408).
     pub body_timeout_s: u64,
-    /// Bound of the in-memory usage-log queue before rows spill to disk.
+    /// Bound of the in-memory usage-log queue before rows spill to disk; also how many rows
+    /// may wait in memory alone while the journal cannot be written (a full disk), after which
+    /// new calls get a 503 until space returns.
     pub usage_queue: usize,
+    /// The head of a request (request line and headers) must arrive within this many seconds:
+    /// on a new connection from when it opens, on a kept-alive one from its first byte.
+    pub header_timeout_s: u64,
+    /// A kept-alive connection with no request for this many seconds is closed.
+    pub idle_timeout_s: u64,
+    /// Connections open at once; past it a new connection is answered 503 and closed.
+    pub max_connections: usize,
+    /// Request-body bytes held in memory across all calls together; past it a call is
+    /// answered 503 (retry) instead of being read.
+    pub max_body_bytes_total: usize,
+    /// Largest worker answer held in memory: a whole plain answer, or one event of a stream.
+    /// A larger one is answered 502.
+    pub max_response_bytes: usize,
+    /// Unauthenticated refusals answered per second to one peer address (with a burst of five
+    /// seconds' worth); past it the peer gets 429 and its connection is closed.
+    pub unauth_refusals_per_s: u32,
     pub sso: SsoConfig,
     /// `[gateway.user_models]`: per-user model allow-lists, `alice = ["demo-chat"]`. A listed
     /// user may call only these models (catalog names or aliases), with any credential: API
@@ -66,22 +88,247 @@ impl Default for GatewayConfig {
             upstream_timeout_s: 600,
             body_timeout_s: 30,
             usage_queue: 10_000,
+            header_timeout_s: 10,
+            idle_timeout_s: 60,
+            max_connections: 4096,
+            max_body_bytes_total: 256 * 1024 * 1024,
+            max_response_bytes: 64 * 1024 * 1024,
+            unauth_refusals_per_s: 20,
             sso: SsoConfig::default(),
             user_models: BTreeMap::new(),
         }
     }
 }
 
-/// `[gateway.sso]`: trust an authenticated-user header set by the site's edge proxy, only
-/// from these peer addresses. Off by default.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+/// `[gateway.sso]`: trust an authenticated-user header set by the site's proxy, only when the
+/// proxy proves itself. Off by default.
+///
+/// Every user on the node can connect to the gateway from 127.0.0.1 (or from any of the
+/// node's own addresses) and send any header, so a peer address on this node proves nothing.
+/// The proof is a shared secret the proxy sends in `secret_header`, or a connection on the
+/// Unix socket `socket` from one of `socket_users` (the kernel reports the peer's uid). An
+/// address in `trusted_proxies` alone is enough only for a proxy on another machine.
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SsoConfig {
     pub enabled: bool,
     /// e.g. `X-Forwarded-User`.
     pub user_header: Option<String>,
-    /// Peer IPs allowed to set the header; from anyone else it is ignored and logged.
+    /// Peer IPs allowed to set the header; from anyone else it is refused and logged. Without
+    /// a shared secret only addresses of other machines are accepted here.
     pub trusted_proxies: Vec<String>,
+    /// The header that carries the shared secret.
+    pub secret_header: String,
+    /// A root-only file (0600) whose content (surrounding whitespace removed, at least 16
+    /// bytes) the proxy sends in `secret_header`. Read at start.
+    pub shared_secret_file: Option<PathBuf>,
+    /// The shared secret itself, when it is kept in this file (which is then a secret too).
+    pub shared_secret: Option<Secret>,
+    /// A Unix socket the gateway also serves; a connection on it from `socket_users` proves
+    /// the proxy (SO_PEERCRED), without a secret.
+    pub socket: Option<PathBuf>,
+    /// Users (names or numeric uids) whose connections on `socket` may set the header.
+    pub socket_users: Vec<String>,
+}
+
+/// The default `gateway.sso.secret_header`.
+pub const SSO_SECRET_HEADER: &str = "X-Gpuhub-Proxy-Secret";
+
+impl Default for SsoConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            user_header: None,
+            trusted_proxies: Vec::new(),
+            secret_header: SSO_SECRET_HEADER.into(),
+            shared_secret_file: None,
+            shared_secret: None,
+            socket: None,
+            socket_users: Vec::new(),
+        }
+    }
+}
+
+/// A secret in the configuration: never printed (`Debug` and `check-config` show
+/// `<redacted>`), compared only through its digest.
+#[derive(Clone, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub SecretString);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        self.0.expose_secret()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(super::REDACTED)
+    }
+}
+
+/// Why an address cannot prove a proxy on its own, if it cannot: loopback, unspecified, or
+/// one of this node's own addresses.
+fn local_address(ip: IpAddr, own: &[IpAddr]) -> Option<&'static str> {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    };
+    if ip.is_loopback() {
+        Some("a loopback address")
+    } else if ip.is_unspecified() {
+        Some("the unspecified address")
+    } else if own.contains(&ip) {
+        Some("an address of this node")
+    } else {
+        None
+    }
+}
+
+/// This node's own interface addresses (`getifaddrs`); empty if they cannot be listed.
+pub fn own_addresses() -> Vec<IpAddr> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list it allocates; freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut p = head;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned, valid until freeifaddrs.
+        let ifa = unsafe { &*p };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr points to a sockaddr whose family says its real type.
+            let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+            if family == libc::AF_INET {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                out.push(IpAddr::V4(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+            } else if family == libc::AF_INET6 {
+                // SAFETY: an AF_INET6 address is a sockaddr_in6.
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                out.push(IpAddr::V6(std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
+            }
+        }
+        p = ifa.ifa_next;
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+impl SsoConfig {
+    /// Whether a shared secret is configured (in a file or inline).
+    pub fn has_secret(&self) -> bool {
+        self.shared_secret_file.is_some() || self.shared_secret.is_some()
+    }
+
+    fn validate(&self) -> Result<(), (String, String)> {
+        let header = self.user_header.as_deref().unwrap_or("");
+        if !self.enabled {
+            return Ok(());
+        }
+        if header.is_empty() {
+            return Err((
+                "gateway.sso.user_header".into(),
+                "is required when gateway.sso.enabled = true (e.g. \"X-Forwarded-User\")".into(),
+            ));
+        }
+        for (key, h) in [("gateway.sso.user_header", header), ("gateway.sso.secret_header", self.secret_header.as_str())] {
+            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                return Err((key.into(), format!("`{}` is not an HTTP header name", crate::util::sanitize(h))));
+            }
+        }
+        if self.secret_header.eq_ignore_ascii_case(header) {
+            return Err(("gateway.sso.secret_header".into(), "must differ from gateway.sso.user_header".into()));
+        }
+        if self.shared_secret_file.is_some() && self.shared_secret.is_some() {
+            return Err((
+                "gateway.sso.shared_secret".into(),
+                "is set together with gateway.sso.shared_secret_file; keep one (the file is better: this config is printed and copied)"
+                    .into(),
+            ));
+        }
+        if let Some(s) = &self.shared_secret
+            && s.expose().trim().len() < 16
+        {
+            return Err((
+                "gateway.sso.shared_secret".into(),
+                "is shorter than 16 bytes; use a long random value (openssl rand -hex 32)".into(),
+            ));
+        }
+        if let Some(f) = &self.shared_secret_file
+            && !f.is_absolute()
+        {
+            return Err(("gateway.sso.shared_secret_file".into(), format!("`{}` must be an absolute path", f.display())));
+        }
+        match (&self.socket, self.socket_users.is_empty()) {
+            (Some(_), true) => {
+                return Err((
+                    "gateway.sso.socket_users".into(),
+                    "is empty; list the user the proxy runs as (its connections on gateway.sso.socket may set the header)".into(),
+                ));
+            }
+            (None, false) => {
+                return Err((
+                    "gateway.sso.socket".into(),
+                    "is required with gateway.sso.socket_users (the Unix socket the proxy connects to)".into(),
+                ));
+            }
+            (Some(p), false) if !p.is_absolute() => {
+                return Err(("gateway.sso.socket".into(), format!("`{}` must be an absolute path", p.display())));
+            }
+            _ => {}
+        }
+        for u in &self.socket_users {
+            if u.parse::<u32>().is_err() && !gpuhub_wire::token::user_ok(u) {
+                return Err(("gateway.sso.socket_users".into(), format!("`{}` is not a user name or uid", crate::util::sanitize(u))));
+            }
+        }
+        let mut proxies = Vec::new();
+        for p in &self.trusted_proxies {
+            match p.parse::<IpAddr>() {
+                Ok(ip) => proxies.push(ip),
+                Err(_) => {
+                    return Err(("gateway.sso.trusted_proxies".into(), format!("`{}` is not an IP address", crate::util::sanitize(p))));
+                }
+            }
+        }
+        if !self.has_secret() {
+            let own = if proxies.is_empty() { Vec::new() } else { own_addresses() };
+            for (p, ip) in self.trusted_proxies.iter().zip(&proxies) {
+                if let Some(what) = local_address(*ip, &own) {
+                    return Err((
+                        "gateway.sso.trusted_proxies".into(),
+                        format!(
+                            "`{p}` is {what}: every user on this node can connect from it and send the {header} header, so the address \
+                             alone proves nothing. Let the proxy prove itself: set gateway.sso.shared_secret_file (a root-only file \
+                             whose content the proxy sends in the {} header), or have it connect through gateway.sso.socket with \
+                             gateway.sso.socket_users = [\"<the proxy's user>\"]",
+                            self.secret_header
+                        ),
+                    ));
+                }
+            }
+            if self.socket.is_none() && proxies.is_empty() {
+                return Err((
+                    "gateway.sso".into(),
+                    format!(
+                        "nothing proves the proxy: set gateway.sso.shared_secret_file (the proxy sends its content in the {} header), \
+                         or gateway.sso.socket with gateway.sso.socket_users, or (for a proxy on another machine) gateway.sso.trusted_proxies",
+                        self.secret_header
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl GatewayConfig {
@@ -142,22 +389,36 @@ impl GatewayConfig {
         if self.usage_queue == 0 {
             return Err(("gateway.usage_queue".into(), "must be at least 1".into()));
         }
-        if self.sso.enabled {
-            if self.sso.user_header.as_deref().unwrap_or("").is_empty() {
-                return Err(("gateway.sso.user_header".into(), "is required when gateway.sso.enabled = true".into()));
-            }
-            if self.sso.trusted_proxies.is_empty() {
-                return Err((
-                    "gateway.sso.trusted_proxies".into(),
-                    "list the edge proxy addresses; without them no header is trusted".into(),
-                ));
-            }
-            for p in &self.sso.trusted_proxies {
-                if p.parse::<std::net::IpAddr>().is_err() {
-                    return Err(("gateway.sso.trusted_proxies".into(), format!("`{p}` is not an IP address")));
-                }
+        for (key, v) in [("gateway.header_timeout_s", self.header_timeout_s), ("gateway.idle_timeout_s", self.idle_timeout_s)] {
+            if !(1..=3600).contains(&v) {
+                return Err((key.into(), format!("{v} is out of range; use 1..=3600 seconds")));
             }
         }
+        if !(16..=1_000_000).contains(&self.max_connections) {
+            return Err(("gateway.max_connections".into(), format!("{} is out of range; use 16..=1000000", self.max_connections)));
+        }
+        if self.max_body_bytes > u32::MAX as usize {
+            return Err(("gateway.max_body_bytes".into(), format!("must be at most {} (4 GiB)", u32::MAX)));
+        }
+        if self.max_body_bytes_total < self.max_body_bytes {
+            return Err((
+                "gateway.max_body_bytes_total".into(),
+                format!(
+                    "{} is less than gateway.max_body_bytes ({}): one largest body must fit; raise it or lower gateway.max_body_bytes",
+                    self.max_body_bytes_total, self.max_body_bytes
+                ),
+            ));
+        }
+        if self.max_body_bytes_total > u32::MAX as usize {
+            return Err(("gateway.max_body_bytes_total".into(), format!("must be at most {} (4 GiB)", u32::MAX)));
+        }
+        if self.max_response_bytes < 64 * 1024 {
+            return Err(("gateway.max_response_bytes".into(), "must be at least 65536".into()));
+        }
+        if self.unauth_refusals_per_s == 0 {
+            return Err(("gateway.unauth_refusals_per_s".into(), "must be at least 1".into()));
+        }
+        self.sso.validate()?;
         Ok(())
     }
 }
@@ -195,5 +456,66 @@ mod tests {
         assert!(e.contains("line 4") && e.contains("`a b` is not a user name"), "{e}");
         let e = Config::from_toml(&format!("[gateway.user_models]\n\nalice = \"demo-chat\"\n{MODELS}")).unwrap_err().to_string();
         assert!(e.contains("line 3"), "{e}");
+    }
+
+    fn sso(extra: &str) -> Result<Config, String> {
+        Config::from_toml(&format!("[gateway.sso]\nenabled = true\nuser_header = \"X-Forwarded-User\"\n{extra}")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn sso_from_a_loopback_address_alone_is_refused_with_the_reason_and_the_fix() {
+        for addr in ["127.0.0.1", "::1", "127.0.0.2", "0.0.0.0", "::ffff:127.0.0.1"] {
+            let e = sso(&format!("trusted_proxies = [\"{addr}\"]")).unwrap_err();
+            assert!(e.contains("gateway.sso.trusted_proxies"), "{e}");
+            assert!(e.contains("every user on this node can connect from it"), "{e}");
+            assert!(e.contains("gateway.sso.shared_secret_file") && e.contains("gateway.sso.socket"), "{e}");
+        }
+        // An address of this node is no better than loopback.
+        if let Some(own) = super::own_addresses().into_iter().find(|ip| !ip.is_loopback()) {
+            let e = sso(&format!("trusted_proxies = [\"{own}\"]")).unwrap_err();
+            assert!(e.contains("an address of this node"), "{e}");
+        }
+        // A proof makes it valid: a secret (a loopback proxy is fine then), or the socket.
+        sso("trusted_proxies = [\"127.0.0.1\"]\nshared_secret_file = \"/etc/gpuhub/sso-secret\"").unwrap();
+        sso("shared_secret = \"0123456789abcdef-long-enough\"").unwrap();
+        sso("socket = \"/run/gpuhub/sso.sock\"\nsocket_users = [\"proxy\"]").unwrap();
+        // A remote proxy's address alone is still accepted (TEST-NET-1, not on this node).
+        sso("trusted_proxies = [\"192.0.2.10\"]").unwrap();
+    }
+
+    #[test]
+    fn sso_configurations_that_prove_nothing_or_contradict_are_refused() {
+        let e = sso("").unwrap_err();
+        assert!(e.contains("nothing proves the proxy"), "{e}");
+        let e = sso("socket = \"/run/gpuhub/sso.sock\"").unwrap_err();
+        assert!(e.contains("gateway.sso.socket_users"), "{e}");
+        let e = sso("socket_users = [\"proxy\"]").unwrap_err();
+        assert!(e.contains("gateway.sso.socket"), "{e}");
+        let e = sso("shared_secret = \"short\"").unwrap_err();
+        assert!(e.contains("shorter than 16 bytes"), "{e}");
+        let e = sso("shared_secret = \"0123456789abcdef-long-enough\"\nshared_secret_file = \"/etc/s\"").unwrap_err();
+        assert!(e.contains("keep one"), "{e}");
+        let e = sso("shared_secret_file = \"relative\"").unwrap_err();
+        assert!(e.contains("absolute path"), "{e}");
+        let e = sso("shared_secret = \"0123456789abcdef-long-enough\"\nsecret_header = \"x-forwarded-user\"").unwrap_err();
+        assert!(e.contains("must differ"), "{e}");
+        let e = sso("shared_secret = \"0123456789abcdef-long-enough\"\ntrusted_proxies = [\"proxy.example\"]").unwrap_err();
+        assert!(e.contains("is not an IP address"), "{e}");
+        // Off: nothing is checked.
+        Config::from_toml("[gateway.sso]\ntrusted_proxies = [\"127.0.0.1\"]\n").unwrap();
+    }
+
+    #[test]
+    fn limits_are_checked() {
+        let e = Config::from_toml("[gateway]\nmax_body_bytes_total = 1024\n").unwrap_err().to_string();
+        assert!(e.contains("gateway.max_body_bytes_total") && e.contains("one largest body must fit"), "{e}");
+        let e = Config::from_toml("[gateway]\nheader_timeout_s = 0\n").unwrap_err().to_string();
+        assert!(e.contains("gateway.header_timeout_s"), "{e}");
+        let e = Config::from_toml("[gateway]\nmax_connections = 2\n").unwrap_err().to_string();
+        assert!(e.contains("gateway.max_connections"), "{e}");
+        let e = Config::from_toml("[gateway]\nmax_response_bytes = 10\n").unwrap_err().to_string();
+        assert!(e.contains("gateway.max_response_bytes"), "{e}");
+        let e = Config::from_toml("[gateway]\nunauth_refusals_per_s = 0\n").unwrap_err().to_string();
+        assert!(e.contains("gateway.unauth_refusals_per_s"), "{e}");
     }
 }

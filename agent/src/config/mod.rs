@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig};
-pub use gateway::{GatewayConfig, SsoConfig, UserName};
+pub use gateway::{GatewayConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserName, own_addresses};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
 pub use store::StoreConfig;
@@ -257,14 +257,24 @@ impl Config {
         out
     }
 
-    /// The effective configuration as TOML, secrets redacted (`check-config`).
+    /// The effective configuration as TOML, secrets redacted (`check-config`, which the unit
+    /// runs as `ExecStartPre`, so its output lands in the journal): the store URL's password,
+    /// credentials in any URL, every `models[].api_key` and `models[].env` value, and the SSO
+    /// secret (its type prints `<redacted>`).
     pub fn render_redacted(&self) -> String {
         let mut file = self.file.clone();
         file.store.url = Some(redact_url(&self.store_url));
+        file.gateway.public_url = file.gateway.public_url.as_deref().map(redact_url);
+        file.mlflow.tracking_uri = file.mlflow.tracking_uri.as_deref().map(redact_url);
         for m in &mut file.models {
             if m.api_key.is_some() {
-                m.api_key = Some("<redacted>".to_string());
+                m.api_key = Some(REDACTED.to_string());
             }
+            for v in m.env.values_mut() {
+                *v = REDACTED.to_string();
+            }
+            m.url = m.url.as_deref().map(redact_url);
+            m.model_path = m.model_path.as_deref().map(redact_url);
         }
         let mut out = String::new();
         out.push_str(&format!(
@@ -282,22 +292,54 @@ impl Config {
     }
 }
 
+/// What a redacted secret reads as.
+pub const REDACTED: &str = "<redacted>";
+
 fn parse(text: &str, path: &Path) -> Result<ConfigFile, ConfigError> {
     toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
 }
 
-/// Replaces the password in a database URL.
+/// Removes the credentials from a URL: the password of `user:password@` (or a lone
+/// `token@`), and the values of query parameters that carry secrets (`?password=`,
+/// `?token=`, ...). Anything that is not a URL is returned unchanged.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{}:<redacted>{}", &url[..s + 3], user, &url[at..]),
-                None => url.to_string(),
-            }
+    let Some(s) = url.find("://") else { return url.to_string() };
+    let rest = &url[s + 3..];
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(auth_end);
+    let authority = match authority.rfind('@') {
+        Some(at) => match authority[..at].split_once(':') {
+            Some((user, _)) => format!("{user}:{REDACTED}{}", &authority[at..]),
+            None => format!("{REDACTED}{}", &authority[at..]),
+        },
+        None => authority.to_string(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let (query, frag) = match query.split_once('#') {
+                Some((q, f)) => (q, format!("#{f}")),
+                None => (query, String::new()),
+            };
+            let query: Vec<String> = query
+                .split('&')
+                .map(|kv| match kv.split_once('=') {
+                    Some((k, _)) if secret_param(k) => format!("{k}={REDACTED}"),
+                    _ => kv.to_string(),
+                })
+                .collect();
+            format!("{path}?{}{frag}", query.join("&"))
         }
-        _ => url.to_string(),
-    }
+        None => tail.to_string(),
+    };
+    format!("{}{authority}{tail}", &url[..s + 3])
+}
+
+/// Query parameters whose values are secrets.
+fn secret_param(k: &str) -> bool {
+    let k = k.to_ascii_lowercase();
+    ["password", "passwd", "pass", "pwd", "secret", "token", "key", "apikey", "api_key", "access_token", "sslpassword", "auth"]
+        .iter()
+        .any(|s| k == *s || k.ends_with(&format!("_{s}")))
 }
 
 impl ConfigFile {
@@ -423,5 +465,48 @@ mod tests {
     fn passwords_are_redacted() {
         assert_eq!(redact_url("postgres://gpuhub:s3cret@db:5432/gpuhub"), "postgres://gpuhub:<redacted>@db:5432/gpuhub");
         assert_eq!(redact_url("sqlite:///var/lib/gpuhub/gpuhub.db"), "sqlite:///var/lib/gpuhub/gpuhub.db");
+        assert_eq!(redact_url("http://tok3n@mlflow:5000/x"), "http://<redacted>@mlflow:5000/x");
+        assert_eq!(
+            redact_url("postgres://db/gpuhub?sslmode=require&password=s3cret"),
+            "postgres://db/gpuhub?sslmode=require&password=<redacted>"
+        );
+        assert_eq!(redact_url("https://h/p?user_token=abc#frag"), "https://h/p?user_token=<redacted>#frag");
+        // An @ in the path is not a credential.
+        assert_eq!(redact_url("http://h:1/a@b"), "http://h:1/a@b");
+        assert_eq!(redact_url("Qwen/Qwen3-8B"), "Qwen/Qwen3-8B");
+    }
+
+    #[test]
+    fn check_config_output_holds_no_secret() {
+        let text = r#"
+[store]
+url = "postgres://gpuhub:pg-pass-1@db/gpuhub?password=pg-pass-2"
+[gateway]
+public_url = "https://u:pub-pass-3@gpu01.example.org"
+[gateway.sso]
+enabled = true
+user_header = "X-Forwarded-User"
+shared_secret = "sso-secret-4-0123456789"
+[mlflow]
+tracking_uri = "http://ml:ml-pass-5@127.0.0.1:5000"
+[[models]]
+name = "m"
+launcher = "static"
+url = "http://127.0.0.1:9"
+api_key = "worker-key-6"
+[models.env]
+HF_TOKEN = "hf-token-7"
+OTHER = "plain-8"
+"#;
+        let c = Config::from_toml(text).unwrap();
+        let out = c.render_redacted();
+        for secret in ["pg-pass-1", "pg-pass-2", "pub-pass-3", "sso-secret-4", "ml-pass-5", "worker-key-6", "hf-token-7", "plain-8"] {
+            assert!(!out.contains(secret), "check-config printed {secret}:\n{out}");
+        }
+        assert!(out.contains("HF_TOKEN = \"<redacted>\""), "{out}");
+        assert!(!format!("{c:?}").contains("sso-secret-4"), "Debug prints the SSO secret");
+        // The redacted output is still a valid config.
+        let again: ConfigFile = toml::from_str(&out.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n")).unwrap();
+        assert!(again.gateway.sso.enabled);
     }
 }

@@ -82,6 +82,20 @@ pub fn user_name(uid: u32) -> Option<String> {
     Some(name.to_string_lossy().into_owned())
 }
 
+/// Looks up a uid by user name (getpwnam_r).
+pub fn uid_of(name: &str) -> Option<u32> {
+    let cname = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0u8; 4096];
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: buffers are valid for the given lengths; result points into pwd/buf on success.
+    let rc = unsafe { libc::getpwnam_r(cname.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut result) };
+    if rc != 0 || result.is_null() {
+        return None;
+    }
+    Some(pwd.pw_uid)
+}
+
 /// True if `user` (primary gid `gid`) is a member of the group `group`.
 fn in_group(user: &str, gid: u32, group: &str) -> bool {
     let Ok(cgroup) = std::ffi::CString::new(group) else { return false };

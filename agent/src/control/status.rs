@@ -78,6 +78,8 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
         "the agent creates it at start; check that paths.state_dir is writable by root",
     ));
 
+    checks.push(usage_log_check(&state.gateway.usage.health()));
+
     if let Some(uri) = &cfg.file.mlflow.tracking_uri {
         let url = format!("{}/health", uri.trim_end_matches('/'));
         let res = match reqwest::Client::builder().timeout(Duration::from_secs(2)).build() {
@@ -87,6 +89,38 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
         checks.push(check("mlflow", res, uri.clone(), "start the MLflow server or fix mlflow.tracking_uri"));
     }
     Json(checks)
+}
+
+/// The usage log: rows the store refused (the dead-letter file), and rows waiting in memory
+/// because the journal cannot be written (a full state disk).
+pub fn usage_log_check(h: &crate::gateway::usage_log::UsageHealth) -> Check {
+    let dead = h.dead_letter_path.display();
+    if h.journal_failing {
+        return check(
+            "usage-log",
+            false,
+            format!(
+                "cannot write the usage journal in {} (disk full?); {} of at most {} rows wait in memory, then calls get 503",
+                h.journal_dir.display(),
+                h.memory_only,
+                h.memory_cap
+            ),
+            "free space on the filesystem of paths.state_dir (df -h); the waiting rows are written once there is room",
+        );
+    }
+    if h.dead_letters > 0 {
+        return check(
+            "usage-log",
+            false,
+            format!(
+                "{} usage row(s) the store refused are kept in {dead}{}",
+                h.dead_letters,
+                h.last_reason.as_deref().map(|r| format!(" (latest reason: {})", crate::util::sanitize(r))).unwrap_or_default()
+            ),
+            &format!("read the reason on each line of {dead}; once handled, move the file away (the agent appends to a new one)"),
+        );
+    }
+    check("usage-log", true, format!("journal writable, no refused rows ({dead} absent)"), "")
 }
 
 #[derive(Debug, Deserialize)]

@@ -22,7 +22,7 @@ pub enum GatewayError {
     BadRequest(String),
     #[error("the request body is larger than the limit of {limit} bytes (gateway.max_body_bytes)")]
     BodyTooLarge { limit: usize },
-    #[error("the request body did not arrive within {seconds}s")]
+    #[error("the request body did not arrive within {seconds}s (gateway.body_timeout_s)")]
     BodyTimeout { seconds: u64 },
     #[error("{0}")]
     Unauthenticated(String),
@@ -56,14 +56,42 @@ pub enum GatewayError {
     UpstreamTimeout { model: String, seconds: u64 },
     #[error("the gateway failed to handle this request; the details are in the agent's log (request id {request_id})")]
     Internal { request_id: String },
+    #[error("{0}")]
+    InvalidModelName(String),
+    #[error("the gateway already holds {limit} bytes of request bodies in memory (gateway.max_body_bytes_total); retry in a moment")]
+    BodyBudget { limit: usize },
+    #[error("model `{model}`: its worker's answer is larger than {limit} bytes (gateway.max_response_bytes){what}")]
+    ResponseTooLarge { model: String, limit: usize, what: &'static str },
+    #[error(
+        "the gateway cannot record calls right now: its usage journal in {dir} cannot be written (is the disk full?) and {waiting} \
+         usage rows wait in memory (gateway.usage_queue = {cap}); retry once an admin frees space there (paths.state_dir)"
+    )]
+    UsageBacklog { waiting: usize, cap: usize, dir: String },
+    #[error(
+        "too many unauthenticated requests from {peer}: more than {rate} a second are refused this way (gateway.unauth_refusals_per_s); \
+         send `Authorization: Bearer <API key>` (jobs get one in OPENAI_API_KEY; others ask an admin for `gpuhub keys create`)"
+    )]
+    Throttled { peer: String, rate: u32 },
+    #[error("the gateway has {limit} connections open (gateway.max_connections); retry in a moment")]
+    ConnectionCap { limit: usize },
+    #[error("the request's head (request line and headers) did not arrive within {seconds}s (gateway.header_timeout_s)")]
+    HeaderTimeout { seconds: u64 },
 }
 
 impl GatewayError {
     pub fn status(&self) -> StatusCode {
         match self {
-            GatewayError::MalformedJson(_) | GatewayError::MissingModel | GatewayError::WrongType { .. } | GatewayError::BadRequest(_) => {
-                StatusCode::BAD_REQUEST
+            GatewayError::MalformedJson(_)
+            | GatewayError::MissingModel
+            | GatewayError::WrongType { .. }
+            | GatewayError::BadRequest(_)
+            | GatewayError::InvalidModelName(_) => StatusCode::BAD_REQUEST,
+            GatewayError::BodyBudget { .. } | GatewayError::UsageBacklog { .. } | GatewayError::ConnectionCap { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
             }
+            GatewayError::ResponseTooLarge { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::Throttled { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::HeaderTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             GatewayError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             GatewayError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
@@ -101,6 +129,13 @@ impl GatewayError {
             GatewayError::StreamBroken { .. } => "stream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::Internal { .. } => "internal_error",
+            GatewayError::InvalidModelName(_) => "invalid_model_name",
+            GatewayError::BodyBudget { .. } => "server_busy",
+            GatewayError::ResponseTooLarge { .. } => "upstream_response_too_large",
+            GatewayError::UsageBacklog { .. } => "usage_log_full",
+            GatewayError::Throttled { .. } => "too_many_unauthenticated",
+            GatewayError::ConnectionCap { .. } => "too_many_connections",
+            GatewayError::HeaderTimeout { .. } => "header_timeout",
         }
     }
 
@@ -119,7 +154,9 @@ impl GatewayError {
     /// The request field at fault, if any (OpenAI's `param`).
     fn param(&self) -> Option<&'static str> {
         match self {
-            GatewayError::MissingModel | GatewayError::Refused { .. } | GatewayError::Forbidden(_) => Some("model"),
+            GatewayError::MissingModel | GatewayError::Refused { .. } | GatewayError::Forbidden(_) | GatewayError::InvalidModelName(_) => {
+                Some("model")
+            }
             GatewayError::WrongType { field, .. } => Some(field),
             _ => None,
         }
@@ -141,6 +178,27 @@ impl From<ModelError> for GatewayError {
     }
 }
 
+impl GatewayError {
+    /// The whole HTTP/1.1 answer as bytes, for refusals written straight to a connection
+    /// (connection cap, header timeout): the same JSON body, then the connection closes.
+    pub fn raw_response(&self) -> Vec<u8> {
+        let body = self.body().to_string();
+        let status = self.status();
+        let mut out = format!(
+            "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or(""),
+            body.len()
+        );
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            out.push_str("retry-after: 1\r\n");
+        }
+        out.push_str("\r\n");
+        out.push_str(&body);
+        out.into_bytes()
+    }
+}
+
 impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
@@ -149,8 +207,16 @@ impl IntoResponse for GatewayError {
         {
             resp.headers_mut().insert(header::RETRY_AFTER, v);
         }
-        if let GatewayError::Unauthenticated(_) = &self {
+        if let GatewayError::Unauthenticated(_) | GatewayError::Throttled { .. } = &self {
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let GatewayError::BodyBudget { .. } | GatewayError::UsageBacklog { .. } | GatewayError::Throttled { .. } = &self {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let GatewayError::Throttled { .. } = &self {
+            // The peer reconnects for its next try: it pays a handshake, and its connection
+            // slot is free meanwhile.
+            resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

@@ -19,7 +19,8 @@ pub const CONTENT_TYPES: &[Option<&str>] = &[
 ];
 
 /// A client's request body under every content type, its rewrite for a renamed model, and the
-/// SSE classifier on it: an accepted body names a model of 1..=MAX_MODEL_NAME bytes and still
+/// SSE classifier on it: an accepted body names a model of 1..=MAX_MODEL_NAME bytes without
+/// control characters (the usage log must be able to store it) and still
 /// parses, to the new name, once rewritten; a refusal is a 4xx OpenAI error. Returns whether
 /// any content type accepted it.
 pub fn check_request(body: &[u8]) -> bool {
@@ -29,6 +30,7 @@ pub fn check_request(body: &[u8]) -> bool {
             Ok(p) => {
                 accepted = true;
                 assert!(!p.model.is_empty() && p.model.len() <= MAX_MODEL_NAME, "accepted a bad model name {:?}", p.model);
+                assert!(!p.model.chars().any(char::is_control), "accepted a model name with a control character {:?}", p.model);
                 if let Some(new) = upstream_body(&p, body, "renamed-model", true) {
                     let again = parse(*ct, &new)
                         .unwrap_or_else(|e| panic!("rewritten body no longer parses ({e}): {:?}", String::from_utf8_lossy(&new)));

@@ -8,14 +8,16 @@
 //! crash can lose the last seconds, as before). What the map saves is one system call and one
 //! filesystem write path per call: measured at ~6 % of the agent's CPU at 2,000 calls/s.
 //!
-//! A segment is created sparse at [`MAP_BYTES`]; rows are copied in from offset 0. The first
-//! write to each page of a sparse file mapping faults into the filesystem (ext4 reserves a
-//! block and may wait for its journal): measured at 3-4 ms under a call. So the writer task
-//! creates segments off the request path and faults in as many pages as the last second
-//! needed ([`Segment::create`]'s `prefault`) before calls append to them. Past the
-//! mapped size rows are appended with `pwrite` (a busy second, or a long store outage before
-//! rotation). Readers stop at the first NUL byte of the mapped tail; [`Segment::finish`]
-//! truncates the file to what was written.
+//! A segment is created sparse at [`MAP_BYTES`] and mapped, but rows are copied only into the
+//! part whose blocks are *reserved* (`fallocate`): a store into a mapped page the filesystem
+//! cannot back (a full disk, a tmpfs at its `size=`) raises SIGBUS and kills the agent, while
+//! a reservation that fails is an ordinary error. The writer task reserves and faults in as
+//! many bytes as the last second needed ([`Segment::create`]'s `prefault`) off the request
+//! path (the first write to a page of a sparse file stalled calls by 3-4 ms on ext4); past
+//! that, an append reserves the next [`RESERVE_STEP`] itself. Where a reservation fails, or
+//! past the mapped size, rows are appended with `pwrite`, which reports a full disk as
+//! `ENOSPC` (the usage log then keeps the row in memory). Readers stop at the first NUL byte
+//! of the mapped tail; [`Segment::finish`] truncates the file to what was written.
 
 use std::fs::File;
 use std::io::BufRead;
@@ -27,11 +29,27 @@ use super::usage_log::UsageRow;
 /// The mapped (sparse) size of a new segment: ~30,000 rows, a busy minute of one node.
 pub const MAP_BYTES: usize = 16 << 20;
 
+/// How much more of the map an append reserves when it reaches the end of the reservation.
+pub const RESERVE_STEP: usize = 1 << 20;
+
 /// One open segment.
 pub struct Segment {
     file: File,
     map: Option<memmap2::MmapMut>,
     len: usize,
+    /// Bytes from the start of the file whose blocks are allocated: the map is written only
+    /// below this.
+    reserved: usize,
+}
+
+/// Allocates the blocks of `[from, from + len)` of `file` (its size is already past that).
+fn reserve(file: &File, from: usize, len: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (Ok(off), Ok(n)) = (libc::off_t::try_from(from), libc::off_t::try_from(len)) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    // SAFETY: fallocate on a file descriptor this segment owns; mode 0 allocates the range.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, off, n) } == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
 
 impl Segment {
@@ -43,41 +61,71 @@ impl Segment {
         if len != 0 {
             // A segment number is never reused; one that exists was left by a crash and is
             // replayed by the writer. Append after it without mapping.
-            return Ok(Segment { file, map: None, len });
+            return Ok(Segment { file, map: None, len, reserved: 0 });
         }
         file.set_len(MAP_BYTES as u64)?;
+        let want = prefault.clamp(4096, MAP_BYTES);
+        let reserved = match reserve(&file, 0, want) {
+            Ok(()) => want,
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                // A filesystem that cannot reserve: a map could SIGBUS on it, so plain appends.
+                tracing::warn!(path = %path(dir, seq).display(), "the usage-journal filesystem cannot reserve space (fallocate); appending with pwrite");
+                file.set_len(0)?;
+                return Ok(Segment { file, map: None, len: 0, reserved: 0 });
+            }
+            Err(e) => {
+                // Out of space (or quota): nothing is reserved, every append tries pwrite.
+                tracing::warn!(path = %path(dir, seq).display(), error = %e, "cannot reserve space for a usage-journal segment");
+                0
+            }
+        };
         // SAFETY: the file lives in the agent's own 0700 journal directory and only this
         // process writes it while it is mapped; nobody truncates it under the map (`finish`
-        // unmaps before it truncates).
+        // unmaps before it truncates); only reserved bytes are ever stored through the map.
         match unsafe { memmap2::MmapMut::map_mut(&file) } {
             Ok(mut map) => {
-                let n = prefault.min(map.len());
+                let n = prefault.min(reserved);
                 if n > 0 && map.advise_range(memmap2::Advice::PopulateWrite, 0, n).is_err() {
                     // Kernels before 5.14: touch one byte per page (writing the zero that
                     // is there).
                     for at in (0..n).step_by(4096) {
-                        // SAFETY: `at` is inside the map, which nothing else uses yet.
+                        // SAFETY: `at` is inside the map and the reservation; nothing else
+                        // uses the map yet.
                         unsafe { std::ptr::write_volatile(map.as_mut_ptr().add(at), 0) };
                     }
                 }
-                Ok(Segment { file, map: Some(map), len: 0 })
+                Ok(Segment { file, map: Some(map), len: 0, reserved })
             }
             Err(e) => {
                 // A filesystem without shared mappings: plain appends, one `pwrite` per row.
                 tracing::warn!(path = %path(dir, seq).display(), error = %e, "cannot map a usage-journal segment; appending with pwrite");
                 file.set_len(0)?;
-                Ok(Segment { file, map: None, len: 0 })
+                Ok(Segment { file, map: None, len: 0, reserved: 0 })
             }
         }
     }
 
-    /// Appends one line (it ends with `\n`).
+    /// Appends one line (it ends with `\n`). A full disk is an error (`ENOSPC`), never a
+    /// signal; the segment stays usable and a later append may succeed once space returns.
     pub fn append(&mut self, line: &[u8]) -> std::io::Result<()> {
         let end = self.len + line.len();
-        match self.map.as_mut() {
-            Some(map) if end <= map.len() => map[self.len..end].copy_from_slice(line),
-            _ => self.file.write_all_at(line, self.len as u64)?,
+        if let Some(map) = self.map.as_mut()
+            && end <= map.len()
+        {
+            if end > self.reserved {
+                let want = (end - self.reserved).max(RESERVE_STEP).min(map.len() - self.reserved);
+                if reserve(&self.file, self.reserved, want).is_ok() {
+                    self.reserved += want;
+                }
+            }
+            if end <= self.reserved {
+                map[self.len..end].copy_from_slice(line);
+                self.len = end;
+                return Ok(());
+            }
         }
+        // Past the map or the reservation: the filesystem allocates (or refuses) the blocks.
+        self.file.write_all_at(line, self.len as u64)?;
         self.len = end;
         Ok(())
     }
@@ -140,10 +188,102 @@ pub fn read(path: &Path) -> std::io::Result<Vec<UsageRow>> {
     Ok(rows)
 }
 
+/// A small filesystem to fill up in tests: a tmpfs with a `size=` limit on a fresh directory
+/// (needs root to mount; `tests/run-all.sh` runs the tests as root).
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+pub(crate) mod small_fs {
+    use std::path::{Path, PathBuf};
+
+    pub struct Tmpfs {
+        dir: tempfile::TempDir,
+    }
+
+    impl Tmpfs {
+        /// Mounts a tmpfs of `size` (e.g. "2m"); `None` (with a note) when not root, except
+        /// under `GPUHUB_TEST_STRICT=1`, where that fails the test.
+        pub fn mount(test: &str, size: &str) -> Option<Tmpfs> {
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } != 0 {
+                if std::env::var("GPUHUB_TEST_STRICT").as_deref() == Ok("1") {
+                    panic!("{test}: needs root to mount a small tmpfs (GPUHUB_TEST_STRICT=1: run the tests as root)");
+                }
+                eprintln!("{test}: not root, cannot mount a small tmpfs; left out");
+                return None;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let st = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+                .arg(dir.path())
+                .status()
+                .unwrap();
+            assert!(st.success(), "{test}: mount -t tmpfs failed");
+            Some(Tmpfs { dir })
+        }
+
+        pub fn path(&self) -> &Path {
+            self.dir.path()
+        }
+
+        /// Writes a filler file until the filesystem is full; returns its path.
+        pub fn fill(&self) -> PathBuf {
+            use std::io::Write;
+            let path = self.path().join("filler");
+            let mut f = std::fs::File::create(&path).unwrap();
+            let block = vec![0x55u8; 4096];
+            loop {
+                if let Err(e) = f.write_all(&block) {
+                    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "filling the tmpfs: {e}");
+                    return path;
+                }
+            }
+        }
+    }
+
+    impl Drop for Tmpfs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(self.dir.path()).status();
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_filesystem_is_an_error_not_a_signal_and_appends_resume_when_space_returns() {
+        let Some(fs) = small_fs::Tmpfs::mount("journal full-disk test", "1m") else { return };
+        let mut s = Segment::create(fs.path(), 1, 8192).unwrap();
+        let filler = fs.fill();
+        // Past the reservation every append must fail with ENOSPC (a store into an unbacked
+        // page of the map would kill the test process with SIGBUS instead).
+        let mut ok = 0;
+        let err = loop {
+            match s.append(&line(&format!("r{ok}"))) {
+                Ok(()) => ok += 1,
+                Err(e) => break e,
+            }
+            assert!(ok < 100_000, "the filesystem never filled up");
+        };
+        assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+        assert!(s.append(&line("still-full")).is_err());
+        std::fs::remove_file(filler).unwrap();
+        s.append(&line("after")).unwrap();
+        s.finish().unwrap();
+        let ids: Vec<String> = read(&path(fs.path(), 1)).unwrap().into_iter().map(|r| r.request_id).collect();
+        assert_eq!(ids.len(), ok + 1, "every row that was accepted reads back, nothing else");
+        assert_eq!(ids.last().map(String::as_str), Some("after"));
+        // A segment created on a full filesystem has nothing reserved and refuses rows too.
+        let filler = fs.fill();
+        let mut full = Segment::create(fs.path(), 2, 8192).unwrap();
+        assert!(full.append(&line("x")).is_err());
+        std::fs::remove_file(filler).unwrap();
+        full.append(&line("y")).unwrap();
+        full.finish().unwrap();
+        assert_eq!(read(&path(fs.path(), 2)).unwrap().len(), 1);
+    }
 
     fn line(id: &str) -> Vec<u8> {
         let mut l = serde_json::to_vec(&UsageRow { request_id: id.into(), ..UsageRow::default() }).unwrap();

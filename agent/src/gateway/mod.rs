@@ -1,8 +1,15 @@
 //! The OpenAI-compatible gateway: one API for every model on the node, every call accounted for.
 //!
 //! # Parts
+//! - [`server`]: the listeners, served over HTTP/1.1 with a connection cap, header and idle
+//!   timeouts.
 //! - [`router`]: the route table and middleware order (auth on by default).
-//! - [`auth`]: API keys (hashes only), per-job tokens, the SSO header from trusted proxies.
+//! - [`auth`]: API keys (hashes only), per-job tokens, the SSO header.
+//! - [`sso`]: the proof that an SSO header comes from the site's proxy (a shared secret, or
+//!   the uid on a Unix socket).
+//! - [`refusals`]: unauthenticated (and usage-log-full) refusals: counted per peer, one row per
+//!   peer and minute, rate-limited.
+//! - [`limits`]: request-body bytes held in memory across all calls.
 //! - [`parse`]: the `model`/`stream` of a JSON body or multipart form, nothing more.
 //! - [`proxy`]: forwards any `/v1/*` call that names a model, without understanding the route.
 //! - [`stream`]: SSE pass-through chunk by chunk, keep-alives, usage capture.
@@ -20,17 +27,23 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod journal;
+pub mod limits;
 pub mod metrics;
 pub mod models_list;
 pub mod parse;
 pub mod proxy;
+pub mod refusals;
 pub mod router;
+pub mod server;
+pub mod sso;
 pub mod stream;
 pub mod upstream;
 pub mod usage_log;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::response::{IntoResponse, Response};
 use prometheus_client::registry::Registry;
 
 pub use error::GatewayError;
@@ -51,6 +64,14 @@ pub struct Gateway {
     pub users: auth::UserNames,
     /// The HTTP/1.1 client for every worker, with its pool of idle connections.
     pub upstream: upstream::Client,
+    /// Request-body bytes held across all calls (`gateway.max_body_bytes_total`).
+    pub budget: limits::BodyBudget,
+    /// Refused calls nobody can be billed for: counters, rate buckets, one row per minute.
+    pub refusals: refusals::Refusals,
+    /// What proves an SSO header (`[gateway.sso]`).
+    pub sso: sso::SsoProof,
+    /// Connection slots and counters of every gateway listener.
+    pub connections: Arc<server::Connections>,
 }
 
 impl Gateway {
@@ -58,13 +79,26 @@ impl Gateway {
     /// starts the usage-log writer.
     pub async fn start(config: &Config, store: &Store, registry: &mut Registry) -> anyhow::Result<Gateway> {
         use anyhow::Context;
+        let g = &config.file.gateway;
+        let sso = sso::SsoProof::load(&g.sso)?;
         let metrics = metrics::GatewayMetrics::register(registry);
-        let usage = UsageLog::start(&config.file.paths.state_dir, store.clone(), config.file.gateway.usage_queue, registry)?;
+        let usage = UsageLog::start(&config.file.paths.state_dir, store.clone(), g.usage_queue, registry)?;
         let keys = auth::KeyCache::default();
         keys.replace(store.api_keys().await.context("cannot load the gateway's API keys from the store")?);
         let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
         upstream.spawn_pruner(Duration::from_secs(15));
-        Ok(Gateway { metrics, usage, keys, jobs: auth::JobStates::default(), users: auth::UserNames::default(), upstream })
+        Ok(Gateway {
+            metrics,
+            usage,
+            keys,
+            jobs: auth::JobStates::default(),
+            users: auth::UserNames::default(),
+            upstream,
+            budget: limits::BodyBudget::new(g.max_body_bytes_total),
+            refusals: refusals::Refusals::register(g.unauth_refusals_per_s, registry),
+            sso,
+            connections: Arc::new(server::Connections::register(server::Limits::from_config(g), registry)),
+        })
     }
 
     /// Ends a call: metrics, then the usage log (journaled before this returns).
@@ -72,7 +106,40 @@ impl Gateway {
         self.metrics.observe(&row);
         self.usage.record(row);
     }
+
+    /// Answers a call refused before anyone can be billed: no valid credentials (a 401, or a
+    /// 429 once the peer is over `gateway.unauth_refusals_per_s`), or a usage log that cannot
+    /// take rows (503). Counted per peer; the usage log gets one row per peer and minute.
+    pub fn refuse(&self, meta: &RequestMeta, peer: &server::Peer, route: &str, e: GatewayError, rate: u32) -> Response {
+        let peer_addr = peer.address();
+        let (kind, e) = match e {
+            GatewayError::UsageBacklog { .. } => (refusals::Kind::UsageBacklog, e),
+            e if self.refusals.admit(&peer_addr) => (refusals::Kind::Unauthenticated, e),
+            _ => (refusals::Kind::Unauthenticated, GatewayError::Throttled { peer: peer_addr.clone(), rate }),
+        };
+        let mut row = meta.row(route, &auth::Identity::default());
+        row.status = e.status().as_u16();
+        row.error_code = e.code().to_string();
+        row.latency_us = us_since(meta.started);
+        row.overhead_us = row.latency_us;
+        self.metrics.observe(&row);
+        if self.refusals.count(&peer_addr, kind, row) {
+            tracing::warn!(peer = %peer_addr, code = e.code(), reason = %e, "refusing calls from this peer (logged once a minute; counted in gpuhub_gateway_refused_calls_total)");
+        }
+        e.into_response()
+    }
+
+    /// Hands the refusal rows of minutes that are over (all of them with `all`) to the usage
+    /// log.
+    pub fn flush_refusals(&self, all: bool) {
+        for row in self.refusals.take(crate::util::now_us(), all) {
+            self.usage.record(row);
+        }
+    }
 }
+
+/// Longest route kept in a usage row (a path is whatever the client sent).
+pub const MAX_ROUTE: usize = 128;
 
 /// Per-request facts gathered by the auth middleware (request extension).
 #[derive(Debug, Clone)]
@@ -95,7 +162,7 @@ impl RequestMeta {
             job_id: id.job_id,
             client_addr: self.client_addr.clone(),
             user_agent: self.user_agent.clone(),
-            route: route.to_string(),
+            route: route.chars().take(MAX_ROUTE).collect(),
             ..UsageRow::default()
         }
     }

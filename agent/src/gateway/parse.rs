@@ -85,12 +85,21 @@ pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Parsed, GatewayE
     Ok(Parsed { model, stream, client_wants_usage, json: None, model_span: None })
 }
 
+/// A model name is 1..=[`MAX_MODEL_NAME`] bytes of printable text. Control characters (NUL
+/// included) are refused here: no catalog name holds one, and the usage log must be able to
+/// store every name it is given (PostgreSQL refuses a NUL byte in text).
 fn check_name(s: &str) -> Result<String, GatewayError> {
     if s.is_empty() {
         return Err(GatewayError::MissingModel);
     }
     if s.len() > MAX_MODEL_NAME {
         return Err(GatewayError::BadRequest(format!("`model` is {} bytes long; model names are at most {MAX_MODEL_NAME}", s.len())));
+    }
+    if let Some((at, c)) = s.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(GatewayError::InvalidModelName(format!(
+            "`model` holds the control character U+{:04X} at byte {at}; model names are printable text (see `GET /v1/models`)",
+            u32::from(c)
+        )));
     }
     Ok(s.to_string())
 }
@@ -276,6 +285,21 @@ mod tests {
         assert_eq!(code(b"{\"model\": \"m\", \"model\": \"n\"}"), "invalid_json");
         let long = format!("{{\"model\": \"{}\"}}", "x".repeat(300));
         assert_eq!(code(long.as_bytes()), "invalid_request");
+        // Control characters, NUL included (JSON escapes them; multipart carries them raw).
+        for bad in [
+            &b"{\"model\": \"chat\\u0000\"}"[..],
+            b"{\"model\": \"a\\nb\"}",
+            b"{\"model\": \"x\\u001b[31m\"}",
+            b"{\"model\": \"x\\u0085\"}",
+        ] {
+            let e = parse(Some("application/json"), bad).unwrap_err();
+            assert_eq!((e.status().as_u16(), e.code()), (400, "invalid_model_name"), "{}", String::from_utf8_lossy(bad));
+            assert_eq!(e.body()["error"]["param"], "model");
+            assert!(e.to_string().contains("control character U+"), "{e}");
+        }
+        let mp = b"--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\x00\r\n--B--\r\n";
+        assert_eq!(parse(Some("multipart/form-data; boundary=B"), mp).unwrap_err().code(), "invalid_model_name");
+        assert_eq!(parse(None, "{\"model\": \"Qwen/Qwen3-8B é\"}".as_bytes()).unwrap().model, "Qwen/Qwen3-8B é");
     }
 
     #[test]

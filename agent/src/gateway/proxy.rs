@@ -74,6 +74,8 @@ pub struct Outgoing {
     pub path_and_query: String,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// Keeps the body's bytes counted in `gateway.max_body_bytes_total` until the call ends.
+    pub budget: super::limits::BodyPermit,
 }
 
 /// The fallback handler: every `/v1/*` route not handled elsewhere.
@@ -131,16 +133,7 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
     if declared.is_some_and(|n| n > cfg.max_body_bytes as u64) {
         return Err(GatewayError::BodyTooLarge { limit: cfg.max_body_bytes });
     }
-    let seconds = cfg.body_timeout_s;
-    let bytes = match tokio::time::timeout(Duration::from_secs(seconds), axum::body::to_bytes(body, cfg.max_body_bytes)).await {
-        Err(_) => return Err(GatewayError::BodyTimeout { seconds }),
-        Ok(Err(e)) if is_length_limit(&e) => return Err(GatewayError::BodyTooLarge { limit: cfg.max_body_bytes }),
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "reading a request body failed");
-            return Err(GatewayError::BadRequest("the request body could not be read (the connection broke off)".into()));
-        }
-        Ok(Ok(b)) => b,
-    };
+    let (bytes, budget) = state.gateway.budget.read(body, declared, cfg.max_body_bytes, Duration::from_secs(cfg.body_timeout_s)).await?;
     let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
     let parsed = parse::parse(content_type, &bytes)?;
     call.row.requested_name = parsed.model.clone();
@@ -177,18 +170,7 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
     let path_and_query = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| parts.uri.path().to_string());
     let ask_usage = parse::asks_usage_chunk(parts.uri.path());
     let body = parse::upstream_body(&parsed, &bytes, upstream_name, ask_usage).map(Bytes::from).unwrap_or(bytes);
-    Ok((parsed, Outgoing { method: parts.method, path_and_query, headers: parts.headers, body }))
-}
-
-fn is_length_limit(e: &axum::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(s) = source {
-        if s.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        source = s.source();
-    }
-    false
+    Ok((parsed, Outgoing { method: parts.method, path_and_query, headers: parts.headers, body, budget }))
 }
 
 /// Waits for the model (counted as queued), then returns its lease.
@@ -252,6 +234,10 @@ pub fn timed_out(lease: &crate::models::Lease, limit: Duration) -> GatewayError 
 
 /// Maps a failed upstream request to what the client is told (the cause is logged).
 pub fn upstream_error(lease: &crate::models::Lease, e: upstream::UpstreamError) -> GatewayError {
+    if let upstream::UpstreamError::TooLarge { limit } = e {
+        tracing::warn!(model = %lease.model, upstream = %lease.base_url, limit, "a worker's answer is over gateway.max_response_bytes");
+        return GatewayError::ResponseTooLarge { model: lease.model.clone(), limit, what: "" };
+    }
     let what = if e.is_connect() {
         "cannot connect to its worker (it may have stopped; the next call restarts it)"
     } else if matches!(e, upstream::UpstreamError::Protocol(_)) {
@@ -322,7 +308,7 @@ async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
         let mut resp = send_upstream(state, &lease, &out, &call.row.request_id).await?;
         let ttfb = us_since(t0);
         let (status, headers) = (resp.status, std::mem::take(&mut resp.headers));
-        let body = resp.bytes().await.map_err(|e| upstream_error(&lease, e))?;
+        let body = resp.bytes_limited(state.config.file.gateway.max_response_bytes).await.map_err(|e| upstream_error(&lease, e))?;
         Ok::<_, GatewayError>((ttfb, (status, headers, body)))
     })
     .await;

@@ -5,17 +5,18 @@
 //! (`/healthz`, `/readyz`; `/metrics` is on its own listener) skips it, so a new route cannot
 //! forget auth.
 
-use std::net::SocketAddr;
 use std::time::Instant;
 
-use axum::extract::{ConnectInfo, Request, State};
+use axum::Extension;
+use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
-use super::{RequestMeta, auth, models_list, proxy};
+use super::server::Peer;
+use super::{GatewayError, RequestMeta, auth, models_list, proxy};
 use crate::AppState;
 
 /// The gateway's routes.
@@ -28,14 +29,15 @@ pub fn router(state: AppState) -> Router {
     Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).merge(authed).with_state(state)
 }
 
-/// Stamps the request (id, arrival time, peer) and authenticates it. A refusal is answered
-/// OpenAI-shaped and logged as a usage row like any other call.
-async fn authenticate(State(state): State<AppState>, ConnectInfo(peer): ConnectInfo<SocketAddr>, mut req: Request, next: Next) -> Response {
+/// Stamps the request (id, arrival time, peer) and authenticates it. A refused call (no valid
+/// credentials, or a usage log that cannot take its row) is answered OpenAI-shaped and
+/// counted per peer, with one usage row per peer and minute (`refusals.rs`).
+async fn authenticate(State(state): State<AppState>, Extension(peer): Extension<Peer>, mut req: Request, next: Next) -> Response {
     let meta = RequestMeta {
         request_id: super::new_request_id(),
         started: Instant::now(),
         time_us: crate::util::now_us(),
-        client_addr: peer.ip().to_string(),
+        client_addr: peer.address(),
         user_agent: req
             .headers()
             .get(axum::http::header::USER_AGENT)
@@ -46,13 +48,22 @@ async fn authenticate(State(state): State<AppState>, ConnectInfo(peer): ConnectI
             .collect(),
     };
     let request_id = HeaderValue::from_str(&meta.request_id).ok();
-    let mut resp = match auth::authenticate(&state, req.headers(), peer).await {
-        Ok(id) => {
-            req.extensions_mut().insert(meta);
-            req.extensions_mut().insert(id);
-            next.run(req).await
+    let gw = &state.gateway;
+    let rate = state.config.file.gateway.unauth_refusals_per_s;
+    let mut resp = if !gw.usage.accepting() {
+        // No call may start that could not be accounted for.
+        let h = gw.usage.health();
+        let e = GatewayError::UsageBacklog { waiting: h.memory_only, cap: h.memory_cap, dir: h.journal_dir.display().to_string() };
+        gw.refuse(&meta, &peer, req.uri().path(), e, rate)
+    } else {
+        match auth::authenticate(&state, req.headers(), &peer).await {
+            Ok(id) => {
+                req.extensions_mut().insert(meta);
+                req.extensions_mut().insert(id);
+                next.run(req).await
+            }
+            Err(e) => gw.refuse(&meta, &peer, req.uri().path(), e, rate),
         }
-        Err(e) => meta.call(req.uri().path(), &auth::Identity::default()).fail(&state, e),
     };
     if let Some(id) = request_id {
         resp.headers_mut().insert("x-request-id", id);
@@ -65,8 +76,15 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// Store reachable and catalog loaded.
+/// Store reachable, catalog loaded, and the usage log takes rows (calls are not refused
+/// with `usage_log_full`).
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    if !state.gateway.usage.accepting() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "usage log full: the state directory cannot be written"})),
+        );
+    }
     match state.store.ping().await {
         Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready", "models": state.catalog.models().count()}))),
         Err(e) => {

@@ -216,7 +216,14 @@ impl Driver {
         let body = serde_json::json!({"model": upstream_name, "input": text, "prompt": text, "content": text, "add_special": true});
         let mut headers = axum::http::HeaderMap::new();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        let req = Outgoing { method: axum::http::Method::POST, path_and_query: path.clone(), headers, body: Bytes::from(body.to_string()) };
+        // The prompt is a part of the call's own body, still held under `out.budget`.
+        let req = Outgoing {
+            method: axum::http::Method::POST,
+            path_and_query: path.clone(),
+            headers,
+            body: Bytes::from(body.to_string()),
+            budget: Default::default(),
+        };
         let t0 = Instant::now();
         let counted = tokio::time::timeout(TOKENIZE_TIMEOUT, async {
             let resp = proxy::send_upstream(&self.state, lease, &req, &self.call.row.request_id).await.ok()?;
@@ -292,7 +299,8 @@ impl Driver {
             resp.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
         if !status.is_success() || !is_sse {
             let headers = std::mem::take(&mut resp.headers);
-            let bytes = tokio::time::timeout_at(deadline, resp.bytes()).await.ok().and_then(Result::ok).unwrap_or_default();
+            let limit = self.state.config.file.gateway.max_response_bytes;
+            let bytes = tokio::time::timeout_at(deadline, resp.bytes_limited(limit)).await.ok().and_then(Result::ok).unwrap_or_default();
             self.call.upstream_us += us_since(t0);
             if status.is_server_error() || (status.is_success() && !is_sse) {
                 let what = if status.is_success() {
@@ -327,6 +335,7 @@ impl Driver {
         let mut buf = BytesMut::new();
         let mut tail: Option<Bytes> = None;
         let keepalive = self.keepalive();
+        let max_event = self.state.config.file.gateway.max_response_bytes;
         while tail.is_none() {
             let silence = keepalive.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             match tokio::time::timeout(silence, resp.chunk()).await {
@@ -348,6 +357,9 @@ impl Driver {
                 Ok(Ok(Some(chunk))) => {
                     buf.extend_from_slice(&chunk);
                     while let Some(end) = event_end(&buf) {
+                        if end > max_event {
+                            break; // refused below, like an event that never ends
+                        }
                         let event = buf.split_to(end).freeze();
                         self.deltas += content_deltas(&event);
                         match classify(&event, strip_usage) {
@@ -372,6 +384,17 @@ impl Driver {
                         if tail.is_some() {
                             break;
                         }
+                    }
+                    if buf.len() > max_event {
+                        // One event that never ends would grow this buffer without bound.
+                        self.call.upstream_us += us_since(t0);
+                        tracing::warn!(model = %lease.model, limit = max_event, "a worker's stream event is over gateway.max_response_bytes");
+                        let err = GatewayError::ResponseTooLarge {
+                            model: lease.model.clone(),
+                            limit: max_event,
+                            what: " (one event of its stream)",
+                        };
+                        return self.fail(err).await;
                     }
                 }
             }

@@ -56,6 +56,8 @@ pub enum UpstreamError {
     Incomplete,
     #[error("the worker's answer is not valid HTTP/1.1: {0}")]
     Protocol(String),
+    #[error("the worker's answer is larger than {limit} bytes")]
+    TooLarge { limit: usize },
 }
 
 impl UpstreamError {
@@ -547,6 +549,34 @@ impl Response {
             self.release();
         }
         out
+    }
+
+    /// The whole body, refused once it is over `limit` bytes (a `Content-Length` over it is
+    /// refused before any byte is read; the connection is then dropped, not reused).
+    pub async fn bytes_limited(mut self, limit: usize) -> Result<Bytes, UpstreamError> {
+        if let Framing::Length(n) = self.body.framing
+            && n > limit as u64
+        {
+            return Err(UpstreamError::TooLarge { limit });
+        }
+        let first = match self.chunk().await? {
+            None => return Ok(Bytes::new()),
+            Some(b) if b.len() > limit => return Err(UpstreamError::TooLarge { limit }),
+            Some(b) => b,
+        };
+        // Usually the whole body: handed on without a copy.
+        let Some(second) = self.chunk().await? else { return Ok(first) };
+        let mut all = BytesMut::with_capacity(first.len() + second.len());
+        all.extend_from_slice(&first);
+        let mut next = Some(second);
+        while let Some(b) = next {
+            if all.len() + b.len() > limit {
+                return Err(UpstreamError::TooLarge { limit });
+            }
+            all.extend_from_slice(&b);
+            next = self.chunk().await?;
+        }
+        Ok(all.freeze())
     }
 
     /// The whole body.

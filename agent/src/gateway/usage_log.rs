@@ -18,13 +18,28 @@
 //!    at the next start.
 //!
 //! So the store can be down for as long as the disk lasts; memory stays bounded by the queue.
+//!
+//! When the journal cannot take a row (the state directory's filesystem is full: the journal
+//! reserves its blocks, so that is an error, never a signal), the row waits in memory for the
+//! writer instead. At most `gateway.usage_queue` rows wait so; then [`UsageLog::accepting`]
+//! turns false and the gateway refuses new calls with a 503 that says why, so no call it
+//! answers goes unaccounted. Once space returns (or the store takes them) they are written.
+//!
+//! A row the store refuses for what it holds (PostgreSQL refuses a NUL byte in text, a site's
+//! constraint, ...; see [`crate::store::gateway::refuses_rows`]) would be refused at every
+//! retry and stall every row behind it. The writer splits a refused batch until it finds the
+//! row(s), writes each to the dead-letter file `<state_dir>/usage-dead-letter.jsonl` with the
+//! store's reason (`gateway_usage_rows_dead_lettered_total`, `gpuhub doctor`), and stores the
+//! rest.
 
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -32,9 +47,12 @@ use tokio::sync::{mpsc, oneshot};
 use super::journal;
 use crate::store::Store;
 
+/// The dead-letter file in the state directory.
+pub const DEAD_LETTER_FILE: &str = "usage-dead-letter.jsonl";
+
 /// One call, as the usage log stores it. Empty strings stand for "not known" (a call refused
 /// before its body was read has no requested name).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct UsageRow {
     /// Unique per call (also sent to the client as `x-request-id`).
@@ -73,6 +91,39 @@ pub struct UsageRow {
     pub usage_source: UsageSource,
     /// The LoRA adapter that served the call on `resolved_model`'s worker ("" if none).
     pub adapter: String,
+    /// How many calls this row stands for: 1, except for the one row per peer and minute that
+    /// sums up refused unauthenticated calls ([`super::refusals`]).
+    pub calls: i64,
+}
+
+impl Default for UsageRow {
+    fn default() -> Self {
+        UsageRow {
+            request_id: String::new(),
+            time_us: 0,
+            user: String::new(),
+            app: String::new(),
+            job_id: None,
+            client_addr: String::new(),
+            user_agent: String::new(),
+            requested_name: String::new(),
+            resolved_model: String::new(),
+            model_version: String::new(),
+            name_state: String::new(),
+            route: String::new(),
+            status: 0,
+            error_code: String::new(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            streamed: false,
+            latency_us: 0,
+            upstream_ttfb_us: 0,
+            overhead_us: 0,
+            usage_source: UsageSource::None,
+            adapter: String::new(),
+            calls: 1,
+        }
+    }
 }
 
 /// Where a row's token counts came from (the usage log's `usage_source`).
@@ -127,6 +178,70 @@ struct Inner {
     write_failures: Counter,
     /// When shutdown asked the writer to stop (store retries end `CLOSE_DEADLINE` later).
     close_requested: Mutex<Option<Instant>>,
+    /// Rows the journal could not take, until the writer takes them.
+    memory: Mutex<Vec<UsageRow>>,
+    /// Rows held in memory only (in `memory` or in the writer's hands) until they are stored.
+    memory_only: AtomicUsize,
+    memory_gauge: Gauge,
+    /// Most rows that may wait in memory only (`gateway.usage_queue`).
+    memory_cap: usize,
+    /// The last append to the journal failed.
+    journal_failing: AtomicBool,
+    journal_gauge: Gauge,
+    dead: DeadLetters,
+}
+
+/// Rows the store refused, kept in a file with the reason.
+struct DeadLetters {
+    path: PathBuf,
+    /// Lines in the file (those found at start included).
+    count: AtomicU64,
+    last_reason: Mutex<Option<String>>,
+    counter: Counter,
+}
+
+impl DeadLetters {
+    /// Appends `row` with `reason`; says so in the log (the row itself too, if the file cannot
+    /// take it: then the log is the only place left).
+    fn keep(&self, row: &UsageRow, reason: &str) {
+        self.counter.inc();
+        self.count.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.last_reason) = Some(reason.to_string());
+        let mut line =
+            serde_json::to_vec(&serde_json::json!({"time_us": crate::util::now_us(), "reason": reason, "row": row})).unwrap_or_default();
+        line.push(b'\n');
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&self.path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &line));
+        match written {
+            Ok(()) => tracing::error!(
+                request_id = %row.request_id, reason, path = %self.path.display(),
+                "the store refused a usage row; it is kept in the dead-letter file and the other rows are written"
+            ),
+            Err(e) => tracing::error!(
+                row = ?row, reason, path = %self.path.display(), error = %e,
+                "the store refused a usage row and the dead-letter file cannot take it: the row is only in this log line"
+            ),
+        }
+    }
+}
+
+/// The usage log's state for `gpuhub doctor` (`/v1/status`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageHealth {
+    /// Rows in the dead-letter file.
+    pub dead_letters: u64,
+    pub dead_letter_path: PathBuf,
+    pub last_reason: Option<String>,
+    /// Rows waiting in memory only (the journal could not take them).
+    pub memory_only: usize,
+    pub memory_cap: usize,
+    /// The last append to the journal failed (a full disk).
+    pub journal_failing: bool,
+    pub journal_dir: PathBuf,
 }
 
 /// Handle to the usage log (cheap to share behind `Arc`).
@@ -166,6 +281,7 @@ impl UsageLog {
         let file = journal::Segment::create(&dir, seq, MIN_PREFAULT).map_err(jerr)?;
         let spilled = Counter::default();
         let write_failures = Counter::default();
+        let (memory_gauge, journal_gauge, dead_counter) = (Gauge::default(), Gauge::default(), Counter::default());
         registry.register(
             "gateway_usage_rows_spilled",
             "Usage rows that found the writer queue full and wait in the on-disk journal",
@@ -176,19 +292,67 @@ impl UsageLog {
             "Failed usage-log writes (journal or store); rows are retried, not dropped",
             write_failures.clone(),
         );
+        registry.register(
+            "gateway_usage_rows_in_memory",
+            "Usage rows the journal could not take (a full disk), waiting in memory to be stored; at gateway.usage_queue new calls get 503",
+            memory_gauge.clone(),
+        );
+        registry.register(
+            "gateway_usage_journal_writable",
+            "1 while the usage journal takes rows, 0 after an append failed",
+            journal_gauge.clone(),
+        );
+        registry.register(
+            "gateway_usage_rows_dead_lettered",
+            "Usage rows the store refused for what they hold, kept in <state_dir>/usage-dead-letter.jsonl with the reason",
+            dead_counter.clone(),
+        );
+        journal_gauge.set(1);
+        let dead_path = state_dir.join(DEAD_LETTER_FILE);
+        let found = count_lines(&dead_path);
+        if found > 0 {
+            tracing::warn!(path = %dead_path.display(), rows = found, "the usage dead-letter file holds rows the store refused (see gpuhub doctor)");
+        }
         let inner = Arc::new(Inner {
             dir,
             segment: Mutex::new(Segment { seq, file: Some(file), rows: 0, spilled: false, opened: Instant::now() }),
             spilled,
             write_failures,
             close_requested: Mutex::new(None),
+            memory: Mutex::new(Vec::new()),
+            memory_only: AtomicUsize::new(0),
+            memory_gauge,
+            memory_cap: queue.max(1),
+            journal_failing: AtomicBool::new(false),
+            journal_gauge,
+            dead: DeadLetters { path: dead_path, count: AtomicU64::new(found), last_reason: Mutex::new(None), counter: dead_counter },
         });
         let (tx, rx) = mpsc::channel(queue.max(1));
         let handle = tokio::spawn(writer(inner.clone(), rx, store, old));
         Ok(UsageLog { inner, tx, writer: Mutex::new(Some(handle)) })
     }
 
-    /// Records one call. Never blocks on the store; returns once the row is in the journal.
+    /// Whether a new call may start: false once `gateway.usage_queue` rows wait in memory
+    /// because the journal cannot take them (the call is then refused with a 503).
+    pub fn accepting(&self) -> bool {
+        self.inner.memory_only.load(Ordering::Relaxed) < self.inner.memory_cap
+    }
+
+    /// What `gpuhub doctor` shows about the usage log.
+    pub fn health(&self) -> UsageHealth {
+        UsageHealth {
+            dead_letters: self.inner.dead.count.load(Ordering::Relaxed),
+            dead_letter_path: self.inner.dead.path.clone(),
+            last_reason: lock(&self.inner.dead.last_reason).clone(),
+            memory_only: self.inner.memory_only.load(Ordering::Relaxed),
+            memory_cap: self.inner.memory_cap,
+            journal_failing: self.inner.journal_failing.load(Ordering::Relaxed),
+            journal_dir: self.inner.dir.clone(),
+        }
+    }
+
+    /// Records one call. Never blocks on the store; returns once the row is in the journal
+    /// (or, while the journal cannot take rows, in memory).
     pub fn record(&self, row: UsageRow) {
         let mut line = match serde_json::to_vec(&row) {
             Ok(l) => l,
@@ -198,28 +362,36 @@ impl UsageLog {
             }
         };
         line.push(b'\n');
-        let mut seg = lock(&self.inner.segment);
-        let journaled = match seg.file.as_mut().map(|f| f.append(&line)) {
-            Some(Ok(())) => true,
-            Some(Err(e)) => {
-                self.inner.write_failures.inc();
-                tracing::error!(request_id = %row.request_id, error = %e, "cannot append to the usage journal; the row waits in memory only");
-                false
-            }
-            None => false,
+        let inner = &self.inner;
+        let mut seg = lock(&inner.segment);
+        let appended = match seg.file.as_mut() {
+            Some(f) => f.append(&line),
+            None => Err(std::io::Error::other("no journal segment is open")),
         };
-        seg.rows += 1;
-        match self.tx.try_send(Msg::Row(Box::new(row))) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(Msg::Row(row))) | Err(mpsc::error::TrySendError::Closed(Msg::Row(row))) => {
-                seg.spilled = true;
-                self.inner.spilled.inc();
-                if !journaled {
-                    // Neither queue nor journal took it: say so loudly, with the whole row.
-                    tracing::error!(row = ?row, "usage row LOST: journal unwritable and queue full");
-                }
+        if let Err(e) = appended {
+            inner.write_failures.inc();
+            drop(seg);
+            if !inner.journal_failing.swap(true, Ordering::Relaxed) {
+                inner.journal_gauge.set(0);
+                tracing::error!(
+                    dir = %inner.dir.display(), error = %e, max_in_memory = inner.memory_cap,
+                    "cannot append to the usage journal; rows wait in memory until they are stored, and once gateway.usage_queue of them wait, new calls get 503 (free space in paths.state_dir)"
+                );
             }
-            Err(_) => {}
+            let n = inner.memory_only.fetch_add(1, Ordering::Relaxed) + 1;
+            inner.memory_gauge.set(n as i64);
+            lock(&inner.memory).push(row);
+            return;
+        }
+        if inner.journal_failing.swap(false, Ordering::Relaxed) {
+            inner.journal_gauge.set(1);
+            tracing::info!(dir = %inner.dir.display(), "the usage journal takes rows again");
+        }
+        seg.rows += 1;
+        if let Err(mpsc::error::TrySendError::Full(_) | mpsc::error::TrySendError::Closed(_)) = self.tx.try_send(Msg::Row(Box::new(row))) {
+            // In the journal: replayed from there once the writer catches up.
+            seg.spilled = true;
+            inner.spilled.inc();
         }
     }
 
@@ -261,38 +433,72 @@ struct Writer {
 }
 
 impl Writer {
-    /// Inserts `rows`, retrying with back-off while the store fails. Returns false only when
-    /// shutdown's deadline passed (the rows are still in the journal).
+    /// Inserts `rows`, retrying with back-off while the store fails. A batch the store refuses
+    /// for what some row holds is split until the refused rows are found; they go to the
+    /// dead-letter file and the rest is stored. Returns false only when shutdown's deadline
+    /// passed (the rows not stored are still in the journal, or in memory).
     async fn commit(&mut self, rows: &[UsageRow]) -> bool {
-        let mut delay = Duration::from_millis(50);
         for chunk in rows.chunks(BATCH) {
-            loop {
-                match self.store.insert_usage(chunk).await {
-                    Ok(_) => {
-                        if let Some(since) = self.failing_since.take() {
-                            tracing::info!(down_s = since.elapsed().as_secs(), "usage log: the store is back; writing queued rows");
+            // Parts still to insert, last first: a refused part is split in two.
+            let mut todo: Vec<&[UsageRow]> = vec![chunk];
+            let mut delay = Duration::from_millis(50);
+            while let Some(part) = todo.pop() {
+                loop {
+                    match self.store.insert_usage(part).await {
+                        Ok(_) => {
+                            if let Some(since) = self.failing_since.take() {
+                                tracing::info!(down_s = since.elapsed().as_secs(), "usage log: the store is back; writing queued rows");
+                            }
+                            break;
                         }
-                        break;
-                    }
-                    Err(e) => {
-                        self.inner.write_failures.inc();
-                        if self.failing_since.is_none() {
-                            self.failing_since = Some(Instant::now());
-                            tracing::warn!(error = %e, rows = chunk.len(), "usage log: the store refused a batch; rows wait in the journal and are retried");
+                        Err(e) if crate::store::gateway::refuses_rows(&e) => {
+                            self.inner.write_failures.inc();
+                            if let [row] = part {
+                                self.inner.dead.keep(row, &e.to_string());
+                            } else {
+                                let (a, b) = part.split_at(part.len() / 2);
+                                todo.push(b);
+                                todo.push(a);
+                            }
+                            break;
                         }
-                        let closing = *lock(&self.inner.close_requested);
-                        if closing.is_some_and(|t| t.elapsed() >= CLOSE_DEADLINE) {
-                            tracing::warn!("usage log: store still down at shutdown; rows stay in the journal for the next start");
-                            self.gave_up = true;
-                            return false;
+                        Err(e) => {
+                            self.inner.write_failures.inc();
+                            if self.failing_since.is_none() {
+                                self.failing_since = Some(Instant::now());
+                                tracing::warn!(error = %e, rows = part.len(), "usage log: the store refused a batch; rows wait in the journal and are retried");
+                            }
+                            let closing = *lock(&self.inner.close_requested);
+                            if closing.is_some_and(|t| t.elapsed() >= CLOSE_DEADLINE) {
+                                tracing::warn!("usage log: store still down at shutdown; rows stay in the journal for the next start");
+                                self.gave_up = true;
+                                return false;
+                            }
+                            tokio::time::sleep(delay).await;
+                            delay = (delay * 2).min(Duration::from_secs(2));
                         }
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(Duration::from_secs(2));
                     }
                 }
             }
         }
         true
+    }
+
+    /// Stores the rows that wait in memory only (the journal could not take them). Those it
+    /// could not store (shutdown's deadline passed) go back to wait.
+    async fn commit_memory(&mut self) {
+        let rows = std::mem::take(&mut *lock(&self.inner.memory));
+        if rows.is_empty() {
+            return;
+        }
+        if !self.commit(&rows).await {
+            let mut memory = lock(&self.inner.memory);
+            let newer = std::mem::replace(&mut *memory, rows);
+            memory.extend(newer);
+            return;
+        }
+        let left = self.inner.memory_only.fetch_sub(rows.len(), Ordering::Relaxed).saturating_sub(rows.len());
+        self.inner.memory_gauge.set(left as i64);
     }
 
     /// Replays one segment file and deletes it once everything in it is stored.
@@ -349,6 +555,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
             w.commit(&batch).await;
             batch.clear();
         }
+        w.commit_memory().await;
         let rotate = {
             let seg = lock(&inner.segment);
             closing || (seg.rows > 0 && (!waiters.is_empty() || seg.opened.elapsed() >= ROTATE_AFTER))
@@ -364,7 +571,47 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
             break;
         }
     }
+    let stranded = std::mem::take(&mut *lock(&inner.memory));
+    if !stranded.is_empty() {
+        keep_stranded(&inner, stranded);
+    }
     tracing::info!("usage log: writer stopped");
+}
+
+/// At shutdown, rows that waited in memory and that the store did not take in time: one more
+/// try to put them in a journal segment for the next start; failing that, the log is the last
+/// place that holds them.
+fn keep_stranded(inner: &Inner, rows: Vec<UsageRow>) {
+    let seq = lock(&inner.segment).seq + 1;
+    let mut seg = journal::Segment::create(&inner.dir, seq, 0);
+    let mut lost = 0usize;
+    for row in &rows {
+        let mut line = serde_json::to_vec(row).unwrap_or_default();
+        line.push(b'\n');
+        let ok = match seg.as_mut() {
+            Ok(s) => s.append(&line).is_ok(),
+            Err(_) => false,
+        };
+        if !ok {
+            lost += 1;
+            tracing::error!(row = ?row, "usage row LOST: the store is down and the journal cannot take it at shutdown");
+        }
+    }
+    if let Ok(s) = seg
+        && let Err(e) = s.finish()
+    {
+        tracing::warn!(error = %e, "cannot truncate the last usage-journal segment (its zeroed tail is skipped on replay)");
+    }
+    tracing::warn!(rows = rows.len(), lost, "usage log: rows that waited in memory were put in the journal for the next start");
+}
+
+/// Lines in a file (0 if it cannot be read).
+fn count_lines(path: &Path) -> u64 {
+    use std::io::BufRead;
+    match std::fs::File::open(path) {
+        Ok(f) => std::io::BufReader::new(f).split(b'\n').filter(|l| l.as_ref().is_ok_and(|l| !l.is_empty())).count() as u64,
+        Err(_) => 0,
+    }
 }
 
 fn take(m: Msg, batch: &mut Vec<UsageRow>, waiters: &mut Vec<oneshot::Sender<()>>, closing: &mut bool) {
@@ -507,5 +754,87 @@ mod tests {
         log.flush().await;
         assert_eq!(store.usage_row_count().await.unwrap(), 51);
         log.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_row_the_store_refuses_goes_to_the_dead_letter_file_and_the_rest_is_written() {
+        for (store, _d) in testing::stores().await {
+            testing::refuse_user_agent(&store, "reject-me").await;
+            let dir = tempfile::tempdir().unwrap();
+            let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
+            for i in 0..30 {
+                let mut r = row(i);
+                if i == 7 || i == 21 {
+                    r.user_agent = "reject-me".into();
+                }
+                log.record(r);
+            }
+            log.flush().await;
+            assert_eq!(store.usage_row_count().await.unwrap(), 28, "{:?}: the other rows are stored", store.backend());
+            let h = log.health();
+            assert_eq!(h.dead_letters, 2);
+            assert!(h.last_reason.as_deref().is_some_and(|r| r.contains("store query failed")), "{h:?}");
+            let text = std::fs::read_to_string(dir.path().join(DEAD_LETTER_FILE)).unwrap();
+            let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            assert_eq!(lines.iter().map(|l| l["row"]["request_id"].as_str().unwrap()).collect::<Vec<_>>(), ["req-7", "req-21"]);
+            assert!(lines.iter().all(|l| l["reason"].as_str().is_some_and(|r| !r.is_empty())));
+            // The writer goes on: a later row is stored.
+            log.record(row(30));
+            log.flush().await;
+            assert_eq!(store.usage_row_count().await.unwrap(), 29);
+            log.close().await;
+            // The next start counts the file (for `gpuhub doctor`).
+            let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
+            assert_eq!(log.health().dead_letters, 2);
+            log.close().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_full_state_disk_keeps_rows_in_memory_then_refuses_then_writes_everything() {
+        let Some(fs) = journal::small_fs::Tmpfs::mount("usage-log full-disk test", "2m") else { return };
+        // The store (SQLite) is on the same full filesystem, as with the default paths.
+        let url = format!("sqlite://{}", fs.path().join("gpuhub.db").display());
+        let store = Store::open(&url, None).await.unwrap();
+        let cap = 40;
+        let log = UsageLog::start(fs.path(), store.clone(), cap, &mut Registry::default()).unwrap();
+        let filler = fs.fill();
+        let mut n = 0;
+        while log.accepting() {
+            log.record(row(n));
+            n += 1;
+            assert!(n < 50_000, "the usage log kept accepting on a full disk");
+        }
+        let h = log.health();
+        assert!(h.journal_failing && h.memory_only >= cap, "{h:?}");
+        assert!(n > cap, "rows the journal had reserved room for were journaled first");
+        // The disk stays full a while: the writer retries, other writers of the store fail too.
+        for i in 0..10 {
+            let _ = store.set_setting("while-full", &"x".repeat(4096 * (i + 1))).await;
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        // Space returns: every row is stored, and calls are accepted again.
+        std::fs::remove_file(filler).unwrap();
+        let t = Instant::now();
+        while store.usage_row_count().await.unwrap_or(0) < n as i64 {
+            assert!(t.elapsed() < Duration::from_secs(30), "rows were not written once space returned");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        log.record(row(n));
+        log.flush().await;
+        assert_eq!(store.usage_row_count().await.unwrap(), n as i64 + 1);
+        assert!(log.accepting());
+        // No connection the full disk broke was put back in the pool holding the write lock:
+        // every other writer of the store gets through too.
+        for i in 0..8 {
+            tokio::time::timeout(Duration::from_secs(3), store.set_setting("after-full-disk", &i.to_string()))
+                .await
+                .expect("a write after the full disk waited for a lock")
+                .unwrap();
+        }
+        let h = log.health();
+        assert!(!h.journal_failing && h.memory_only == 0, "{h:?}");
+        log.close().await;
+        store.close().await;
     }
 }

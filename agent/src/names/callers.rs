@@ -43,7 +43,12 @@ pub fn key_of(row: &UsageRow) -> (CallerKey, CallerCounts) {
             client_addr: address_only(&row.client_addr),
             user_agent: row.user_agent.chars().take(MAX_USER_AGENT).collect(),
         },
-        CallerCounts { calls: 1, refused: i64::from(is_refused(&row.name_state)), first_us: row.time_us, last_us: row.time_us },
+        CallerCounts {
+            calls: row.calls.max(1),
+            refused: if is_refused(&row.name_state) { row.calls.max(1) } else { 0 },
+            first_us: row.time_us,
+            last_us: row.time_us,
+        },
     )
 }
 

@@ -1,8 +1,10 @@
 //! Online backups of the store (`gpuhub backup`, the daily timer).
 //!
 //! SQLite: `VACUUM INTO` writes a consistent copy while the agent keeps writing (WAL readers
-//! are not blocked). PostgreSQL: `pg_dump --format=custom`. Restore is documented in
-//! docs/admin-guide.md and exercised by the backup test.
+//! are not blocked). PostgreSQL: `pg_dump --format=custom`, with the password in `PGPASSWORD`
+//! (its environment is readable only by root), never in its command line (which every user
+//! on the node can read in `/proc`). Restore is documented in docs/admin-guide.md and
+//! exercised by the backup test.
 
 use std::path::{Path, PathBuf};
 
@@ -23,11 +25,13 @@ impl Store {
             }
             Backend::Postgres => {
                 let path = dir.join(format!("gpuhub-{stamp}.pgdump"));
-                let out = tokio::process::Command::new("pg_dump")
-                    .arg("--format=custom")
-                    .arg("--file")
-                    .arg(&path)
-                    .arg(url)
+                let (url, password) = split_password(url);
+                let mut cmd = tokio::process::Command::new("pg_dump");
+                cmd.arg("--format=custom").arg("--file").arg(&path).arg(&url);
+                if let Some(p) = password {
+                    cmd.env("PGPASSWORD", p);
+                }
+                let out = cmd
                     .output()
                     .await
                     .map_err(|e| StoreError::Conflict(format!("cannot run pg_dump: {e} (install the PostgreSQL client tools)")))?;
@@ -41,6 +45,59 @@ impl Store {
         tracing::info!(path = %path.display(), "store backup written");
         Ok(path)
     }
+}
+
+/// Splits a PostgreSQL URL into one without its password (for a command line) and the
+/// password (percent-decoded, for `PGPASSWORD`), from `user:password@` or `?password=`.
+pub fn split_password(url: &str) -> (String, Option<String>) {
+    let Some(s) = url.find("://") else { return (url.to_string(), None) };
+    let rest = &url[s + 3..];
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(auth_end);
+    let mut password = None;
+    let authority = match authority.rfind('@') {
+        Some(at) => match authority[..at].split_once(':') {
+            Some((user, pw)) => {
+                password = Some(percent_decode(pw));
+                format!("{user}{}", &authority[at..])
+            }
+            None => authority.to_string(),
+        },
+        None => authority.to_string(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let mut kept = Vec::new();
+            for kv in query.split('&') {
+                match kv.split_once('=') {
+                    Some(("password", v)) => password = Some(percent_decode(v)),
+                    _ => kept.push(kv),
+                }
+            }
+            if kept.is_empty() { path.to_string() } else { format!("{path}?{}", kept.join("&")) }
+        }
+        None => tail.to_string(),
+    };
+    (format!("{}{authority}{tail}", &url[..s + 3]), password)
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let Some(v) = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Removes all but the newest `keep` `gpuhub-*` backups in `dir` (names sort by time).
@@ -66,6 +123,20 @@ fn prune(dir: &Path, keep: usize) {
 #[cfg(test)]
 mod tests {
     use super::super::testing;
+    use super::split_password;
+
+    #[test]
+    fn the_password_leaves_the_command_line() {
+        assert_eq!(
+            split_password("postgres://gpuhub:s3cr%40t@db:5432/gpuhub"),
+            ("postgres://gpuhub@db:5432/gpuhub".to_string(), Some("s3cr@t".to_string()))
+        );
+        assert_eq!(
+            split_password("postgresql://u@h/db?sslmode=require&password=p%2Fw"),
+            ("postgresql://u@h/db?sslmode=require".to_string(), Some("p/w".to_string()))
+        );
+        assert_eq!(split_password("postgres://h/db"), ("postgres://h/db".to_string(), None));
+    }
 
     #[tokio::test]
     async fn backup_restores_the_data_on_every_backend() {

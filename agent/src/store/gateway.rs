@@ -32,10 +32,11 @@ const USAGE_COLUMNS: &[&str] = &[
     "overhead_us",
     "usage_source",
     "adapter",
+    "calls",
 ];
 
-/// Rows per INSERT statement. PostgreSQL: 22 columns x 200 rows stays far below its limit of
-/// 65535 bind parameters. SQLite: 22 x 64 = 1408 of its 32766. SQLite gets anonymous `?`
+/// Rows per INSERT statement. PostgreSQL: 23 columns x 200 rows stays far below its limit of
+/// 65535 bind parameters. SQLite: 23 x 64 = 1472 of its 32766. SQLite gets anonymous `?`
 /// placeholders (see [`usage_insert_sql`]): sqlx asks `sqlite3_bind_parameter_name` for every
 /// bind, which scans the statement's list of *named* parameters, so `$N` placeholders made
 /// binding quadratic in the parameters per statement (at 200 rows it took 40 % of the agent's
@@ -141,20 +142,36 @@ impl Store {
         if rows.is_empty() {
             return Ok(0);
         }
+        let mut conn = self.pool().acquire().await?;
         // Usually every row is new, and the insert needs no ids back (with SQLite each returned
         // id is a message from the database thread). If some were stored before (a replayed
         // journal, a commit retried after an ambiguous failure), that transaction is rolled
         // back and the batch inserted again, learning which rows are new.
-        match self.insert_usage_with(rows, false).await? {
-            Some(n) => Ok(n),
-            None => Ok(self.insert_usage_with(rows, true).await?.unwrap_or(0)),
+        let inserted = match self.insert_usage_with(&mut conn, rows, false).await {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => self.insert_usage_with(&mut conn, rows, true).await.map(|n| n.unwrap_or(0)),
+            Err(e) => Err(e),
+        };
+        if inserted.is_err() {
+            // On some errors (a full disk) SQLite rolls the transaction back by itself; sqlx
+            // does not know, and the connection can end up inside a later transaction that
+            // holds the write lock, so that every other writer gets "database is locked"
+            // (seen with the state directory full). A connection that failed is not reused.
+            conn.close_on_drop();
         }
+        inserted
     }
 
-    /// One transaction: the rows and the rollups of those that are new. Without `learn_ids`,
-    /// gives up (rolls back, `None`) unless every row is new.
-    async fn insert_usage_with(&self, rows: &[UsageRow], learn_ids: bool) -> Result<Option<usize>, StoreError> {
-        let mut tx = self.pool().begin().await?;
+    /// One transaction on `conn`: the rows and the rollups of those that are new. Without
+    /// `learn_ids`, gives up (rolls back, `None`) unless every row is new.
+    async fn insert_usage_with(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        rows: &[UsageRow],
+        learn_ids: bool,
+    ) -> Result<Option<usize>, StoreError> {
+        use sqlx::Connection;
+        let mut tx = conn.begin().await?;
         let mut learned: Vec<UsageRow> = Vec::new();
         for chunk in rows.chunks(rows_per_statement(self.backend())) {
             let sql = usage_insert_sql(self.backend(), chunk.len(), learn_ids);
@@ -182,7 +199,8 @@ impl Store {
                     .bind(r.upstream_ttfb_us)
                     .bind(r.overhead_us)
                     .bind(r.usage_source.as_str())
-                    .bind(&r.adapter);
+                    .bind(&r.adapter)
+                    .bind(r.calls.max(1));
             }
             if learn_ids {
                 let ids: Vec<String> =
@@ -206,11 +224,12 @@ impl Store {
                 r.resolved_model.as_str(),
             );
             let s = sums.entry(k).or_insert([0; 5]);
-            s[0] += 1;
-            s[1] += i64::from(r.status >= 400);
+            let calls = r.calls.max(1);
+            s[0] += calls;
+            s[1] += if r.status >= 400 { calls } else { 0 };
             s[2] += r.prompt_tokens;
             s[3] += r.completion_tokens;
-            s[4] += r.latency_us;
+            s[4] += r.latency_us.saturating_mul(calls);
         }
         for ((hour, user, app, name, model), s) in &sums {
             sqlx::query(
@@ -279,6 +298,28 @@ impl Store {
     pub async fn usage_row_count(&self) -> Result<i64, StoreError> {
         let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM usage_log").fetch_one(self.pool()).await?;
         Ok(n)
+    }
+}
+
+/// Whether the store refused a batch because of what some row holds (a value the database
+/// will never take, however often it is retried), as opposed to the store being unreachable,
+/// busy or out of space. PostgreSQL: SQLSTATE classes 22 (data exception, e.g. a NUL byte in
+/// a text value), 23 (integrity constraint) and 54 (program limit exceeded). SQLite: TOOBIG,
+/// CONSTRAINT and MISMATCH. An encoding error of a bound value counts too.
+pub fn refuses_rows(e: &StoreError) -> bool {
+    let StoreError::Query(q) = e else { return false };
+    match q {
+        sqlx::Error::Encode(_) => true,
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
+                code.starts_with("22") || code.starts_with("23") || code.starts_with("54")
+            } else {
+                // SQLite's (extended) result code: the primary code is the low byte.
+                code.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 18..=20))
+            }
+        }
+        _ => false,
     }
 }
 
@@ -354,6 +395,38 @@ mod tests {
             assert_eq!(alice[0].prompt_tokens, 225 * 3 + 5);
             assert_eq!(alice[0].mean_latency_us, 1000);
             assert!(store.call_summary(t + 2 * HOUR_US, None).await.unwrap().is_empty());
+        }
+    }
+
+    #[tokio::test]
+    async fn aggregated_rows_count_their_calls_and_refused_rows_are_told_apart_on_every_backend() {
+        for (store, _d) in testing::stores().await {
+            let t = 1_800_000_000_000_000;
+            let mut agg = row("agg", t, "", 401, 0);
+            agg.calls = 250;
+            agg.requested_name = String::new();
+            store.insert_usage(&[agg, row("one", t, "alice", 200, 1)]).await.unwrap();
+            assert_eq!(store.usage_row_count().await.unwrap(), 2);
+            let all = store.call_summary(t, None).await.unwrap();
+            assert_eq!(all.iter().map(|c| c.calls).sum::<i64>(), 251);
+            assert_eq!(all.iter().map(|c| c.errors).sum::<i64>(), 250);
+            // A value only the database refuses (a site's constraint); on PostgreSQL also a NUL
+            // byte in text. A store that is closed is not a refusal.
+            testing::refuse_user_agent(&store, "reject-me").await;
+            if store.backend() == crate::store::Backend::Postgres {
+                let mut nul = row("nul", t, "alice", 200, 1);
+                nul.requested_name = "bad\0name".into();
+                let e = store.insert_usage(&[nul]).await.unwrap_err();
+                assert!(refuses_rows(&e), "a NUL byte in a text value: {e:?}");
+            }
+            let mut bad = row("bad", t, "alice", 200, 1);
+            bad.user_agent = "reject-me".into();
+            let e = store.insert_usage(&[row("fine", t, "alice", 200, 1), bad]).await.unwrap_err();
+            assert!(refuses_rows(&e), "{:?}: {e}", store.backend());
+            assert_eq!(store.usage_row_count().await.unwrap(), 2, "the batch was rolled back");
+            store.close().await;
+            let e = store.insert_usage(&[row("late", t, "alice", 200, 1)]).await.unwrap_err();
+            assert!(!refuses_rows(&e), "a closed store is retried, not dead-lettered: {e}");
         }
     }
 

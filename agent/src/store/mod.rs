@@ -225,6 +225,20 @@ pub(crate) mod testing {
         let (prefix, _) = base.rsplit_once('/').unwrap();
         Store::open(&format!("{prefix}/{name}"), Some(4)).await.unwrap()
     }
+
+    /// Makes the store refuse usage rows whose user agent is `value`, the way a site's own
+    /// constraint would: a CHECK constraint on PostgreSQL, a trigger on SQLite. Only the
+    /// database knows the rule, so only the database refuses such a row.
+    #[allow(clippy::unwrap_used)]
+    pub async fn refuse_user_agent(store: &Store, value: &str) {
+        let sql = match store.backend() {
+            Backend::Postgres => format!("ALTER TABLE usage_log ADD CONSTRAINT refuse_ua CHECK (user_agent <> '{value}')"),
+            Backend::Sqlite => format!(
+                "CREATE TRIGGER refuse_ua BEFORE INSERT ON usage_log WHEN NEW.user_agent = '{value}' BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END"
+            ),
+        };
+        sqlx::query(&sql).execute(store.pool()).await.unwrap();
+    }
 }
 
 #[cfg(test)]

@@ -31,7 +31,8 @@ pub struct Upstream {
 /// Modes, chosen by the first path segment of the model's URL (`url = http://UP/<mode>`):
 /// `ok` answers; `fail` answers 500; `break` streams two chunks then drops the connection;
 /// `nodone` ends a stream without [DONE]; `slow` streams a chunk every 200 ms (10 chunks);
-/// `hang` waits 30 s before answering.
+/// `hang` waits 30 s before answering; `big` answers 200 KiB (plain: the whole answer; stream:
+/// one event).
 pub async fn upstream() -> (SocketAddr, Upstream) {
     let up = Upstream::default();
     let app = axum::Router::new().route("/{mode}/v1/{*rest}", post(handle)).with_state(up.clone());
@@ -79,6 +80,11 @@ async fn handle(State(up): State<Upstream>, Path((mode, rest)): Path<(String, St
             return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "max_tokens too large", "code": "bad_param"}})))
                 .into_response();
         }
+        "big" if stream => {
+            let event = format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": "x".repeat(200 * 1024)}}]}));
+            return sse(vec![chunk("small "), event, "data: [DONE]\n\n".into()], Duration::from_millis(1), false);
+        }
+        "big" => return Json(json!({"choices": [{"index": 0, "message": {"content": "x".repeat(200 * 1024)}}]})).into_response(),
         _ => {}
     }
     if rest == "audio/speech" {
@@ -123,6 +129,7 @@ pub struct Agent {
 }
 
 /// Catalog: `chat` (ok), `fail`, `break`, `nodone`, `slow`, `hang`, `bad` (upstream answers 400),
+/// `big` (answers 200 KiB),
 /// `down` (nothing listens), `one` (ok, max_concurrency 1, queue 0, slow); `svc-chat` is a
 /// deprecated name of `chat`.
 pub async fn start(extra: &str) -> Agent {
@@ -145,7 +152,7 @@ pub async fn start_in(dir: tempfile::TempDir, up: SocketAddr, upstream: Upstream
     let d = dir.path().display();
     let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap(); // closed at once
     let mut models = String::new();
-    for m in ["chat", "fail", "break", "nodone", "slow", "hang", "bad"] {
+    for m in ["chat", "fail", "break", "nodone", "slow", "hang", "bad", "big"] {
         models.push_str(&format!(
             "[[models]]\nname = \"{m}\"\nlauncher = \"static\"\nurl = \"http://{up}/{}\"\napi_key = \"worker-secret\"\n",
             if m == "chat" { "ok" } else { m }

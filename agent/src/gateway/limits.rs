@@ -1,0 +1,134 @@
+//! What the gateway holds in memory for its callers, bounded: request bodies across all calls
+//! together (`gateway.max_body_bytes_total`), on top of each body's own limit
+//! (`gateway.max_body_bytes`) and deadline (`gateway.body_timeout_s`).
+//!
+//! A body's bytes are counted as they arrive (a declared `Content-Length` is counted up front)
+//! and stay counted until its call ends, since the body is kept to be forwarded. A call whose
+//! body does not fit is refused with a 503 that names the limit, instead of waiting: a body
+//! half read holds bytes too, so waiting callers could starve each other.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use bytes::BytesMut;
+use http_body_util::BodyExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::error::GatewayError;
+
+/// Bytes counted at a time when a body grows past what it holds (fewer wake-ups of the
+/// semaphore for a body that arrives in small frames).
+const STEP: usize = 64 * 1024;
+
+/// The request-body bytes all calls may hold together.
+pub struct BodyBudget {
+    sem: Arc<Semaphore>,
+    limit: usize,
+}
+
+/// Bytes a call holds; given back when dropped.
+#[derive(Debug, Default)]
+pub struct BodyPermit(Option<OwnedSemaphorePermit>);
+
+impl BodyPermit {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.0.as_ref().map_or(0, OwnedSemaphorePermit::num_permits)
+    }
+}
+
+impl BodyBudget {
+    pub fn new(limit: usize) -> BodyBudget {
+        BodyBudget { sem: Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS))), limit }
+    }
+
+    /// Bytes free now.
+    pub fn available(&self) -> usize {
+        self.sem.available_permits()
+    }
+
+    fn grow(&self, permit: &mut BodyPermit, n: usize) -> Result<(), GatewayError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n32 = u32::try_from(n).map_err(|_| GatewayError::BodyBudget { limit: self.limit })?;
+        let more = self.sem.clone().try_acquire_many_owned(n32).map_err(|_| GatewayError::BodyBudget { limit: self.limit })?;
+        match &mut permit.0 {
+            Some(p) => p.merge(more),
+            None => permit.0 = Some(more),
+        }
+        Ok(())
+    }
+
+    /// Reads a whole request body: at most `max` bytes, within `timeout`, counted against the
+    /// budget (`declared`, the `Content-Length`, up front). The permit keeps the bytes counted.
+    pub async fn read(
+        &self,
+        body: Body,
+        declared: Option<u64>,
+        max: usize,
+        timeout: Duration,
+    ) -> Result<(Bytes, BodyPermit), GatewayError> {
+        let mut permit = BodyPermit::default();
+        let first = declared.map_or(0, |d| usize::try_from(d).unwrap_or(usize::MAX).min(max));
+        self.grow(&mut permit, first)?;
+        let mut buf = BytesMut::with_capacity(first);
+        let mut body = body;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => return Err(GatewayError::BodyTimeout { seconds: timeout.as_secs() }),
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    tracing::debug!(error = %e, "reading a request body failed");
+                    return Err(GatewayError::BadRequest("the request body could not be read (the connection broke off)".into()));
+                }
+                Ok(Some(Ok(f))) => f,
+            };
+            let Ok(data) = frame.into_data() else { continue };
+            let len = buf.len() + data.len();
+            if len > max {
+                return Err(GatewayError::BodyTooLarge { limit: max });
+            }
+            if len > permit.bytes() {
+                let want = (len - permit.bytes()).max(STEP).min(max - permit.bytes());
+                self.grow(&mut permit, want)?;
+            }
+            buf.extend_from_slice(&data);
+        }
+        Ok((buf.freeze(), permit))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bodies_share_one_budget_and_give_it_back() {
+        let budget = BodyBudget::new(1000);
+        let t = Duration::from_secs(5);
+        let (a, pa) = budget.read(Body::from(vec![1u8; 600]), Some(600), 800, t).await.unwrap();
+        assert_eq!((a.len(), pa.bytes()), (600, 600));
+        // 600 held: a second declared 600 does not fit; one of 400 does.
+        let e = budget.read(Body::from(vec![1u8; 600]), Some(600), 800, t).await.unwrap_err();
+        assert_eq!((e.status().as_u16(), e.code()), (503, "server_busy"));
+        assert!(e.to_string().contains("gateway.max_body_bytes_total"), "{e}");
+        let (_, pb) = budget.read(Body::from(vec![1u8; 400]), Some(400), 800, t).await.unwrap();
+        assert_eq!(budget.available(), 0);
+        drop((pa, pb));
+        assert_eq!(budget.available(), 1000);
+        // Without a Content-Length (chunked) the bytes are counted as they come.
+        let stream = futures_util::stream::iter((0..10).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![2u8; 50]))));
+        let (b, p) = budget.read(Body::from_stream(stream), None, 800, t).await.unwrap();
+        assert_eq!(b.len(), 500);
+        assert!(p.bytes() >= 500 && p.bytes() <= 800);
+        // The per-body limit still applies.
+        let e = budget.read(Body::from(vec![1u8; 900]), None, 800, t).await.unwrap_err();
+        assert_eq!(e.code(), "request_too_large");
+        drop(p);
+        assert_eq!(budget.available(), 1000, "a refused body gives its bytes back");
+    }
+}
