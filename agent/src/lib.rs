@@ -157,7 +157,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         tracing::error!(path = %config.snapshot_path.display(), error = %e, "cannot write the snapshot; jobs fall back to the plugstack arguments");
     }
 
-    let registry = Arc::new(registry);
+    let exposition = Arc::new(telemetry::exposition::Exposition::new(registry, Some(state.telemetry.dcgm())));
     let token = state.shutdown.clone();
     let gw_addr = listeners.gateway.local_addr()?;
     let m_addr = listeners.metrics.local_addr()?;
@@ -213,7 +213,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         );
     }
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
-    let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, registry, token.clone()));
+    let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, exposition, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
 
     shutdown.await;

@@ -7,7 +7,6 @@ use std::process::{Child, Command};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 
 use super::*;
@@ -127,10 +126,9 @@ fn wait_samples(t: &Telemetry, n: u64) {
     }
 }
 
-fn render(r: &Registry) -> String {
-    let mut s = String::new();
-    encode(&mut s, r).unwrap();
-    s
+/// `/metrics` as Prometheus gets it (OpenMetrics): the registry and the DCGM block.
+fn render(r: &Registry, t: &Telemetry) -> String {
+    super::exposition::render(r, Some(&t.dcgm()), true, 0)
 }
 
 /// The value of the one sample line starting with `prefix` (metric name + labels).
@@ -143,7 +141,7 @@ fn value(text: &str, prefix: &str) -> Option<f64> {
 
 fn dcgm_prefix(name: &str, gpu: u32, uuid: &str, job: &str) -> String {
     format!(
-        "{name}{{gpu=\"{gpu}\",UUID=\"{uuid}\",pci_bus_id=\"00000000:{:02X}:00.0\",device=\"nvidia{gpu}\",modelName=\"NVIDIA H200\",Hostname=\"gpu01\",hpc_job=\"{job}\"}}",
+        "{name}{{gpu=\"{gpu}\",UUID=\"{uuid}\",pci_bus_id=\"00000000:{:02X}:00.0\",device=\"nvidia{gpu}\",modelName=\"NVIDIA H200\",Hostname=\"gpu01\",DCGM_FI_DRIVER_VERSION=\"550.54.15\",hpc_job=\"{job}\"}}",
         0x19 + gpu
     )
 }
@@ -151,9 +149,18 @@ fn dcgm_prefix(name: &str, gpu: u32, uuid: &str, job: &str) -> String {
 /// Runs `promtool check metrics` (Debian's prometheus package, 2.42) on the Prometheus-text
 /// form of the encoded registry, as `curl /metrics | promtool check metrics` sees it.
 ///
-/// Exit 0 passes. Exit 3 (lint problems only) passes when every problem is the one that
-/// dcgm-exporter's own output has: the camelCase label `modelName` on a `DCGM_FI_*` series,
-/// kept on purpose so existing dashboards work. Anything else fails.
+/// Exit 0 passes. Exit 3 (lint problems only) passes when every problem is one dcgm-exporter's
+/// own output has on a `DCGM_FI_*` series ([`DCGM_EXPORTER_LINT`]), kept on purpose so existing
+/// dashboards work. Anything else fails.
+/// promtool's findings on dcgm-exporter's names, labels and types, which gpuhub keeps: the
+/// camelCase label `modelName`, counters without `_total` (`DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`)
+/// and the word "counter" in `DCGM_FI_DEV_PCIE_REPLAY_COUNTER`.
+pub(crate) const DCGM_EXPORTER_LINT: [&str; 3] = [
+    "label names should be written in 'snake_case' not 'camelCase'",
+    "counter metrics should have \"_total\" suffix",
+    "metric name should not include type 'counter'",
+];
+
 pub(crate) fn promtool_check(openmetrics: &str) {
     use std::io::Write;
     let text = super::exposition::to_prometheus_text(openmetrics);
@@ -167,11 +174,11 @@ pub(crate) fn promtool_check(openmetrics: &str) {
     child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let only_dcgm_camel_case = report
+    let only_dcgm_exporter_names = report
         .lines()
         .filter(|l| !l.trim().is_empty())
-        .all(|l| l.starts_with("DCGM_FI_") && l.ends_with("label names should be written in 'snake_case' not 'camelCase'"));
-    let ok = out.status.success() || (out.status.code() == Some(3) && only_dcgm_camel_case);
+        .all(|l| l.starts_with("DCGM_FI_") && DCGM_EXPORTER_LINT.iter().any(|finding| l.ends_with(finding)));
+    let ok = out.status.success() || (out.status.code() == Some(3) && only_dcgm_exporter_names);
     assert!(ok, "promtool check metrics failed ({}):\n{report}\n--- text ---\n{text}", out.status);
 }
 
@@ -207,7 +214,7 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
     assert_eq!(gpus[0].memory_total_bytes, H200_BYTES);
     assert_eq!(gpus[0].memory_free_bytes, H200_BYTES - 31 * GIB);
 
-    let text = render(&registry);
+    let text = render(&registry, &t);
     let job = |j: &str, u: &str, gpu: u32, uuid: &str| format!("{{gpu=\"{gpu}\",uuid=\"{uuid}\",jobid=\"{j}\",user=\"{u}\"}}");
     let got = |name: &str, labels: &str| value(&text, &format!("{name}{labels}")).unwrap_or_else(|| panic!("no {name}{labels} in\n{text}"));
     assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("101", &me(), 0, UUID0)), (10 * GIB) as f64);
@@ -252,7 +259,7 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
     drop(alice);
     fake.write(&script.replace(&format!("pid={alice_pid} "), "pid=1 ").replace("proc gpu=0 pid=1 ", "#"));
     wait_samples(&t, 3);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert!(!text.contains("jobid=\"101\""), "series of an ended job must be removed:\n{text}");
     assert!(!text.contains("hpc_job=\"101\""), "DCGM copy of an ended job must be removed");
     assert!(text.contains("jobid=\"102\""));
@@ -268,7 +275,7 @@ fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
     wait_samples(&t, 2);
     assert!(t.nvml_up());
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 0, UUID0, "")), None, "{text}");
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_POWER_USAGE", 0, UUID0, "")), None);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 0, UUID0, "")), None);
@@ -283,7 +290,7 @@ fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
     // The fields come back: the series reappear.
     fake.write(&format!("{}{}", gpu_line(0, UUID0, GIB, 10, ""), gpu_line(1, UUID1, GIB, 20, "")));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 0, UUID0, "")), Some(40.0), "{text}");
 }
 
@@ -299,7 +306,7 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
         value(text, &format!("gpuhub_gpu_xid_errors_total{{gpu=\"{gpu}\",uuid=\"{uuid}\",xid=\"{code}\"}}"))
     };
     // Watched GPUs export 0 before any XID, and no counter series yet.
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0), "{text}");
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(0.0));
     assert!(!text.contains("gpuhub_gpu_xid_errors_total{"), "{text}");
@@ -307,7 +314,7 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
     // GPU 1 reports XID 79 (fell off the bus): its gauge says 79, GPU 0's stays 0.
     fake.write(&gpus("xid=79"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0), "{text}");
     assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0));
     assert_eq!(xid_count(&text, 1, UUID1, 79), Some(1.0));
@@ -316,15 +323,15 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
 
     // More samples and scrapes count nothing new: once per event, not per sample or scrape.
     wait_samples(&t, 3);
-    let _ = render(&registry);
-    let text = render(&registry);
+    let _ = render(&registry, &t);
+    let text = render(&registry, &t);
     assert_eq!(xid_count(&text, 1, UUID1, 79), Some(1.0), "{text}");
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0));
 
     // Three more events (48, then 79 twice): each counted; the gauge holds the last code.
     fake.write(&gpus("xid=79,48,79,79"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(xid_count(&text, 1, UUID1, 79), Some(3.0), "{text}");
     assert_eq!(xid_count(&text, 1, UUID1, 48), Some(1.0));
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0));
@@ -338,7 +345,7 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
     let t = Telemetry::start(&TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) }, &mut registry);
     fake.write(&gpus("xid=79,48,79,79,31"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_XID_ERRORS", 1, UUID1, "777")), Some(31.0), "{text}");
     assert_eq!(xid_count(&text, 1, UUID1, 31), Some(1.0), "a new registration delivers only new XIDs");
     assert_eq!(xid_count(&text, 1, UUID1, 79), None, "XIDs from before the registration are not replayed");
@@ -354,7 +361,7 @@ fn a_gpu_without_xid_events_exports_everything_else() {
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
     wait_samples(&t, 3);
     assert!(t.nvml_up());
-    let text = render(&registry);
+    let text = render(&registry, &t);
     for (gpu, uuid, util) in [(0, UUID0, 10.0), (1, UUID1, 20.0)] {
         assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", gpu, uuid, "")), Some(util), "{text}");
         assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", gpu, uuid, "")), Some(40.0 + f64::from(gpu)));
@@ -370,7 +377,7 @@ fn a_gpu_without_xid_events_exports_everything_else() {
     // Scripted XIDs on such GPUs are not delivered, and nothing else changes.
     fake.write(&script.replace("fail=xid", "fail=xid xid=79").replace("unsupported=xid", "unsupported=xid xid=48"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert!(!text.contains("gpuhub_gpu_xid_errors_total{"), "{text}");
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "")), Some(20.0));
 }
@@ -382,7 +389,7 @@ fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
         let t = Telemetry::start(&cfg_for(&lib), &mut registry);
         assert!(!t.nvml_up());
         assert!(t.gpus().is_empty());
-        let text = render(&registry);
+        let text = render(&registry, &t);
         assert_eq!(value(&text, "gpuhub_nvml_up "), Some(0.0), "{text}");
         assert!(!text.lines().any(|l| l.starts_with("DCGM_FI_DEV_GPU_UTIL{")));
         promtool_check(&text);
@@ -393,7 +400,7 @@ fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
     let mut registry = Registry::default();
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
     assert!(!t.nvml_up());
-    assert_eq!(value(&render(&registry), "gpuhub_nvml_up "), Some(0.0));
+    assert_eq!(value(&render(&registry, &t), "gpuhub_nvml_up "), Some(0.0));
     // A driver with no GPU.
     let fake = FakeNvml::new("driver version=550.54.15\n");
     let mut registry = Registry::default();
@@ -404,7 +411,7 @@ fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
     let mut registry = Registry::default();
     let t = Telemetry::start(&TelemetryConfig { enable_nvml: false, enable_slurm: false, ..TelemetryConfig::default() }, &mut registry);
     assert!(!t.nvml_up());
-    assert_eq!(value(&render(&registry), "gpuhub_nvml_up "), Some(0.0));
+    assert_eq!(value(&render(&registry, &t), "gpuhub_nvml_up "), Some(0.0));
 }
 
 #[test]
@@ -416,7 +423,7 @@ fn a_gpu_that_disappears_takes_its_series_with_it() {
     fake.write(&gpu_line(0, UUID0, GIB, 10, ""));
     wait_samples(&t, 2);
     assert_eq!(t.gpus().len(), 1);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert!(!text.contains(UUID1), "{text}");
     assert!(text.contains(UUID0));
 }
@@ -431,7 +438,7 @@ fn the_job_map_names_the_job_of_a_gpu_without_processes() {
     let cfg = TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) };
     let t = Telemetry::start(&cfg, &mut registry);
     wait_samples(&t, 1);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "555")), Some(20.0), "{text}");
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "556")), Some(20.0));
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 0, UUID0, "")), Some(10.0));
@@ -473,7 +480,7 @@ fn slurm_snapshot_from_commands_with_explicit_formats() {
         assert!(Instant::now() < deadline, "no Slurm snapshot");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let text = render(&registry);
+    let text = render(&registry, &t);
     let v = |p: &str| value(&text, p).unwrap_or_else(|| panic!("no {p} in\n{text}"));
     assert_eq!(v("gpuhub_slurm_up "), 1.0);
     assert_eq!(v("gpuhub_slurm_jobs{state=\"running\",partition=\"gpu\",user=\"alice\"}"), 1.0);
@@ -504,7 +511,7 @@ fn slurm_snapshot_from_commands_with_explicit_formats() {
         assert!(Instant::now() < deadline + Duration::from_secs(10), "no Slurm snapshot");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, "gpuhub_slurm_up "), Some(0.0), "{text}");
     assert_eq!(value(&text, "gpuhub_slurm_command_errors_total{command=\"squeue\"}"), Some(1.0));
 }
@@ -534,4 +541,210 @@ fn config_defaults_validate_and_errors_name_the_key() {
     assert!(msgs.iter().any(|m| m.starts_with("telemetry.hostname:")), "{msgs:?}");
     let named = TelemetryConfig { hostname: Some("gpu01.cluster.example".into()), ..TelemetryConfig::default() };
     assert_eq!(named.effective_node_name(), "gpu01");
+}
+
+/// Every dcgm-exporter default counter that applies to bare metal, plus the GPM profiling
+/// series: `(family, type, scripted value)` for a GPU scripted with all of them.
+const FULL_GPU: &str = "mem_reserved=536870912 memory_temp=52 pcie_tx_kbs=1000 pcie_rx_kbs=2000 pcie_replay=3 enc_util=4 dec_util=5 \
+    nvlink_tx_kibps=1000 nvlink_rx_kibps=3000 remap_cor=6 remap_unc=7 remap_failed=1 gpm_gr_engine=61.5 gpm_sm_active=52.5 \
+    gpm_sm_occupancy=33.25 gpm_tensor=24.5 gpm_dram=45.5 gpm_pcie_tx=1.5 gpm_pcie_rx=2.5 gpm_nvlink_tx=3.5 gpm_nvlink_rx=4.5 ecc_sbe=8 ecc_dbe=9";
+
+fn expected_dcgm(gpu: u32) -> Vec<(&'static str, &'static str, f64)> {
+    let mib = 1024.0 * 1024.0;
+    vec![
+        ("DCGM_FI_DEV_SM_CLOCK", "gauge", 1980.0),
+        ("DCGM_FI_DEV_MEM_CLOCK", "gauge", 2619.0),
+        ("DCGM_FI_DEV_MEMORY_TEMP", "gauge", 52.0),
+        ("DCGM_FI_DEV_GPU_TEMP", "gauge", 40.0 + f64::from(gpu)),
+        ("DCGM_FI_DEV_POWER_USAGE", "gauge", 300.0),
+        ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "counter", 1000.0),
+        ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "counter", 2000.0),
+        ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", 3.0),
+        ("DCGM_FI_DEV_GPU_UTIL", "gauge", 10.0),
+        ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", 11.0),
+        ("DCGM_FI_DEV_ENC_UTIL", "gauge", 4.0),
+        ("DCGM_FI_DEV_DEC_UTIL", "gauge", 5.0),
+        ("DCGM_FI_DEV_XID_ERRORS", "gauge", 0.0),
+        ("DCGM_FI_DEV_FB_FREE", "gauge", ((H200_BYTES - GIB) / (1024 * 1024)) as f64),
+        ("DCGM_FI_DEV_FB_USED", "gauge", 1024.0),
+        ("DCGM_FI_DEV_FB_RESERVED", "gauge", 512.0),
+        ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", 8.0),
+        ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", 9.0),
+        // (1000 + 3000) KiB/s of NVLink data, in DCGM's unit (KiB/s / 1000).
+        ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "counter", 4.0),
+        ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter", 7.0),
+        ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", 6.0),
+        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", 1.0),
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", 0.615),
+        ("DCGM_FI_PROF_SM_ACTIVE", "gauge", 0.525),
+        ("DCGM_FI_PROF_SM_OCCUPANCY", "gauge", 0.3325),
+        ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", 0.245),
+        ("DCGM_FI_PROF_DRAM_ACTIVE", "gauge", 0.455),
+        ("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge", 1.5 * mib),
+        ("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", 2.5 * mib),
+        ("DCGM_FI_PROF_NVLINK_TX_BYTES", "gauge", 3.5 * mib),
+        ("DCGM_FI_PROF_NVLINK_RX_BYTES", "gauge", 4.5 * mib),
+    ]
+}
+
+/// The loaded fake library's GPM leak counter (samples allocated and not freed), through a
+/// handle of its own that keeps the library loaded after NVML is shut down and closed.
+struct GpmLeakCounter(*mut libc::c_void);
+
+impl GpmLeakCounter {
+    fn attach(lib: &Path) -> Self {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(lib.as_os_str().as_bytes()).unwrap();
+        // SAFETY: RTLD_NOLOAD only returns a handle when NVML's loader has the library loaded
+        // in this process already; the handle adds a reference until `drop`.
+        let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        assert!(!h.is_null(), "the fake NVML is not loaded");
+        Self(h)
+    }
+
+    fn live(&self) -> i64 {
+        // SAFETY: the symbol is the fake library's `long fake_nvml_gpm_live_samples(void)`, and
+        // `self.0` keeps the library loaded.
+        unsafe {
+            let f = libc::dlsym(self.0, c"fake_nvml_gpm_live_samples".as_ptr());
+            assert!(!f.is_null());
+            let f: extern "C" fn() -> std::os::raw::c_long = std::mem::transmute(f);
+            f()
+        }
+    }
+}
+
+impl Drop for GpmLeakCounter {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from dlopen and is closed once.
+        unsafe { libc::dlclose(self.0) };
+    }
+}
+
+#[test]
+fn every_dcgm_default_counter_and_profiling_series_with_dcgm_exporter_types_and_labels() {
+    let script = format!("driver version=550.54.15\n{}{}", gpu_line(0, UUID0, GIB, 10, FULL_GPU), gpu_line(1, UUID1, GIB, 10, FULL_GPU));
+    let fake = FakeNvml::new(&script);
+    let map = tempfile::tempdir().unwrap();
+    std::fs::write(map.path().join("1"), "4242\n4243\n").unwrap();
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) }, &mut registry);
+    // Rates (NVLink bandwidth, GPM) need two samples.
+    wait_samples(&t, 3);
+    let text = render(&registry, &t);
+    for gpu in [0, 1] {
+        let (uuid, jobs) = if gpu == 0 { (UUID0, vec![""]) } else { (UUID1, vec!["4242", "4243"]) };
+        for (name, kind, want) in expected_dcgm(gpu) {
+            assert!(text.contains(&format!("\n# TYPE {name} {kind}\n")), "{name} must be a {kind}:\n{text}");
+            for job in &jobs {
+                let got = value(&text, &dcgm_prefix(name, gpu, uuid, job))
+                    .unwrap_or_else(|| panic!("no {name} for GPU {gpu} job {job:?}:\n{text}"));
+                let tolerance = if name == "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" { 0.01 } else { 1e-9 };
+                assert!((got - want).abs() <= tolerance * want.abs().max(1.0), "{name} GPU {gpu} job {job:?}: got {got}, want {want}");
+            }
+        }
+        let energy = value(&text, &dcgm_prefix("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", gpu, uuid, jobs[0])).unwrap();
+        assert!(energy >= 5_000_000.0, "{energy}");
+    }
+    assert!(text.contains("\n# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"));
+    assert!(!text.contains("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"), "dcgm-exporter's counters keep their names");
+    assert!(text.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
+    promtool_check(&text);
+    // One GPM sample per GPU is kept between passes, none leak.
+    // (A pass briefly holds a third while it swaps one GPU's sample: read between passes.)
+    let leaks = GpmLeakCounter::attach(&fake.lib);
+    let settles_at_two = || (0..100).any(|_| leaks.live() == 2 || (std::thread::sleep(Duration::from_millis(7)), false).1);
+    assert!(settles_at_two(), "{} GPM samples live", leaks.live());
+    wait_samples(&t, 5);
+    assert!(settles_at_two(), "{} GPM samples live after 5 more passes", leaks.live());
+    t.shutdown();
+    assert_eq!(leaks.live(), 0, "GPM samples are freed with NVML");
+}
+
+#[test]
+fn a_field_the_gpu_does_not_support_is_absent_not_zero_and_logged_once() {
+    // GPU 0: no GPM at all (pre-Hopper), no memory temperature, no NVLink; GPU 1: one GPM
+    // metric refused, remapped rows failing.
+    let script = format!(
+        "{}{}",
+        gpu_line(0, UUID0, GIB, 10, &format!("{FULL_GPU} unsupported=gpm,memory_temp,nvlink_bandwidth,enc_util")),
+        gpu_line(1, UUID1, GIB, 10, &format!("{FULL_GPU} unsupported=gpm_sm_occupancy fail=remapped_rows")),
+    );
+    let fake = FakeNvml::new(&script);
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    wait_samples(&t, 3);
+    let text = render(&registry, &t);
+    let has = |name: &str, gpu: u32, uuid: &str| value(&text, &dcgm_prefix(name, gpu, uuid, "")).is_some();
+    for name in [
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+        "DCGM_FI_PROF_SM_ACTIVE",
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "DCGM_FI_PROF_NVLINK_RX_BYTES",
+        "DCGM_FI_DEV_MEMORY_TEMP",
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+        "DCGM_FI_DEV_ENC_UTIL",
+    ] {
+        assert!(!has(name, 0, UUID0), "{name} must be absent on GPU 0:\n{text}");
+        assert!(has(name, 1, UUID1), "{name} must be there on GPU 1:\n{text}");
+    }
+    assert!(!has("DCGM_FI_PROF_SM_OCCUPANCY", 1, UUID1), "{text}");
+    assert!(!has("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 1, UUID1) && has("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 0, UUID0));
+    assert!(has("DCGM_FI_DEV_DEC_UTIL", 0, UUID0) && !has("DCGM_FI_PROF_SM_OCCUPANCY", 0, UUID0));
+    // Unsupported is a property of the GPU, not counted; the failure is.
+    assert!(value(&text, "gpuhub_telemetry_nvml_errors_total{field=\"remapped_rows\"}").unwrap() >= 3.0, "{text}");
+    for f in ["gpm", "memory_temp", "nvlink_bandwidth", "gpm_sm_occupancy"] {
+        assert_eq!(value(&text, &format!("gpuhub_telemetry_nvml_errors_total{{field=\"{f}\"}}")), None, "{f}: {text}");
+    }
+    promtool_check(&text);
+    t.shutdown();
+}
+
+/// Log lines written while `f` runs on this thread.
+fn captured_log(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let w = buf.clone();
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || w.clone()).finish();
+    tracing::subscriber::with_default(subscriber, f);
+    String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+}
+
+#[test]
+fn an_unsupported_field_is_said_once_in_the_log_not_every_sample() {
+    let fake = FakeNvml::new(&gpu_line(0, UUID0, GIB, 10, &format!("{FULL_GPU} unsupported=gpm,memory_temp")));
+    let cfg = cfg_for(&fake.lib);
+    let out = Arc::new(dcgm::DcgmExposition::default());
+    let mut registry = Registry::default();
+    let own = metrics::GpuhubMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+    let log = captured_log(|| {
+        let mut s = sampler::GpuSampler::new(
+            &cfg,
+            dcgm::DcgmWriter::new(Arc::clone(&out)),
+            own,
+            Arc::new(Mutex::new(Published::default())),
+            Arc::new(Mutex::new(sampler::JobStatsStore::new(Duration::from_secs(60)))),
+        );
+        for _ in 0..5 {
+            s.sample_once();
+        }
+    });
+    for field in ["gpm", "memory_temp"] {
+        let lines = log.lines().filter(|l| l.contains(&format!("does not support `{field}`"))).count();
+        assert_eq!(lines, 1, "{field} said once over 5 samples:\n{log}");
+    }
+    let mut text = String::new();
+    out.encode(&mut text);
+    assert!(!text.contains("DCGM_FI_DEV_MEMORY_TEMP{") && !text.contains("DCGM_FI_PROF_GR_ENGINE_ACTIVE{"), "{text}");
+    assert!(text.contains("DCGM_FI_DEV_ENC_UTIL{"), "{text}");
 }
