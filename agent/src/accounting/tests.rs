@@ -301,6 +301,9 @@ mod reconcile_story {
             end_us: end,
             gpus,
             shards,
+            cpus: 1,
+            mem_bytes: 500 << 20,
+            reason: None,
             per_node: BTreeMap::new(),
         }
     }

@@ -10,7 +10,7 @@
 //! - [`attribution`]: maps a GPU process id to its Slurm job (`/proc/<pid>/environ`, then
 //!   `/proc/<pid>/cgroup`), so two shard jobs on one GPU each get their own VRAM and utilisation.
 //! - [`sampler`]: the GPU sampler thread: NVML -> attribution -> per-job accumulators -> gauges.
-//! - [`slurm`]: one `squeue`/`sinfo` snapshot per interval on its own thread, shared by every
+//! - [`slurm`]: one slurmctld snapshot (`scontrol show job`, `scontrol show node`) per interval on its own thread, shared by every
 //!   collector (a scrape never runs a command).
 //! - [`gpm`]: the profiling series through NVML's GPM API (Hopper and later).
 //! - [`dcgm`]: the dcgm-exporter-compatible series (`DCGM_FI_DEV_*`, `DCGM_FI_PROF_*`: same
@@ -54,9 +54,9 @@ pub struct TelemetryConfig {
     pub interval_ms: u64,
     /// The `Hostname` label of the DCGM series; default: this machine's host name.
     pub hostname: Option<String>,
-    /// Take Slurm snapshots (`squeue`, `sinfo`).
+    /// Take Slurm snapshots (`scontrol show job -d`, `scontrol -d show node`).
     pub enable_slurm: bool,
-    /// Directory holding `squeue` and `sinfo`; default: found on `PATH`.
+    /// Directory holding `scontrol` (and `sacct` for accounting); default: found on `PATH`.
     pub slurm_bin_dir: Option<PathBuf>,
     /// Slurm snapshot interval (milliseconds).
     pub slurm_interval_ms: u64,

@@ -445,26 +445,81 @@ fn the_job_map_names_the_job_of_a_gpu_without_processes() {
     assert_eq!(t.job_gpu_stats(555).len(), 1);
 }
 
+/// A `scontrol show job -d -o` line as Slurm 22.05 prints it (from one captured on the lab),
+/// with the fields a test varies. `node_gres` is the per-node section's `GRES=` (empty for a
+/// pending job, which has no section's indices).
+#[allow(clippy::too_many_arguments)] // one flat template; a struct would only rename the arguments
+fn job_line(id: u32, user: &str, account: &str, state: &str, reason: &str, tres: &str, node_gres: &str, per: &str) -> String {
+    let nodes = if state == "PENDING" { "(null)" } else { "gpu01" };
+    format!(
+        "JobId={id} JobName=job{id} UserId={user}(1001) GroupId={user}(1001) MCS_label=N/A Priority=4294901683 Nice=0 Account={account} QOS=normal \
+         JobState={state} Reason={reason} Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 \
+         RunTime=00:00:00 TimeLimit=00:02:00 TimeMin=N/A SubmitTime=1796121759 EligibleTime=1796121759 AccrueTime=1796121759 \
+         StartTime=1796121759 EndTime=1796121879 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796121759 Scheduler=Main \
+         Partition=gpu AllocNode:Sid=localhost:1132 ReqNodeList=(null) ExcNodeList=(null) NodeList={nodes} BatchHost=gpu01 NumNodes=1 \
+         NumCPUs=2 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES={tres} Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* \
+         JOB_GRES=gpu:h200:2   Nodes=gpu01 CPU_IDs=0-1 Mem=1024 GRES={node_gres} MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 \
+         Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sh WorkDir=/tmp Power= {per}"
+    )
+}
+
+const NODE_LINE: &str = "NodeName=gpu01 Arch=x86_64 CoresPerSocket=1  CPUAlloc=11 CPUEfctv=16 CPUTot=16 CPULoad=0.5 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:h200:2,shard:h200:28 GresDrain=N/A GresUsed=gpu:h200:2(IDX:0-1),shard:h200:0(IDX:N/A) NodeAddr=127.0.0.1 NodeHostName=localhost Version=22.05.8 OS=Linux 6.1 #1 SMP RealMemory=16000 AllocMem=5632 FreeMem=4312 Sockets=16 Boards=1 State=MIXED+DRAIN ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=gpu CfgTRES=cpu=16,mem=16000M,billing=16,gres/gpu=2,gres/shard=28 AllocTRES=cpu=11,mem=5632M,gres/gpu=2 CapWatts=n/a CurrentWatts=0 AveWatts=0 Reason=fan check [root@2026-12-01T15:00:00]";
+
 #[test]
-fn slurm_snapshot_from_commands_with_explicit_formats() {
+fn slurm_snapshot_counts_gpus_and_shards_whatever_the_request_syntax() {
     let bin = tempfile::tempdir().unwrap();
-    let script = |name: &str, body: &str| {
+    let write = |name: &str, body: &str| {
         let p = bin.path().join(name);
-        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::write(&p, body).unwrap();
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     };
-    // The fake commands check that they are called with the explicit formats.
-    script(
-        "squeue",
-        "case \"$*\" in *'%i|%T|%P|%u|%a|%r|%b|%N'*) ;; *) echo \"bad args: $*\" >&2; exit 2;; esac\n\
-         echo '12|RUNNING|gpu|alice|physics|None|gres:gpu:2|gpu01'\n\
-         echo '13|RUNNING|gpu|bob|bio|None|gres:shard:7|gpu01'\n\
-         echo '14|PENDING|gpu|bob|bio|Resources|gres:gpu:2|'\n\
-         echo '15|PENDING|gpu|carol|chem|Priority|gres:gpu:1|'\n\
-         echo 'this line is corrupt'",
+    // One running job per request syntax (as slurmctld prints each: the per-node GRES carries
+    // the indices whatever the syntax), a pending one, a finished one still listed, a job
+    // whose name imitates Slurm's fields, and a line that is not a job.
+    let m500 = "cpu=2,mem=1G,node=1,billing=2";
+    let jobs = [
+        job_line(11, "alice", "physics", "RUNNING", "None", &format!("{m500},gres/gpu=1"), "gpu:h200:1(IDX:0)", "TresPerNode=gres:gpu:1"),
+        job_line(12, "bob", "bio", "RUNNING", "None", &format!("{m500},gres/gpu=1"), "gpu:h200:1(IDX:1)", "TresPerJob=gres:gpu:1"),
+        job_line(
+            13,
+            "carol",
+            "chem",
+            "RUNNING",
+            "None",
+            &format!("{m500},gres/shard=7"),
+            "shard:h200:7(IDX:0)",
+            "TresPerNode=gres:shard:7",
+        ),
+        job_line(
+            14,
+            "dave",
+            "chem",
+            "RUNNING",
+            "None",
+            &format!("{m500},gres/shard=3"),
+            "shard:h200:3(3/14,0/14)",
+            "TresPerNode=gres:shard:3",
+        ),
+        job_line(15, "erin", "bio", "PENDING", "Resources", &format!("{m500},gres/gpu=2"), "", "TresPerTask=gres:gpu:1"),
+        job_line(16, "erin", "bio", "PENDING", "QOSMaxGRESPerUser", &format!("{m500},gres/gpu=1"), "", "TresPerNode=gres:gpu:1"),
+        job_line(17, "frank", "bio", "COMPLETED", "None", &format!("{m500},gres/gpu=2"), "", "TresPerNode=gres:gpu:2"),
+        job_line(18, "mallory", "x", "RUNNING", "None", &format!("{m500},gres/gpu=1"), "gpu:h200:1(IDX:1)", "")
+            .replace("JobName=job18", "JobName=x UserId=alice(1000)"),
+        "this line is not a job".to_string(),
+    ]
+    .join("\n");
+    std::fs::write(bin.path().join("jobs.txt"), format!("{jobs}\n")).unwrap();
+    std::fs::write(bin.path().join("nodes.txt"), format!("{NODE_LINE}\n")).unwrap();
+    // The fake scontrol checks that it is called as the agent must call it.
+    let dir = bin.path().display();
+    write(
+        "scontrol",
+        &format!(
+            "#!/bin/sh\n[ \"$SLURM_TIME_FORMAT\" = %s ] || {{ echo 'SLURM_TIME_FORMAT not %s' >&2; exit 3; }}\n\
+             case \"$*\" in\n  'show job -d -o') cat {dir}/jobs.txt ;;\n  '-d show node -o') cat {dir}/nodes.txt ;;\n  *) echo \"bad args: $*\" >&2; exit 2 ;;\nesac\n"
+        ),
     );
-    script("sinfo", "echo 'gpu01|gpu:h200:2,shard:h200:28'\necho 'gpu01|gpu:h200:2,shard:h200:28'");
     let cfg = TelemetryConfig {
         enable_nvml: false,
         enable_slurm: true,
@@ -482,38 +537,70 @@ fn slurm_snapshot_from_commands_with_explicit_formats() {
     }
     let text = render(&registry, &t);
     let v = |p: &str| value(&text, p).unwrap_or_else(|| panic!("no {p} in\n{text}"));
+    let job = |id: u32, user: &str, account: &str| format!("{{jobid=\"{id}\",user=\"{user}\",account=\"{account}\",partition=\"gpu\"}}");
     assert_eq!(v("gpuhub_slurm_up "), 1.0);
-    assert_eq!(v("gpuhub_slurm_jobs{state=\"running\",partition=\"gpu\",user=\"alice\"}"), 1.0);
-    assert_eq!(v("gpuhub_slurm_jobs{state=\"pending\",partition=\"gpu\",user=\"bob\"}"), 1.0);
+    // Per job, from the per-node GRES whatever the syntax.
+    assert_eq!(v(&format!("gpuhub_slurm_job_gpus{}", job(11, "alice", "physics"))), 1.0, "--gres=gpu:1");
+    assert_eq!(v(&format!("gpuhub_slurm_job_gpus{}", job(12, "bob", "bio"))), 1.0, "--gpus=1 (squeue %b says N/A)");
+    assert_eq!(v(&format!("gpuhub_slurm_job_shards{}", job(13, "carol", "chem"))), 7.0, "22.05 shard form");
+    assert_eq!(v(&format!("gpuhub_slurm_job_shards{}", job(14, "dave", "chem"))), 3.0, "23.x shard form");
+    assert_eq!(v(&format!("gpuhub_slurm_job_gpus{}", job(13, "carol", "chem"))), 0.0);
+    assert_eq!(v(&format!("gpuhub_slurm_job_cpus{}", job(11, "alice", "physics"))), 2.0);
+    assert_eq!(v(&format!("gpuhub_slurm_job_memory_bytes{}", job(11, "alice", "physics"))), (1u64 << 30) as f64);
+    assert!(!text.contains("jobid=\"15\"") && !text.contains("jobid=\"17\""), "pending and finished jobs hold nothing:\n{text}");
+    assert!(!text.contains("jobid=\"18\""), "an ambiguous line is left out, not believed:\n{text}");
+    assert!(!text.contains("user=\"alice\",account=\"x\""), "{text}");
+    // The node: GPUs/shards from GresUsed, state with the reason, CPUs and memory.
     assert_eq!(v("gpuhub_slurm_gpus{state=\"allocated\"}"), 2.0);
     assert_eq!(v("gpuhub_slurm_gpus{state=\"idle\"}"), 0.0);
-    assert_eq!(v("gpuhub_slurm_shards{state=\"allocated\"}"), 7.0);
-    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 21.0);
+    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 28.0, "GresUsed says 0 shards in use");
+    assert_eq!(v("gpuhub_slurm_node_state{node=\"gpu01\",state=\"draining\",reason=\"fan check\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_node_cpus{node=\"gpu01\",state=\"allocated\"}"), 11.0);
+    assert_eq!(v("gpuhub_slurm_node_cpus{node=\"gpu01\",state=\"idle\"}"), 5.0);
+    assert_eq!(v("gpuhub_slurm_node_memory_bytes{node=\"gpu01\",state=\"allocated\"}"), (5632u64 << 20) as f64);
+    assert_eq!(v("gpuhub_slurm_node_memory_bytes{node=\"gpu01\",state=\"idle\"}"), ((16000u64 - 5632) << 20) as f64);
+    // Jobs by state, pending by reason; finished jobs are not counted.
+    assert_eq!(v("gpuhub_slurm_jobs{state=\"running\",partition=\"gpu\",user=\"alice\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_jobs{state=\"pending\",partition=\"gpu\",user=\"erin\"}"), 2.0);
+    assert!(!text.contains("state=\"completed\""), "{text}");
     assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"Resources\"}"), 1.0);
-    assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"Priority\"}"), 1.0);
-    assert!(v("gpuhub_slurm_command_errors_total{command=\"squeue\"}") >= 2.0, "the corrupt line is counted");
-    let gs = v("gpuhub_slurm_gpu_seconds_total{user=\"alice\",account=\"physics\"}");
-    assert!((1.5..=4.5).contains(&gs), "2 GPUs over ~1 s between snapshots: {gs}");
-    assert!(v("gpuhub_slurm_shard_seconds_total{user=\"bob\",account=\"bio\"}") > 5.0);
+    assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"QOSMaxGRESPerUser\"}"), 1.0);
+    assert!(v("gpuhub_slurm_command_errors_total{command=\"scontrol show job\"}") >= 4.0, "2 bad lines per snapshot:\n{text}");
     promtool_check(&text);
 
-    // slurmctld stops answering: the command times out, slurm_up goes 0, nothing hangs.
-    script("squeue", "sleep 30");
+    // Jobs end and the node is back: their series go, the node's state and GPUs follow.
+    std::fs::write(bin.path().join("jobs.txt"), "No jobs in the system\n").unwrap();
+    let idle = NODE_LINE
+        .replace("State=MIXED+DRAIN", "State=IDLE")
+        .replace(" Reason=fan check [root@2026-12-01T15:00:00]", "")
+        .replace("GresUsed=gpu:h200:2(IDX:0-1)", "GresUsed=gpu:h200:0(IDX:N/A)");
+    std::fs::write(bin.path().join("nodes.txt"), format!("{idle}\n")).unwrap();
     let n = t.slurm_snapshots_taken();
-    let t0 = Instant::now();
-    let cfg_timeout = TelemetryConfig { slurm_timeout_ms: 300, ..cfg.clone() };
-    drop(t);
-    assert!(t0.elapsed() < Duration::from_secs(12), "shutdown waited too long: {:?}", t0.elapsed());
-    let _ = n;
-    let mut registry = Registry::default();
-    let t = Telemetry::start(&cfg_timeout, &mut registry);
-    while t.slurm_snapshots_taken() < 1 {
+    while t.slurm_snapshots_taken() < n + 2 {
         assert!(Instant::now() < deadline + Duration::from_secs(10), "no Slurm snapshot");
         std::thread::sleep(Duration::from_millis(20));
     }
     let text = render(&registry, &t);
+    assert!(!text.contains("gpuhub_slurm_job_gpus{"), "no ghosts:\n{text}");
+    assert!(!text.contains("state=\"draining\""), "{text}");
+    assert_eq!(value(&text, "gpuhub_slurm_node_state{node=\"gpu01\",state=\"idle\",reason=\"\"}"), Some(1.0), "{text}");
+    assert_eq!(value(&text, "gpuhub_slurm_gpus{state=\"idle\"}"), Some(2.0));
+    assert!(!text.contains("gpuhub_slurm_pending_jobs{"), "{text}");
+
+    // slurmctld stops answering: the command times out, slurm_up goes 0, nothing hangs.
+    write("scontrol", "#!/bin/sh\nsleep 30\n");
+    let t0 = Instant::now();
+    drop(t);
+    assert!(t0.elapsed() < Duration::from_secs(12), "shutdown waited too long: {:?}", t0.elapsed());
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&TelemetryConfig { slurm_timeout_ms: 300, ..cfg.clone() }, &mut registry);
+    while t.slurm_snapshots_taken() < 1 {
+        assert!(Instant::now() < deadline + Duration::from_secs(20), "no Slurm snapshot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = render(&registry, &t);
     assert_eq!(value(&text, "gpuhub_slurm_up "), Some(0.0), "{text}");
-    assert_eq!(value(&text, "gpuhub_slurm_command_errors_total{command=\"squeue\"}"), Some(1.0));
+    assert_eq!(value(&text, "gpuhub_slurm_command_errors_total{command=\"scontrol show job\"}"), Some(1.0));
 }
 
 #[test]
