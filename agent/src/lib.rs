@@ -180,6 +180,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
                 .await
         })
     };
+    let usage_metrics = acct_metrics.usage.clone();
     let mut ingestor = accounting::Ingestor::new(store.clone(), config.file.paths.spool_dir.clone(), state.telemetry.clone(), acct_metrics);
     let tcfg = &config.file.telemetry;
     if tcfg.enable_slurm && config.file.accounting.slurm_reconcile {
@@ -212,6 +213,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             "accounting: not reconciled with Slurm (telemetry.enable_slurm or accounting.slurm_reconcile is off); job records are billed as they claim"
         );
     }
+    let usage_counters = accounting::usage_counters::UsageCounters::new(store.clone(), tcfg.effective_node_name(), usage_metrics);
+    let usage_task = tokio::spawn(
+        usage_counters.run(std::time::Duration::from_millis(config.file.accounting.usage_counters_interval_ms), token.clone()),
+    );
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
     let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, exposition, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
@@ -221,6 +226,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     token.cancel();
     if ingest.await.is_err() {
         tracing::error!("accounting: the ingest task failed");
+    }
+    if usage_task.await.is_err() {
+        tracing::error!("accounting: the usage counter task failed");
     }
     for (name, task) in [("gateway", gateway), ("metrics", metrics), ("control", control)] {
         match task.await {

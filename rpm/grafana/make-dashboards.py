@@ -201,8 +201,8 @@ def gpu_hours():
     gh = f"sum by (user, account) (increase(gpuhub_slurm_gpu_seconds_total{{{us}}}[$__range])) / 3600"
     sh = f"sum by (user, account) (increase(gpuhub_slurm_shard_seconds_total{{{us}}}[$__range])) / 3600"
     p = [
-        text(L, "", "GPU-hours sampled from Slurm (squeue) in the selected range. The exact, record-based figures "
-             "(per job, per GPU, per shard) come from `gpuhub usage --since 30d --by user` and `gpuhub job JOBID`. "
+        text(L, "", "GPU-hours in the selected range, from the accounting store: what Slurm allocated, as "
+             "`gpuhub usage --by user` bills it (running jobs up to now). Per job, GPU and shard: `gpuhub job JOBID`. "
              "GPU-equivalent hours = GPU-hours + shard-hours / $shards_per_gpu.", h=2),
         stat(L, "GPU-hours", f"sum({gh})", unit="short", w=6),
         stat(L, "Shard-hours", f"sum({sh})", unit="short", w=6),

@@ -144,8 +144,6 @@ pub struct GpuhubMetrics {
     pub slurm_job_shards: Family<SlurmLiveJobLabels, Gauge>,
     pub slurm_job_cpus: Family<SlurmLiveJobLabels, Gauge>,
     pub slurm_job_memory: Family<SlurmLiveJobLabels, Gauge>,
-    pub slurm_gpu_seconds: Family<UserAccountLabels, CounterF>,
-    pub slurm_shard_seconds: Family<UserAccountLabels, CounterF>,
     pub slurm_command_errors: Family<CommandLabels, Counter>,
     pub slurm_last_snapshot: GaugeF,
 }
@@ -221,18 +219,6 @@ impl GpuhubMetrics {
             "Memory allocated to a running job on this node (job-wide)",
             Unit::Bytes,
             m.slurm_job_memory.clone(),
-        );
-        r.register_with_unit(
-            "slurm_gpu",
-            "Whole-GPU seconds allocated on this node, by user and account, as sampled from slurmctld (exact figures: gpuhub usage)",
-            Unit::Seconds,
-            m.slurm_gpu_seconds.clone(),
-        );
-        r.register_with_unit(
-            "slurm_shard",
-            "Shard seconds allocated on this node, by user and account, as sampled from slurmctld",
-            Unit::Seconds,
-            m.slurm_shard_seconds.clone(),
         );
         r.register("slurm_command_errors", "Slurm commands that failed or timed out", m.slurm_command_errors.clone());
         r.register_with_unit(

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::metrics::{
     AllocState, CommandLabels, GpuhubMetrics, NodeAllocLabels, NodeStateLabels, ReasonLabels, SlurmJobLabels, SlurmLiveJobLabels,
-    StateLabels, UserAccountLabels,
+    StateLabels,
 };
 use super::{Published, Stop, TelemetryConfig, lock, unix_now};
 use crate::accounting::slurm::{SlurmJob, is_finished, is_live, parse_scontrol, parse_slurm_size};
@@ -300,8 +300,6 @@ pub struct SlurmSampler {
     live_node_alloc: HashSet<NodeAllocLabels>,
     live_job_alloc: HashSet<SlurmLiveJobLabels>,
     warned_node: bool,
-    last_ok: Option<Instant>,
-    interval: Duration,
 }
 
 const JOB_CMD: &str = "scontrol show job";
@@ -325,13 +323,10 @@ impl SlurmSampler {
             live_node_alloc: HashSet::new(),
             live_job_alloc: HashSet::new(),
             warned_node: false,
-            last_ok: None,
-            interval: Duration::from_millis(cfg.slurm_interval_ms),
         }
     }
 
     pub(crate) fn run(mut self, interval: Duration, stop: &Stop) {
-        self.interval = interval;
         loop {
             if stop.is_stopped() {
                 return;
@@ -369,7 +364,6 @@ impl SlurmSampler {
                 }
                 self.was_up = Some(false);
                 self.own.slurm_up.set(0);
-                self.last_ok = None;
             }
         }
     }
@@ -415,11 +409,6 @@ impl SlurmSampler {
 
         // Each live job's allocation on the counted node(s): GPUs and shards per node from its
         // GRES indices (any request syntax), CPUs and memory job-wide.
-        let now = Instant::now();
-        // Allocated time since the previous good snapshot, bounded to two intervals so an
-        // outage is not invented as usage.
-        let dt = self.last_ok.map(|prev| now.duration_since(prev).min(self.interval * 2).as_secs_f64());
-        self.last_ok = Some(now);
         let mut job_alloc_now = HashSet::new();
         let (mut job_gpus, mut job_shards) = (0u32, 0u32);
         for j in snap.jobs.values().filter(|j| is_live(&j.state)) {
@@ -436,15 +425,6 @@ impl SlurmSampler {
             m.slurm_job_shards.get_or_create(&l).set(i64::from(a.shards));
             m.slurm_job_cpus.get_or_create(&l).set(i64::from(j.cpus));
             m.slurm_job_memory.get_or_create(&l).set(i64::try_from(j.mem_bytes).unwrap_or(i64::MAX));
-            if let Some(dt) = dt {
-                let ua = UserAccountLabels { user: l.user.clone(), account: l.account.clone() };
-                if a.gpus > 0 {
-                    m.slurm_gpu_seconds.get_or_create(&ua).inc_by(f64::from(a.gpus) * dt);
-                }
-                if a.shards > 0 {
-                    m.slurm_shard_seconds.get_or_create(&ua).inc_by(f64::from(a.shards) * dt);
-                }
-            }
             job_alloc_now.insert(l);
         }
         for f in [&m.slurm_job_gpus, &m.slurm_job_shards, &m.slurm_job_cpus, &m.slurm_job_memory] {
