@@ -144,6 +144,16 @@ def dashboard(uid, title, description, panels, variables, time_from="now-6h", ta
     }
 
 
+# Local filesystems (not tmpfs, overlay, squashfs: what fills up and stops a node).
+REAL_FS = '{fstype!~"tmpfs|ramfs|devtmpfs|overlay|squashfs|nsfs|fuse.*"}'
+
+
+def node(expr):
+    """A node_exporter series (or rate) of the nodes whose GPUs are selected: node_exporter knows
+    no Hostname, so join on node_uname_info's nodename (the host name the agent labels GPUs with)."""
+    return f'({expr} * on (instance) group_left () node_uname_info{{nodename=~"$Hostname"}})'
+
+
 # --------------------------------------------------------------------------- GPU telemetry
 def gpu_telemetry():
     L = Layout()
@@ -157,6 +167,20 @@ def gpu_telemetry():
         stat(L, "NVML", "min(gpuhub_nvml_up)", description="1: the agent reads the GPUs; 0: no NVML or no GPU (see gpuhub doctor)",
              thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}]),
     ]
+    # The node beside the GPUs (Debian's prometheus-node-exporter, the `node` job of the shipped
+    # scrape config), matched to the GPUs' Hostname through node_uname_info's nodename.
+    busy = [{"color": "green", "value": None}, {"color": "orange", "value": 80}, {"color": "red", "value": 95}]
+    idle_rate = node('rate(node_cpu_seconds_total{mode="idle"}[5m])')
+    mem_avail, mem_total = node("node_memory_MemAvailable_bytes"), node("node_memory_MemTotal_bytes")
+    fs_avail, fs_size = node("node_filesystem_avail_bytes" + REAL_FS), node("node_filesystem_size_bytes" + REAL_FS)
+    p += [
+        stat(L, "CPU busy", f"100 * (1 - avg({idle_rate}))", unit="percent", w=8,
+             description="All cores of the node, from node_exporter.", thresholds=busy),
+        stat(L, "RAM used", f"100 * (1 - sum({mem_avail}) / sum({mem_total}))",
+             unit="percent", w=8, description="MemTotal - MemAvailable, from node_exporter.", thresholds=busy),
+        stat(L, "Fullest disk", f"max(100 * (1 - {fs_avail} / {fs_size}))",
+             unit="percent", w=8, description="The fullest local filesystem (space an unprivileged user can still use).", thresholds=busy),
+    ]
     p.append(row(L, "GPU $gpu", repeat="gpu"))
     one = 'Hostname=~"$Hostname", gpu=~"$gpu"'
     p += [
@@ -168,6 +192,28 @@ def gpu_telemetry():
         timeseries(L, "Power", [(f"DCGM_FI_DEV_POWER_USAGE{{{one}}}", "draw"), (f"rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{one}}}[5m]) / 1000", "from energy counter")], unit="watt", w=6, h=6),
         timeseries(L, "Clocks", [(f"DCGM_FI_DEV_SM_CLOCK{{{one}}}", "SM"), (f"DCGM_FI_DEV_MEM_CLOCK{{{one}}}", "memory")], unit="rotmhz", w=6, h=6),
         timeseries(L, "ECC errors (volatile)", [(f"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{one}}}", "single-bit"), (f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{one}}}", "double-bit")], w=6, h=6),
+    ]
+    p.append(row(L, "Node: CPU, memory, disks, network (node_exporter)"))
+    cpu_busy = node('rate(node_cpu_seconds_total{mode!="idle"}[5m])')
+    cpus = node('node_cpu_seconds_total{mode="idle"}')
+    cached, buffers = node("node_memory_Cached_bytes"), node("node_memory_Buffers_bytes")
+    net_in = node('rate(node_network_receive_bytes_total{device!="lo"}[5m])')
+    net_out = node('rate(node_network_transmit_bytes_total{device!="lo"}[5m])')
+    p += [
+        timeseries(L, "CPU by mode", [(f"sum by (mode) ({cpu_busy}) / scalar(count({cpus}))", "{{mode}}")],
+                   unit="percentunit", w=6, h=7, stack=True),
+        timeseries(L, "Memory", [
+            (f"sum({mem_total}) - sum({mem_avail})", "used"),
+            (f"sum({cached}) + sum({buffers})", "cache and buffers"),
+            (f"sum({mem_avail})", "available"),
+        ], unit="bytes", w=6, h=7),
+        timeseries(L, "Disk space used", [(f"100 * (1 - {fs_avail} / {fs_size})", "{{mountpoint}}")], unit="percent", w=6, h=7),
+        timeseries(L, "Disk and network I/O", [
+            (f"sum({node('rate(node_disk_read_bytes_total[5m])')})", "disk read"),
+            (f"sum({node('rate(node_disk_written_bytes_total[5m])')})", "disk write"),
+            (f"sum({net_in})", "network in"),
+            (f"sum({net_out})", "network out"),
+        ], unit="Bps", w=6, h=7),
     ]
     p.append(row(L, "Jobs on the GPUs (per process, shards included)"))
     jsel = 'gpu=~"$gpu"'
