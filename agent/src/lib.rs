@@ -107,6 +107,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let telemetry = Arc::new(telemetry::Telemetry::start(&config.file.telemetry, &mut registry));
 
     let acct_metrics = accounting::AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+    registry.sub_registry_with_prefix("gpuhub").register_collector(Box::new(telemetry::disk::DirSpace::new(vec![
+        ("state", config.file.paths.state_dir.clone()),
+        ("spool", config.file.paths.spool_dir.clone()),
+    ])));
     let gateway = Arc::new(gateway::Gateway::start(&config, &store, registry.sub_registry_with_prefix("gpuhub")).await?);
 
     let catalog = Arc::new(Catalog::from_config(&config.file));

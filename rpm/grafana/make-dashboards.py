@@ -144,6 +144,13 @@ def dashboard(uid, title, description, panels, variables, time_from="now-6h", ta
     }
 
 
+def g(name, sel):
+    """One value per GPU: the agent (like dcgm-exporter) copies each DCGM series once per job on
+    the GPU (hpc_job), so a GPU shared by several shard jobs has several identical series. Every
+    GPU query takes one of them first, or counts and power are multiplied by the jobs."""
+    return f"max by (Hostname, gpu, UUID) ({name}{{{sel}}})"
+
+
 # Local filesystems (not tmpfs, overlay, squashfs: what fills up and stops a node).
 REAL_FS = '{fstype!~"tmpfs|ramfs|devtmpfs|overlay|squashfs|nsfs|fuse.*"}'
 
@@ -159,10 +166,10 @@ def gpu_telemetry():
     L = Layout()
     sel = 'Hostname=~"$Hostname", gpu=~"$gpu"'
     p = [
-        stat(L, "GPUs", f"count(DCGM_FI_DEV_GPU_UTIL{{{sel}}})"),
-        stat(L, "Mean utilisation", f"avg(DCGM_FI_DEV_GPU_UTIL{{{sel}}})", unit="percent"),
-        stat(L, "VRAM in use", f"sum(DCGM_FI_DEV_FB_USED{{{sel}}}) / sum(DCGM_FI_DEV_FB_TOTAL{{{sel}}}) * 100", unit="percent"),
-        stat(L, "Power", f"sum(DCGM_FI_DEV_POWER_USAGE{{{sel}}})", unit="watt"),
+        stat(L, "GPUs", f"count({g('DCGM_FI_DEV_GPU_UTIL', sel)})"),
+        stat(L, "Mean utilisation", f"avg({g('DCGM_FI_DEV_GPU_UTIL', sel)})", unit="percent"),
+        stat(L, "VRAM in use", f"sum({g('DCGM_FI_DEV_FB_USED', sel)}) / sum({g('DCGM_FI_DEV_FB_TOTAL', sel)}) * 100", unit="percent"),
+        stat(L, "Power", f"sum({g('DCGM_FI_DEV_POWER_USAGE', sel)})", unit="watt"),
         stat(L, "Jobs on GPUs", 'count(count by (jobid) (gpuhub_job_gpu_processes{gpu=~"$gpu"}))'),
         stat(L, "NVML", "min(gpuhub_nvml_up)", description="1: the agent reads the GPUs; 0: no NVML or no GPU (see gpuhub doctor)",
              thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}]),
@@ -183,15 +190,32 @@ def gpu_telemetry():
     ]
     p.append(row(L, "GPU $gpu", repeat="gpu"))
     one = 'Hostname=~"$Hostname", gpu=~"$gpu"'
+    prof = [("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "graphics engine"), ("DCGM_FI_PROF_SM_ACTIVE", "SM active"),
+            ("DCGM_FI_PROF_SM_OCCUPANCY", "SM occupancy"), ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "tensor cores"),
+            ("DCGM_FI_PROF_DRAM_ACTIVE", "HBM (DRAM) active")]
     p += [
-        gauge(L, "Utilisation", f"avg(DCGM_FI_DEV_GPU_UTIL{{{one}}})", w=4),
-        gauge(L, "VRAM used", f"sum(DCGM_FI_DEV_FB_USED{{{one}}}) / sum(DCGM_FI_DEV_FB_TOTAL{{{one}}}) * 100", w=4),
-        timeseries(L, "Utilisation", [(f"DCGM_FI_DEV_GPU_UTIL{{{one}}}", "SM {{hpc_job}}"), (f"DCGM_FI_DEV_MEM_COPY_UTIL{{{one}}}", "memory copy")], unit="percent", w=8, h=6),
-        timeseries(L, "VRAM", [(f"DCGM_FI_DEV_FB_USED{{{one}}} * 1048576", "used"), (f"DCGM_FI_DEV_FB_FREE{{{one}}} * 1048576", "free")], unit="bytes", w=8, h=6, stack=True),
-        timeseries(L, "Temperature", [(f"DCGM_FI_DEV_GPU_TEMP{{{one}}}", "GPU")], unit="celsius", w=6, h=6),
-        timeseries(L, "Power", [(f"DCGM_FI_DEV_POWER_USAGE{{{one}}}", "draw"), (f"rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{one}}}[5m]) / 1000", "from energy counter")], unit="watt", w=6, h=6),
-        timeseries(L, "Clocks", [(f"DCGM_FI_DEV_SM_CLOCK{{{one}}}", "SM"), (f"DCGM_FI_DEV_MEM_CLOCK{{{one}}}", "memory")], unit="rotmhz", w=6, h=6),
-        timeseries(L, "ECC errors (volatile)", [(f"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{one}}}", "single-bit"), (f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{one}}}", "double-bit")], w=6, h=6),
+        gauge(L, "Utilisation", f"avg({g('DCGM_FI_DEV_GPU_UTIL', one)})", w=4),
+        gauge(L, "VRAM used", f"sum({g('DCGM_FI_DEV_FB_USED', one)}) / sum({g('DCGM_FI_DEV_FB_TOTAL', one)}) * 100", w=4),
+        timeseries(L, "Utilisation", [(g("DCGM_FI_DEV_GPU_UTIL", one), "SM"), (g("DCGM_FI_DEV_MEM_COPY_UTIL", one), "memory copy"),
+                                      (g("DCGM_FI_DEV_ENC_UTIL", one), "encoder"), (g("DCGM_FI_DEV_DEC_UTIL", one), "decoder")], unit="percent", w=8, h=6),
+        timeseries(L, "VRAM", [(f"{g('DCGM_FI_DEV_FB_USED', one)} * 1048576", "used"), (f"{g('DCGM_FI_DEV_FB_FREE', one)} * 1048576", "free"),
+                               (f"{g('DCGM_FI_DEV_FB_RESERVED', one)} * 1048576", "reserved")], unit="bytes", w=8, h=6, stack=True),
+        timeseries(L, "Profiling (GPM, Hopper and later)", [(g(n, one), legend) for n, legend in prof], unit="percentunit", w=12, h=6,
+                   description="dcgm-exporter's DCGM_FI_PROF_* ratios over the last sampling interval, from NVML's GPM. Empty before Hopper."),
+        timeseries(L, "PCIe and NVLink", [
+            (g("DCGM_FI_PROF_PCIE_TX_BYTES", one), "PCIe TX"), (g("DCGM_FI_PROF_PCIE_RX_BYTES", one), "PCIe RX"),
+            (g("DCGM_FI_PROF_NVLINK_TX_BYTES", one), "NVLink TX"), (g("DCGM_FI_PROF_NVLINK_RX_BYTES", one), "NVLink RX"),
+        ], unit="Bps", w=12, h=6),
+        timeseries(L, "Temperature", [(g("DCGM_FI_DEV_GPU_TEMP", one), "GPU"), (g("DCGM_FI_DEV_MEMORY_TEMP", one), "memory (HBM)")], unit="celsius", w=6, h=6),
+        timeseries(L, "Power", [(g("DCGM_FI_DEV_POWER_USAGE", one), "draw"), (f"max by (Hostname, gpu, UUID) (rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{one}}}[5m])) / 1000", "from energy counter")],
+                   unit="watt", w=6, h=6),
+        timeseries(L, "Clocks", [(g("DCGM_FI_DEV_SM_CLOCK", one), "SM"), (g("DCGM_FI_DEV_MEM_CLOCK", one), "memory")], unit="rotmhz", w=6, h=6),
+        timeseries(L, "Errors", [
+            (g("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", one), "ECC single-bit"), (g("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", one), "ECC double-bit"),
+            (g("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", one), "rows remapped (correctable)"),
+            (g("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", one), "rows remapped (uncorrectable)"),
+            (g("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", one), "PCIe replays"), (g("DCGM_FI_DEV_XID_ERRORS", one), "last XID"),
+        ], w=6, h=6, description="Counts since the driver loaded; last XID: the code of the GPU's last XID error (0: none)."),
     ]
     p.append(row(L, "Node: CPU, memory, disks, network (node_exporter)"))
     cpu_busy = node('rate(node_cpu_seconds_total{mode!="idle"}[5m])')
@@ -267,6 +291,21 @@ def gpu_hours():
         timeseries(L, "Pending jobs by reason", [("sum by (reason) (gpuhub_slurm_pending_jobs)", "{{reason}}")], stack=True, w=8),
         timeseries(L, "Jobs by state and partition", [('sum by (state, partition) (gpuhub_slurm_jobs{user=~"$user"})', "{{partition}} {{state}}")], stack=True, w=24),
     ]
+    p.append(row(L, "This node in Slurm (from slurmctld, whatever the request syntax)"))
+    js = 'user=~"$user", account=~"$account"'
+    p += [
+        table(L, "Node state", [("max by (node, state, reason) (gpuhub_slurm_node_state == 1)", "Now")], w=8, h=5,
+              description="idle, mixed, allocated, drained (drain and nothing runs), draining, down, ...; the reason is the admin's."),
+        timeseries(L, "CPUs allocated / idle", [("sum by (state) (gpuhub_slurm_node_cpus)", "{{state}}")], stack=True, w=8, h=5),
+        timeseries(L, "Memory allocated / idle", [("sum by (state) (gpuhub_slurm_node_memory_bytes)", "{{state}}")], unit="bytes", stack=True, w=8, h=5),
+        table(L, "Running jobs on this node", [
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_gpus{{{js}}})", "GPUs"),
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_shards{{{js}}})", "Shards"),
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_cpus{{{js}}})", "CPUs"),
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_memory_bytes{{{js}}})", "Memory"),
+        ], units={"Memory": "bytes"}, sort="GPUs", w=24, h=8,
+            description="Each running job's allocation as slurmctld reports it (--gres, --gpus, --gpus-per-node, --gpus-per-task, shards alike)."),
+    ]
     variables = [
         query_var("user", "User", "label_values(gpuhub_slurm_gpu_seconds_total, user)"),
         query_var("account", "Account", "label_values(gpuhub_slurm_gpu_seconds_total, account)"),
@@ -335,13 +374,13 @@ def names():
         text(L, "", "Every call is counted by the state of the name it asked for. **Retired** and **unknown** names fail; "
              "**deprecated** names still work until their sunset. Act with `gpuhub names callers NAME`, "
              "`gpuhub names rename OLD NEW --sunset DATE`, `gpuhub names restore NAME`.", h=2),
-        stat(L, "Calls to retired names", 'sum(increase(gpuhub_gateway_name_calls_total{state="retired"}[$__range]))', w=6,
+        stat(L, "Calls to retired names", 'sum(increase(gpuhub_gateway_name_calls_total{state="retired"}[$__range])) or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
-        stat(L, "Calls to unknown names", 'sum(increase(gpuhub_gateway_name_calls_total{state="unknown"}[$__range]))', w=6,
+        stat(L, "Calls to unknown names", 'sum(increase(gpuhub_gateway_name_calls_total{state="unknown"}[$__range])) or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to deprecated names", 'sum(increase(gpuhub_gateway_name_calls_total{state="deprecated"}[$__range]))', w=6,
+        stat(L, "Calls to deprecated names", 'sum(increase(gpuhub_gateway_name_calls_total{state="deprecated"}[$__range])) or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to roles without a model", 'sum(increase(gpuhub_gateway_name_calls_total{state="unassigned"}[$__range]))', w=6,
+        stat(L, "Calls to roles without a model", 'sum(increase(gpuhub_gateway_name_calls_total{state="unassigned"}[$__range])) or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
         timeseries(L, "Calls by name state", [("sum by (state) (rate(gpuhub_gateway_name_calls_total[5m]))", "{{state}}")], unit="reqps", stack=True, w=24),
         table(L, "Deprecated names: sunset and who still calls them", [

@@ -196,6 +196,11 @@ impl AccountingMetrics {
             "Claims in usage records that Slurm's allocation contradicts, by field (billed as Slurm says; see gpuhub job)",
             m.disagreements.clone(),
         );
+        // Every field a disagreement can name, at 0, so the series (and the alert on it) exist
+        // before the first one.
+        for field in reconcile::DISAGREEMENT_FIELDS {
+            let _ = m.disagreements.get_or_create(&FieldLabels { field: (*field).to_string() });
+        }
         r.register(
             "accounting_slurm_errors",
             "Looks at Slurm (scontrol/sacct) for accounting that failed or timed out (retried next interval)",

@@ -17,6 +17,7 @@
 //!   names, types and labels), so existing Grafana dashboards work unchanged; encoded from a
 //!   per-pass snapshot next to the registry ([`exposition::Exposition`]).
 //! - [`metrics`]: gpuhub's own base-unit series under the `gpuhub_` prefix.
+//! - [`disk`]: free space of the agent's state and spool directories (read at scrape time).
 //!
 //! Threads, not tasks: NVML and `fork`/`exec` of Slurm commands block, so they never run on a
 //! tokio worker (STYLE.md §3). Both threads stop when [`Telemetry`] is dropped or
@@ -25,6 +26,7 @@
 
 pub mod attribution;
 pub mod dcgm;
+pub mod disk;
 pub mod exposition;
 pub mod gpm;
 pub mod metrics;
