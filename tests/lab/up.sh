@@ -286,7 +286,21 @@ if [ "$AGENT" = 1 ]; then
             agent_stop
         fi
     fi
-    agent_start "$TIMEOUT" || die "gpuhub-agent did not answer http://127.0.0.1:8400/healthz within ${TIMEOUT}s"
+    if ! agent_start "$TIMEOUT"; then
+        # The lab's store is the lab's own (SQLite under /var/lib/gpuhub): when another checkout
+        # with newer migrations used this lab, this build refuses it. Set it aside and start fresh
+        # (production never does this: there the refusal stands and names the upgrade).
+        if tail -n 5 "$LAB_AGENT_LOG" | grep -q 'was migrated by a newer gpuhub'; then
+            aside="/var/lib/gpuhub/gpuhub.db.newer.$(date +%s)"
+            log "the lab store was migrated by a newer gpuhub-agent (another checkout); moving it to $aside and starting on a fresh one"
+            for f in /var/lib/gpuhub/gpuhub.db /var/lib/gpuhub/gpuhub.db-wal /var/lib/gpuhub/gpuhub.db-shm; do
+                [ -e "$f" ] && mv -f "$f" "$aside${f#/var/lib/gpuhub/gpuhub.db}"
+            done
+            agent_start "$TIMEOUT" || die "gpuhub-agent did not answer http://127.0.0.1:8400/healthz within ${TIMEOUT}s"
+        else
+            die "gpuhub-agent did not answer http://127.0.0.1:8400/healthz within ${TIMEOUT}s"
+        fi
+    fi
 else
     log "GPUHUB_LAB_AGENT=0: not starting gpuhub-agent"
 fi

@@ -370,11 +370,8 @@ impl Ingestor {
             Action::Verify { node, job_id, job, .. } => (node.as_str(), *job_id, job.source.as_str()),
             Action::Unverified { node, job_id } => (node.as_str(), *job_id, "slurm"),
             Action::Close { node, job_id, job, how, end_us, .. } => {
-                if applied.anomalies.contains(&Anomaly::EndFromSlurm) || applied.anomalies.contains(&Anomaly::EndApproximate) {
-                    tracing::warn!(
-                        "accounting: job {job_id} on {node}: end record never arrived; closed from Slurm at {:.0} ({how})",
-                        *end_us as f64 / 1e6
-                    );
+                for a in applied.anomalies.iter().filter(|a| matches!(a, Anomaly::EndFromSlurm | Anomaly::EndApproximate)) {
+                    tracing::warn!("accounting: job {job_id} on {node}: {}; closed at {:.0} ({how})", a.explain(), *end_us as f64 / 1e6);
                 }
                 (node.as_str(), *job_id, job.as_ref().map_or("slurm", |(j, _)| j.source.as_str()))
             }
