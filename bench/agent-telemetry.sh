@@ -1,11 +1,13 @@
 #!/bin/bash
-# Agent telemetry benchmark: the real gpuhub-agent with 8 fake H200s (tests/fake-nvml) and 200
+# Agent telemetry benchmark, measured with the fake NVML library (tests/fake-nvml), not a GPU: the
+# real gpuhub-agent with 8 fake H200s scripted with every field it reads (every DCGM_FI_* series,
+# the GPM profiling ones included) and 200
 # running "jobs" (real processes carrying SLURM_JOB_ID/SLURM_JOB_USER, 25 per GPU, listed by the
 # fake NVML as GPU processes), sampling every 1 s. Prints, from one run:
 #   - idle RSS of the agent (VmRSS after warm-up, and VmHWM at the end)
 #   - CPU used per minute (utime+stime over BENCH_SECONDS, scaled to 60 s) as % of one core
 #   - p50/p99 time of a /metrics scrape (wrk, 1 connection, after the CPU window)
-# Targets (issue 3): RSS <= 30 MiB, CPU <= 1 % of a core, scrape p99 <= 5 ms.
+# Targets (issues 3 and 16): RSS <= 30 MiB, CPU <= 1 % of a core, scrape p99 <= 5 ms.
 # Usage: bench/agent-telemetry.sh            (BENCH_SECONDS=60 BENCH_JOBS=200 BENCH_GPUS=8)
 # Needs: cargo build --release (target/release/gpuhub-agent), cc, wrk, curl, python3.
 set -euo pipefail
@@ -90,7 +92,7 @@ p50="$(awk '$1 == "50%" { print $2 }' <<<"$wrk_out")"
 p99="$(awk '$1 == "99%" { print $2 }' <<<"$wrk_out")"
 reqs="$(awk '/requests in/ { print $1 }' <<<"$wrk_out")"
 
-echo "agent telemetry benchmark: $ngpus fake H200s, $njobs running jobs (25/GPU, half shard jobs), sampling 1 s, slurm snapshots: $slurm"
+echo "agent telemetry benchmark, MEASURED WITH THE FAKE NVML (tests/fake-nvml: scripted GPUs, no driver calls): $ngpus fake H200s, $njobs running jobs ($((njobs / ngpus))/GPU, half shard jobs), sampling 1 s, slurm snapshots: $slurm"
 echo "  /metrics: $lines samples, $(printf %s "$body" | wc -c) bytes; $dcgm_families DCGM_FI_* families, $dcgm_job of the samples are their copies per job"
 printf '  idle RSS:        %6.1f MiB after warm-up, %6.1f MiB at end, peak (VmHWM) %6.1f MiB   (target <= 30 MiB)\n' \
     "$(awk -v k="$rss_idle" 'BEGIN{print k/1024}')" "$(awk -v k="$rss_end" 'BEGIN{print k/1024}')" "$(awk -v k="$hwm" 'BEGIN{print k/1024}')"

@@ -144,6 +144,14 @@ def dashboard(uid, title, description, panels, variables, time_from="now-6h", ta
     }
 
 
+def events(series, rng="$__range"):
+    """Events a lazily created counter counted in the range. The agent creates a counter series
+    at its first event (a name's first call by a user and app), already at 1, and increase()
+    cannot see that first step: series that existed at the range's start contribute their
+    increase, series born within the range their whole value."""
+    return f"((increase({series}[{rng}]) and {series} offset {rng}) or ({series} unless {series} offset {rng}))"
+
+
 def g(name, sel):
     """One value per GPU: the agent (like dcgm-exporter) copies each DCGM series once per job on
     the GPU (hpc_job), so a GPU shared by several shard jobs has several identical series. Every
@@ -347,14 +355,14 @@ def gateway():
         timeseries(L, "In flight and queued", [(f"sum by (model) (gpuhub_gateway_in_flight{{{m}}})", "in flight {{model}}"), (f"sum by (model) (gpuhub_gateway_queued{{{m}}})", "queued {{model}}")]),
         table(L, "Model workers", [
             (f"max by (model, state) (gpuhub_model_state{{{m}}} == 1)", "Current"),
-            (f"sum by (model) (increase(gpuhub_model_transitions_total{{{m}}}[$__range]))", "Transitions"),
+            (f"sum by (model) {events(f'gpuhub_model_transitions_total{{{m}}}')}", "Transitions"),
             (f"sum by (model) (increase(gpuhub_model_evictions_total{{{m}}}[$__range]))", "Evictions"),
         ], w=12, h=8, description="State per model (unloaded, pending in Slurm, starting, ready, draining, failed); `gpuhub models` shows the reasons."),
         timeseries(L, "Cold-start time (first call to ready)", [(f"histogram_quantile(0.5, sum by (le, model) (rate(gpuhub_model_load_duration_seconds_bucket{{{m}}}[1h])))", "p50 {{model}}")], unit="s"),
         timeseries(L, "Usage log", [("sum(rate(gpuhub_gateway_usage_rows_spilled_total[5m]))", "rows spilled to disk/s"), ("sum(rate(gpuhub_gateway_usage_write_failures_total[5m]))", "write failures/s")],
                    description="Every call gets a usage row; when the store is slow rows wait on disk and are replayed, never dropped."),
         table(L, "Calls in the range per model, name asked, user and app", [
-            (f"sum by (model, requested, user, app) (increase(gpuhub_gateway_requests_total{{{f}}}[$__range]))", "Calls"),
+            (f"sum by (model, requested, user, app) {events(f'gpuhub_gateway_requests_total{{{f}}}')}", "Calls"),
         ], w=12, h=8, sort="Calls"),
     ]
     variables = [
@@ -368,32 +376,35 @@ def gateway():
 
 
 # --------------------------------------------------------------------------- names
+CALLS = 'gpuhub_gateway_name_calls_total{{state=~"{}"}}'
+
+
 def names():
     L = Layout()
     p = [
         text(L, "", "Every call is counted by the state of the name it asked for. **Retired** and **unknown** names fail; "
              "**deprecated** names still work until their sunset. Act with `gpuhub names callers NAME`, "
              "`gpuhub names rename OLD NEW --sunset DATE`, `gpuhub names restore NAME`.", h=2),
-        stat(L, "Calls to retired names", 'sum(increase(gpuhub_gateway_name_calls_total{state="retired"}[$__range])) or vector(0)', w=6,
+        stat(L, "Calls to retired names", f'sum {events(CALLS.format("retired"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
-        stat(L, "Calls to unknown names", 'sum(increase(gpuhub_gateway_name_calls_total{state="unknown"}[$__range])) or vector(0)', w=6,
+        stat(L, "Calls to unknown names", f'sum {events(CALLS.format("unknown"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to deprecated names", 'sum(increase(gpuhub_gateway_name_calls_total{state="deprecated"}[$__range])) or vector(0)', w=6,
+        stat(L, "Calls to deprecated names", f'sum {events(CALLS.format("deprecated"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to roles without a model", 'sum(increase(gpuhub_gateway_name_calls_total{state="unassigned"}[$__range])) or vector(0)', w=6,
+        stat(L, "Calls to roles without a model", f'sum {events(CALLS.format("unassigned"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
         timeseries(L, "Calls by name state", [("sum by (state) (rate(gpuhub_gateway_name_calls_total[5m]))", "{{state}}")], unit="reqps", stack=True, w=24),
         table(L, "Deprecated names: sunset and who still calls them", [
             ("max by (name, replacement) (gpuhub_name_sunset_timestamp_seconds - time()) / 86400", "Days to sunset"),
         ], w=8, h=9, sort="Days to sunset"),
         table(L, "Callers of deprecated names (range)", [
-            ('sum by (name, user, app) (increase(gpuhub_gateway_name_calls_total{state="deprecated"}[$__range])) > 0', "Calls"),
+            (f'sum by (name, user, app) {events(CALLS.format("deprecated"))} > 0', "Calls"),
         ], w=16, h=9, sort="Calls"),
         table(L, "Callers of retired and unknown names (range)", [
-            ('sum by (state, name, user, app) (increase(gpuhub_gateway_name_calls_total{state=~"retired|unknown|unassigned"}[$__range])) > 0', "Calls"),
+            (f'sum by (state, name, user, app) {events(CALLS.format("retired|unknown|unassigned"))} > 0', "Calls"),
         ], w=12, h=9, sort="Calls"),
         table(L, "Unknown names asked for (range)", [
-            ("topk(20, sum by (name) (increase(gpuhub_gateway_unknown_model_requests_total[$__range]))) > 0", "Calls"),
+            (f"topk(20, sum by (name) {events('gpuhub_gateway_unknown_model_requests_total')}) > 0", "Calls"),
         ], w=12, h=9, sort="Calls"),
         timeseries(L, "Calls per name (active and deprecated)", [('sum by (name, state) (rate(gpuhub_gateway_name_calls_total{state=~"active|deprecated"}[5m]))', "{{name}} ({{state}})")], unit="reqps", w=24),
     ]

@@ -137,7 +137,7 @@ done
 expect "count(count by (__name__) ({__name__=~\"DCGM_FI_.*\",UUID=\"$G1\",hpc_job=\"${JOB[c]}\"}))" 33
 meta="$(curl -fsS "$api/metadata?metric=DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" | jq -r '.data[][0].type')"
 [ "$meta" = counter ] || tel_fail "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION has type '$meta' in Prometheus, not dcgm-exporter's counter"
-echo "ok: DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION is a counter named as dcgm-exporter names it
+echo "ok: DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION is a counter named as dcgm-exporter names it"
 expect "rate(gpuhub_job_gpu_energy_joules_total{jobid=\"${JOB[c]}\"}[5s]) > bool 100" 1
 if [ "$mode" = slurm ]; then
     expect "gpuhub_slurm_up" 1

@@ -9,8 +9,8 @@
 //! (`squeue -o %b` shows `N/A` for `--gpus`, which is why this is not squeue). The job lines are
 //! parsed by accounting's parser ([`crate::accounting::slurm::parse_scontrol`]), which refuses a
 //! line whose free text imitates Slurm's fields; such a job is counted as a malformed line and
-//! left out of the per-job series, while the node's totals (`GresUsed`, `CPUAlloc`, `AllocMem`,
-//! which no user text reaches) stay exact.
+//! left out of the per-job series, while the node's totals (`CPUAlloc`, `AllocMem`, and GPUs
+//! from `GresUsed`, which no user text reaches) stay exact.
 //!
 //! Commands run with `LC_ALL=C`, `SLURM_TIME_FORMAT=%s` and a timeout
 //! (`telemetry.slurm_timeout_ms`) after which the command is killed, the snapshot skipped and
@@ -64,7 +64,7 @@ pub struct SlurmNode {
     pub mem_total_bytes: u64,
     /// `Gres=`.
     pub configured: NodeGres,
-    /// `GresUsed=`; `None` when the node line has none (then jobs' allocations are summed).
+    /// `GresUsed=`; `None` when the node line has none.
     pub used: Option<NodeGres>,
 }
 
@@ -432,15 +432,14 @@ impl SlurmSampler {
         }
         self.live_job_alloc = job_alloc_now;
 
-        // GPUs and shards of the node: configured, and in use as slurmctld says (GresUsed),
-        // else as the jobs' allocations add up.
+        // GPUs and shards of the node in use: what the live jobs hold, or the node's GresUsed
+        // if that says more (it also counts a job whose line was refused as ambiguous). Slurm
+        // 22.05's GresUsed counts shards wrongly (`shard:h200:1(IDX:0)` while 8 shards are held
+        // on GPU 0), so there the jobs' sum is the figure.
         let sum = |f: fn(&SlurmNode) -> u32| counted.iter().map(|n| f(n)).fold(0u32, u32::saturating_add);
         let (cfg_gpus, cfg_shards) = (sum(|n| n.configured.gpus), sum(|n| n.configured.shards));
-        let used = counted
-            .iter()
-            .all(|n| n.used.is_some())
-            .then(|| (sum(|n| n.used.map_or(0, |u| u.gpus)), sum(|n| n.used.map_or(0, |u| u.shards))));
-        let (gpus_alloc, shards_alloc) = used.unwrap_or((job_gpus, job_shards));
+        let (used_gpus, used_shards) = (sum(|n| n.used.map_or(0, |u| u.gpus)), sum(|n| n.used.map_or(0, |u| u.shards)));
+        let (gpus_alloc, shards_alloc) = (job_gpus.max(used_gpus), job_shards.max(used_shards));
         m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(gpus_alloc));
         m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(cfg_gpus.saturating_sub(gpus_alloc)));
         m.slurm_shards.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(shards_alloc));

@@ -553,7 +553,8 @@ fn slurm_snapshot_counts_gpus_and_shards_whatever_the_request_syntax() {
     // The node: GPUs/shards from GresUsed, state with the reason, CPUs and memory.
     assert_eq!(v("gpuhub_slurm_gpus{state=\"allocated\"}"), 2.0);
     assert_eq!(v("gpuhub_slurm_gpus{state=\"idle\"}"), 0.0);
-    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 28.0, "GresUsed says 0 shards in use");
+    assert_eq!(v("gpuhub_slurm_shards{state=\"allocated\"}"), 10.0, "the jobs' shards: 22.05's GresUsed undercounts them");
+    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 18.0);
     assert_eq!(v("gpuhub_slurm_node_state{node=\"gpu01\",state=\"draining\",reason=\"fan check\"}"), 1.0);
     assert_eq!(v("gpuhub_slurm_node_cpus{node=\"gpu01\",state=\"allocated\"}"), 11.0);
     assert_eq!(v("gpuhub_slurm_node_cpus{node=\"gpu01\",state=\"idle\"}"), 5.0);
