@@ -1,11 +1,13 @@
 #!/bin/bash
-# Agent telemetry benchmark: the real gpuhub-agent with 8 fake H200s (tests/fake-nvml) and 200
+# Agent telemetry benchmark, measured with the fake NVML library (tests/fake-nvml), not a GPU: the
+# real gpuhub-agent with 8 fake H200s scripted with every field it reads (every DCGM_FI_* series,
+# the GPM profiling ones included) and 200
 # running "jobs" (real processes carrying SLURM_JOB_ID/SLURM_JOB_USER, 25 per GPU, listed by the
 # fake NVML as GPU processes), sampling every 1 s. Prints, from one run:
 #   - idle RSS of the agent (VmRSS after warm-up, and VmHWM at the end)
 #   - CPU used per minute (utime+stime over BENCH_SECONDS, scaled to 60 s) as % of one core
 #   - p50/p99 time of a /metrics scrape (wrk, 1 connection, after the CPU window)
-# Targets (issue 3): RSS <= 30 MiB, CPU <= 1 % of a core, scrape p99 <= 5 ms.
+# Targets (issues 3 and 16): RSS <= 30 MiB, CPU <= 1 % of a core, scrape p99 <= 5 ms.
 # Usage: bench/agent-telemetry.sh            (BENCH_SECONDS=60 BENCH_JOBS=200 BENCH_GPUS=8)
 # Needs: cargo build --release (target/release/gpuhub-agent), cc, wrk, curl, python3.
 set -euo pipefail
@@ -39,7 +41,8 @@ done
 {
     echo "driver version=550.54.15"
     for ((g = 0; g < ngpus; g++)); do
-        printf 'gpu index=%d uuid=GPU-bench000-0000-0000-0000-%012d name="NVIDIA H200" pci=00000000:%02X:00.0 mem_total=150754820096 mem_used=100000000000 util=87 mem_util=40 temp=55 power_mw=600000 energy_mj=1000000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0\n' "$g" "$g" $((0x19 + g))
+        # Every field the agent reads, so every DCGM_FI_* series (GPM profiling included) is exported.
+        printf 'gpu index=%d uuid=GPU-bench000-0000-0000-0000-%012d name="NVIDIA H200" pci=00000000:%02X:00.0 mem_total=150754820096 mem_used=100000000000 util=87 mem_util=40 temp=55 power_mw=600000 energy_mj=1000000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0 mem_reserved=536870912 memory_temp=60 pcie_tx_kbs=1000 pcie_rx_kbs=2000 pcie_replay=0 enc_util=0 dec_util=0 nvlink_tx_kibps=1000 nvlink_rx_kibps=3000 remap_cor=0 remap_unc=0 remap_failed=0 gpm_gr_engine=80 gpm_sm_active=70 gpm_sm_occupancy=40 gpm_tensor=55 gpm_dram=45 gpm_pcie_tx=1500 gpm_pcie_rx=2500 gpm_nvlink_tx=3500 gpm_nvlink_rx=4500\n' "$g" "$g" $((0x19 + g))
     done
     for ((j = 0; j < njobs; j++)); do
         echo "proc gpu=$((j % ngpus)) pid=${pids[$j]} mem=$((4 * 1024 * 1024 * 1024)) sm=$((j % 40))"
@@ -67,7 +70,10 @@ body="$(curl -fsS "$url")"
 job_series="$(grep -c '^gpuhub_job_gpu_memory_used_bytes{' <<<"$body" || true)"
 lines="$(grep -vc '^#' <<<"$body" || true)"
 dcgm_job="$(grep -c '^DCGM_FI_[A-Z_]*{.*hpc_job="[^"]' <<<"$body" || true)"   # per-job copies of the DCGM series
+dcgm_families="$(grep -oE '^DCGM_FI_[A-Z_]+\{' <<<"$body" | sort -u | wc -l)"
 [ "$job_series" -eq "$njobs" ] || { echo "FAIL: expected $njobs per-job series, got $job_series"; tail -n 20 "$T/agent.log"; exit 1; }
+# Every DCGM family the agent has (dcgm.rs FAMILIES) carries samples, so the bench measures them all.
+[ "$dcgm_families" -eq 33 ] || { echo "FAIL: expected all 33 DCGM_FI_* families with samples, got $dcgm_families"; exit 1; }
 
 clk="$(getconf CLK_TCK)"
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$agent_pid/stat"; }
@@ -86,8 +92,8 @@ p50="$(awk '$1 == "50%" { print $2 }' <<<"$wrk_out")"
 p99="$(awk '$1 == "99%" { print $2 }' <<<"$wrk_out")"
 reqs="$(awk '/requests in/ { print $1 }' <<<"$wrk_out")"
 
-echo "agent telemetry benchmark: $ngpus fake H200s, $njobs running jobs (25/GPU, half shard jobs), sampling 1 s, slurm snapshots: $slurm"
-echo "  /metrics: $lines samples, $(printf %s "$body" | wc -c) bytes; $dcgm_job of the samples are DCGM_FI_* copies per job"
+echo "agent telemetry benchmark, MEASURED WITH THE FAKE NVML (tests/fake-nvml: scripted GPUs, no driver calls): $ngpus fake H200s, $njobs running jobs ($((njobs / ngpus))/GPU, half shard jobs), sampling 1 s, slurm snapshots: $slurm"
+echo "  /metrics: $lines samples, $(printf %s "$body" | wc -c) bytes; $dcgm_families DCGM_FI_* families, $dcgm_job of the samples are their copies per job"
 printf '  idle RSS:        %6.1f MiB after warm-up, %6.1f MiB at end, peak (VmHWM) %6.1f MiB   (target <= 30 MiB)\n' \
     "$(awk -v k="$rss_idle" 'BEGIN{print k/1024}')" "$(awk -v k="$rss_end" 'BEGIN{print k/1024}')" "$(awk -v k="$hwm" 'BEGIN{print k/1024}')"
 echo "  CPU:             $cpu_pct % of one core = $cpu_s_per_min CPU-s per minute over ${secs}s, no scrapes   (target <= 1 %)"

@@ -107,6 +107,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let telemetry = Arc::new(telemetry::Telemetry::start(&config.file.telemetry, &mut registry));
 
     let acct_metrics = accounting::AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+    registry.sub_registry_with_prefix("gpuhub").register_collector(Box::new(telemetry::disk::DirSpace::new(vec![
+        ("state", config.file.paths.state_dir.clone()),
+        ("spool", config.file.paths.spool_dir.clone()),
+    ])));
     let gateway = Arc::new(gateway::Gateway::start(&config, &store, registry.sub_registry_with_prefix("gpuhub")).await?);
 
     let catalog = Arc::new(Catalog::from_config(&config.file));
@@ -157,7 +161,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         tracing::error!(path = %config.snapshot_path.display(), error = %e, "cannot write the snapshot; jobs fall back to the plugstack arguments");
     }
 
-    let registry = Arc::new(registry);
+    let exposition = Arc::new(telemetry::exposition::Exposition::new(registry, Some(state.telemetry.dcgm())));
     let token = state.shutdown.clone();
     let gw_addr = listeners.gateway.local_addr()?;
     let m_addr = listeners.metrics.local_addr()?;
@@ -203,6 +207,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             }
         });
     }
+    let usage_metrics = acct_metrics.usage.clone();
     let mut ingestor = accounting::Ingestor::new(store.clone(), config.file.paths.spool_dir.clone(), state.telemetry.clone(), acct_metrics);
     let tcfg = &config.file.telemetry;
     if tcfg.enable_slurm && config.file.accounting.slurm_reconcile {
@@ -235,8 +240,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             "accounting: not reconciled with Slurm (telemetry.enable_slurm or accounting.slurm_reconcile is off); job records are billed as they claim"
         );
     }
+    let usage_counters = accounting::usage_counters::UsageCounters::new(store.clone(), tcfg.effective_node_name(), usage_metrics);
+    let usage_task = tokio::spawn(
+        usage_counters.run(std::time::Duration::from_millis(config.file.accounting.usage_counters_interval_ms), token.clone()),
+    );
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
-    let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, registry, token.clone()));
+    let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, exposition, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
 
     shutdown.await;
@@ -244,6 +253,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     token.cancel();
     if ingest.await.is_err() {
         tracing::error!("accounting: the ingest task failed");
+    }
+    if usage_task.await.is_err() {
+        tracing::error!("accounting: the usage counter task failed");
     }
     for (name, task) in [("gateway", gateway), ("metrics", metrics), ("control", control)] {
         match task.await {

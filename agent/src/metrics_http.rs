@@ -7,32 +7,26 @@ use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+
+use crate::telemetry::exposition::Exposition;
 use tokio_util::sync::CancellationToken;
 
 const CONTENT_TYPE_TEXT: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-pub fn router(registry: Arc<Registry>) -> Router {
-    Router::new().route("/metrics", get(metrics)).with_state(registry)
+pub fn router(exposition: Arc<Exposition>) -> Router {
+    Router::new().route("/metrics", get(metrics)).with_state(exposition)
 }
 
-async fn metrics(State(registry): State<Arc<Registry>>, headers: axum::http::HeaderMap) -> impl IntoResponse {
-    let mut body = String::with_capacity(64 * 1024);
-    if let Err(e) = prometheus_client::encoding::text::encode(&mut body, &registry) {
-        tracing::error!(error = %e, "encoding metrics failed");
-    }
+async fn metrics(State(exposition): State<Arc<Exposition>>, headers: axum::http::HeaderMap) -> impl IntoResponse {
     let accept = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok());
     if crate::telemetry::exposition::wants_openmetrics(accept) {
-        ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body)
+        ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], exposition.render(true))
     } else {
-        (
-            [(CONTENT_TYPE, crate::telemetry::exposition::PROMETHEUS_TEXT_CONTENT_TYPE)],
-            crate::telemetry::exposition::to_prometheus_text(&body),
-        )
+        ([(CONTENT_TYPE, crate::telemetry::exposition::PROMETHEUS_TEXT_CONTENT_TYPE)], exposition.render(false))
     }
 }
 
-pub async fn serve(listener: TcpListener, registry: Arc<Registry>, shutdown: CancellationToken) -> std::io::Result<()> {
-    axum::serve(listener, router(registry)).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
+pub async fn serve(listener: TcpListener, exposition: Arc<Exposition>, shutdown: CancellationToken) -> std::io::Result<()> {
+    axum::serve(listener, router(exposition)).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }

@@ -144,30 +144,108 @@ def dashboard(uid, title, description, panels, variables, time_from="now-6h", ta
     }
 
 
+def events(series, rng="$__range"):
+    """Events a lazily created counter counted in the range. The agent creates a counter series
+    at its first event (a name's first call by a user and app), already at 1, and increase()
+    cannot see that first step: series that existed at the range's start contribute their
+    increase, series born within the range their whole value."""
+    return f"((increase({series}[{rng}]) and {series} offset {rng}) or ({series} unless {series} offset {rng}))"
+
+
+def g(name, sel):
+    """One value per GPU: the agent (like dcgm-exporter) copies each DCGM series once per job on
+    the GPU (hpc_job), so a GPU shared by several shard jobs has several identical series. Every
+    GPU query takes one of them first, or counts and power are multiplied by the jobs."""
+    return f"max by (Hostname, gpu, UUID) ({name}{{{sel}}})"
+
+
+# Local filesystems (not tmpfs, overlay, squashfs: what fills up and stops a node).
+REAL_FS = '{fstype!~"tmpfs|ramfs|devtmpfs|overlay|squashfs|nsfs|fuse.*"}'
+
+
+def node(expr):
+    """A node_exporter series (or rate) of the nodes whose GPUs are selected: node_exporter knows
+    no Hostname, so join on node_uname_info's nodename (the host name the agent labels GPUs with)."""
+    return f'({expr} * on (instance) group_left () node_uname_info{{nodename=~"$Hostname"}})'
+
+
 # --------------------------------------------------------------------------- GPU telemetry
 def gpu_telemetry():
     L = Layout()
     sel = 'Hostname=~"$Hostname", gpu=~"$gpu"'
     p = [
-        stat(L, "GPUs", f"count(DCGM_FI_DEV_GPU_UTIL{{{sel}}})"),
-        stat(L, "Mean utilisation", f"avg(DCGM_FI_DEV_GPU_UTIL{{{sel}}})", unit="percent"),
-        stat(L, "VRAM in use", f"sum(DCGM_FI_DEV_FB_USED{{{sel}}}) / sum(DCGM_FI_DEV_FB_TOTAL{{{sel}}}) * 100", unit="percent"),
-        stat(L, "Power", f"sum(DCGM_FI_DEV_POWER_USAGE{{{sel}}})", unit="watt"),
+        stat(L, "GPUs", f"count({g('DCGM_FI_DEV_GPU_UTIL', sel)})"),
+        stat(L, "Mean utilisation", f"avg({g('DCGM_FI_DEV_GPU_UTIL', sel)})", unit="percent"),
+        stat(L, "VRAM in use", f"sum({g('DCGM_FI_DEV_FB_USED', sel)}) / sum({g('DCGM_FI_DEV_FB_TOTAL', sel)}) * 100", unit="percent"),
+        stat(L, "Power", f"sum({g('DCGM_FI_DEV_POWER_USAGE', sel)})", unit="watt"),
         stat(L, "Jobs on GPUs", 'count(count by (jobid) (gpuhub_job_gpu_processes{gpu=~"$gpu"}))'),
         stat(L, "NVML", "min(gpuhub_nvml_up)", description="1: the agent reads the GPUs; 0: no NVML or no GPU (see gpuhub doctor)",
              thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}]),
     ]
+    # The node beside the GPUs (Debian's prometheus-node-exporter, the `node` job of the shipped
+    # scrape config), matched to the GPUs' Hostname through node_uname_info's nodename.
+    busy = [{"color": "green", "value": None}, {"color": "orange", "value": 80}, {"color": "red", "value": 95}]
+    idle_rate = node('rate(node_cpu_seconds_total{mode="idle"}[5m])')
+    mem_avail, mem_total = node("node_memory_MemAvailable_bytes"), node("node_memory_MemTotal_bytes")
+    fs_avail, fs_size = node("node_filesystem_avail_bytes" + REAL_FS), node("node_filesystem_size_bytes" + REAL_FS)
+    p += [
+        stat(L, "CPU busy", f"100 * (1 - avg({idle_rate}))", unit="percent", w=8,
+             description="All cores of the node, from node_exporter.", thresholds=busy),
+        stat(L, "RAM used", f"100 * (1 - sum({mem_avail}) / sum({mem_total}))",
+             unit="percent", w=8, description="MemTotal - MemAvailable, from node_exporter.", thresholds=busy),
+        stat(L, "Fullest disk", f"max(100 * (1 - {fs_avail} / {fs_size}))",
+             unit="percent", w=8, description="The fullest local filesystem (space an unprivileged user can still use).", thresholds=busy),
+    ]
     p.append(row(L, "GPU $gpu", repeat="gpu"))
     one = 'Hostname=~"$Hostname", gpu=~"$gpu"'
+    prof = [("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "graphics engine"), ("DCGM_FI_PROF_SM_ACTIVE", "SM active"),
+            ("DCGM_FI_PROF_SM_OCCUPANCY", "SM occupancy"), ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "tensor cores"),
+            ("DCGM_FI_PROF_DRAM_ACTIVE", "HBM (DRAM) active")]
     p += [
-        gauge(L, "Utilisation", f"avg(DCGM_FI_DEV_GPU_UTIL{{{one}}})", w=4),
-        gauge(L, "VRAM used", f"sum(DCGM_FI_DEV_FB_USED{{{one}}}) / sum(DCGM_FI_DEV_FB_TOTAL{{{one}}}) * 100", w=4),
-        timeseries(L, "Utilisation", [(f"DCGM_FI_DEV_GPU_UTIL{{{one}}}", "SM {{hpc_job}}"), (f"DCGM_FI_DEV_MEM_COPY_UTIL{{{one}}}", "memory copy")], unit="percent", w=8, h=6),
-        timeseries(L, "VRAM", [(f"DCGM_FI_DEV_FB_USED{{{one}}} * 1048576", "used"), (f"DCGM_FI_DEV_FB_FREE{{{one}}} * 1048576", "free")], unit="bytes", w=8, h=6, stack=True),
-        timeseries(L, "Temperature", [(f"DCGM_FI_DEV_GPU_TEMP{{{one}}}", "GPU")], unit="celsius", w=6, h=6),
-        timeseries(L, "Power", [(f"DCGM_FI_DEV_POWER_USAGE{{{one}}}", "draw"), (f"rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{one}}}[5m]) / 1000", "from energy counter")], unit="watt", w=6, h=6),
-        timeseries(L, "Clocks", [(f"DCGM_FI_DEV_SM_CLOCK{{{one}}}", "SM"), (f"DCGM_FI_DEV_MEM_CLOCK{{{one}}}", "memory")], unit="rotmhz", w=6, h=6),
-        timeseries(L, "ECC errors (volatile)", [(f"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{one}}}", "single-bit"), (f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{one}}}", "double-bit")], w=6, h=6),
+        gauge(L, "Utilisation", f"avg({g('DCGM_FI_DEV_GPU_UTIL', one)})", w=4),
+        gauge(L, "VRAM used", f"sum({g('DCGM_FI_DEV_FB_USED', one)}) / sum({g('DCGM_FI_DEV_FB_TOTAL', one)}) * 100", w=4),
+        timeseries(L, "Utilisation", [(g("DCGM_FI_DEV_GPU_UTIL", one), "SM"), (g("DCGM_FI_DEV_MEM_COPY_UTIL", one), "memory copy"),
+                                      (g("DCGM_FI_DEV_ENC_UTIL", one), "encoder"), (g("DCGM_FI_DEV_DEC_UTIL", one), "decoder")], unit="percent", w=8, h=6),
+        timeseries(L, "VRAM", [(f"{g('DCGM_FI_DEV_FB_USED', one)} * 1048576", "used"), (f"{g('DCGM_FI_DEV_FB_FREE', one)} * 1048576", "free"),
+                               (f"{g('DCGM_FI_DEV_FB_RESERVED', one)} * 1048576", "reserved")], unit="bytes", w=8, h=6, stack=True),
+        timeseries(L, "Profiling (GPM, Hopper and later)", [(g(n, one), legend) for n, legend in prof], unit="percentunit", w=12, h=6,
+                   description="dcgm-exporter's DCGM_FI_PROF_* ratios over the last sampling interval, from NVML's GPM. Empty before Hopper."),
+        timeseries(L, "PCIe and NVLink", [
+            (g("DCGM_FI_PROF_PCIE_TX_BYTES", one), "PCIe TX"), (g("DCGM_FI_PROF_PCIE_RX_BYTES", one), "PCIe RX"),
+            (g("DCGM_FI_PROF_NVLINK_TX_BYTES", one), "NVLink TX"), (g("DCGM_FI_PROF_NVLINK_RX_BYTES", one), "NVLink RX"),
+        ], unit="Bps", w=12, h=6),
+        timeseries(L, "Temperature", [(g("DCGM_FI_DEV_GPU_TEMP", one), "GPU"), (g("DCGM_FI_DEV_MEMORY_TEMP", one), "memory (HBM)")], unit="celsius", w=6, h=6),
+        timeseries(L, "Power", [(g("DCGM_FI_DEV_POWER_USAGE", one), "draw"), (f"max by (Hostname, gpu, UUID) (rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{one}}}[5m])) / 1000", "from energy counter")],
+                   unit="watt", w=6, h=6),
+        timeseries(L, "Clocks", [(g("DCGM_FI_DEV_SM_CLOCK", one), "SM"), (g("DCGM_FI_DEV_MEM_CLOCK", one), "memory")], unit="rotmhz", w=6, h=6),
+        timeseries(L, "Errors", [
+            (g("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", one), "ECC single-bit"), (g("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", one), "ECC double-bit"),
+            (g("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", one), "rows remapped (correctable)"),
+            (g("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", one), "rows remapped (uncorrectable)"),
+            (g("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", one), "PCIe replays"), (g("DCGM_FI_DEV_XID_ERRORS", one), "last XID"),
+        ], w=6, h=6, description="Counts since the driver loaded; last XID: the code of the GPU's last XID error (0: none)."),
+    ]
+    p.append(row(L, "Node: CPU, memory, disks, network (node_exporter)"))
+    cpu_busy = node('rate(node_cpu_seconds_total{mode!="idle"}[5m])')
+    cpus = node('node_cpu_seconds_total{mode="idle"}')
+    cached, buffers = node("node_memory_Cached_bytes"), node("node_memory_Buffers_bytes")
+    net_in = node('rate(node_network_receive_bytes_total{device!="lo"}[5m])')
+    net_out = node('rate(node_network_transmit_bytes_total{device!="lo"}[5m])')
+    p += [
+        timeseries(L, "CPU by mode", [(f"sum by (mode) ({cpu_busy}) / scalar(count({cpus}))", "{{mode}}")],
+                   unit="percentunit", w=6, h=7, stack=True),
+        timeseries(L, "Memory", [
+            (f"sum({mem_total}) - sum({mem_avail})", "used"),
+            (f"sum({cached}) + sum({buffers})", "cache and buffers"),
+            (f"sum({mem_avail})", "available"),
+        ], unit="bytes", w=6, h=7),
+        timeseries(L, "Disk space used", [(f"100 * (1 - {fs_avail} / {fs_size})", "{{mountpoint}}")], unit="percent", w=6, h=7),
+        timeseries(L, "Disk and network I/O", [
+            (f"sum({node('rate(node_disk_read_bytes_total[5m])')})", "disk read"),
+            (f"sum({node('rate(node_disk_written_bytes_total[5m])')})", "disk write"),
+            (f"sum({net_in})", "network in"),
+            (f"sum({net_out})", "network out"),
+        ], unit="Bps", w=6, h=7),
     ]
     p.append(row(L, "Jobs on the GPUs (per process, shards included)"))
     jsel = 'gpu=~"$gpu"'
@@ -201,8 +279,8 @@ def gpu_hours():
     gh = f"sum by (user, account) (increase(gpuhub_slurm_gpu_seconds_total{{{us}}}[$__range])) / 3600"
     sh = f"sum by (user, account) (increase(gpuhub_slurm_shard_seconds_total{{{us}}}[$__range])) / 3600"
     p = [
-        text(L, "", "GPU-hours sampled from Slurm (squeue) in the selected range. The exact, record-based figures "
-             "(per job, per GPU, per shard) come from `gpuhub usage --since 30d --by user` and `gpuhub job JOBID`. "
+        text(L, "", "GPU-hours in the selected range, from the accounting store: what Slurm allocated, as "
+             "`gpuhub usage --by user` bills it (running jobs up to now). Per job, GPU and shard: `gpuhub job JOBID`. "
              "GPU-equivalent hours = GPU-hours + shard-hours / $shards_per_gpu.", h=2),
         stat(L, "GPU-hours", f"sum({gh})", unit="short", w=6),
         stat(L, "Shard-hours", f"sum({sh})", unit="short", w=6),
@@ -220,6 +298,21 @@ def gpu_hours():
         timeseries(L, "Shards allocated / idle", [("sum by (state) (gpuhub_slurm_shards)", "{{state}}")], stack=True, w=8),
         timeseries(L, "Pending jobs by reason", [("sum by (reason) (gpuhub_slurm_pending_jobs)", "{{reason}}")], stack=True, w=8),
         timeseries(L, "Jobs by state and partition", [('sum by (state, partition) (gpuhub_slurm_jobs{user=~"$user"})', "{{partition}} {{state}}")], stack=True, w=24),
+    ]
+    p.append(row(L, "This node in Slurm (from slurmctld, whatever the request syntax)"))
+    js = 'user=~"$user", account=~"$account"'
+    p += [
+        table(L, "Node state", [("max by (node, state, reason) (gpuhub_slurm_node_state == 1)", "Now")], w=8, h=5,
+              description="idle, mixed, allocated, drained (drain and nothing runs), draining, down, ...; the reason is the admin's."),
+        timeseries(L, "CPUs allocated / idle", [("sum by (state) (gpuhub_slurm_node_cpus)", "{{state}}")], stack=True, w=8, h=5),
+        timeseries(L, "Memory allocated / idle", [("sum by (state) (gpuhub_slurm_node_memory_bytes)", "{{state}}")], unit="bytes", stack=True, w=8, h=5),
+        table(L, "Running jobs on this node", [
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_gpus{{{js}}})", "GPUs"),
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_shards{{{js}}})", "Shards"),
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_cpus{{{js}}})", "CPUs"),
+            (f"sum by (jobid, user, account, partition) (gpuhub_slurm_job_memory_bytes{{{js}}})", "Memory"),
+        ], units={"Memory": "bytes"}, sort="GPUs", w=24, h=8,
+            description="Each running job's allocation as slurmctld reports it (--gres, --gpus, --gpus-per-node, --gpus-per-task, shards alike)."),
     ]
     variables = [
         query_var("user", "User", "label_values(gpuhub_slurm_gpu_seconds_total, user)"),
@@ -262,14 +355,14 @@ def gateway():
         timeseries(L, "In flight and queued", [(f"sum by (model) (gpuhub_gateway_in_flight{{{m}}})", "in flight {{model}}"), (f"sum by (model) (gpuhub_gateway_queued{{{m}}})", "queued {{model}}")]),
         table(L, "Model workers", [
             (f"max by (model, state) (gpuhub_model_state{{{m}}} == 1)", "Current"),
-            (f"sum by (model) (increase(gpuhub_model_transitions_total{{{m}}}[$__range]))", "Transitions"),
+            (f"sum by (model) {events(f'gpuhub_model_transitions_total{{{m}}}')}", "Transitions"),
             (f"sum by (model) (increase(gpuhub_model_evictions_total{{{m}}}[$__range]))", "Evictions"),
         ], w=12, h=8, description="State per model (unloaded, pending in Slurm, starting, ready, draining, failed); `gpuhub models` shows the reasons."),
         timeseries(L, "Cold-start time (first call to ready)", [(f"histogram_quantile(0.5, sum by (le, model) (rate(gpuhub_model_load_duration_seconds_bucket{{{m}}}[1h])))", "p50 {{model}}")], unit="s"),
         timeseries(L, "Usage log", [("sum(rate(gpuhub_gateway_usage_rows_spilled_total[5m]))", "rows spilled to disk/s"), ("sum(rate(gpuhub_gateway_usage_write_failures_total[5m]))", "write failures/s")],
                    description="Every call gets a usage row; when the store is slow rows wait on disk and are replayed, never dropped."),
         table(L, "Calls in the range per model, name asked, user and app", [
-            (f"sum by (model, requested, user, app) (increase(gpuhub_gateway_requests_total{{{f}}}[$__range]))", "Calls"),
+            (f"sum by (model, requested, user, app) {events(f'gpuhub_gateway_requests_total{{{f}}}')}", "Calls"),
         ], w=12, h=8, sort="Calls"),
     ]
     variables = [
@@ -283,32 +376,35 @@ def gateway():
 
 
 # --------------------------------------------------------------------------- names
+CALLS = 'gpuhub_gateway_name_calls_total{{state=~"{}"}}'
+
+
 def names():
     L = Layout()
     p = [
         text(L, "", "Every call is counted by the state of the name it asked for. **Retired** and **unknown** names fail; "
              "**deprecated** names still work until their sunset. Act with `gpuhub names callers NAME`, "
              "`gpuhub names rename OLD NEW --sunset DATE`, `gpuhub names restore NAME`.", h=2),
-        stat(L, "Calls to retired names", 'sum(increase(gpuhub_gateway_name_calls_total{state="retired"}[$__range]))', w=6,
+        stat(L, "Calls to retired names", f'sum {events(CALLS.format("retired"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
-        stat(L, "Calls to unknown names", 'sum(increase(gpuhub_gateway_name_calls_total{state="unknown"}[$__range]))', w=6,
+        stat(L, "Calls to unknown names", f'sum {events(CALLS.format("unknown"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to deprecated names", 'sum(increase(gpuhub_gateway_name_calls_total{state="deprecated"}[$__range]))', w=6,
+        stat(L, "Calls to deprecated names", f'sum {events(CALLS.format("deprecated"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to roles without a model", 'sum(increase(gpuhub_gateway_name_calls_total{state="unassigned"}[$__range]))', w=6,
+        stat(L, "Calls to roles without a model", f'sum {events(CALLS.format("unassigned"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
         timeseries(L, "Calls by name state", [("sum by (state) (rate(gpuhub_gateway_name_calls_total[5m]))", "{{state}}")], unit="reqps", stack=True, w=24),
         table(L, "Deprecated names: sunset and who still calls them", [
             ("max by (name, replacement) (gpuhub_name_sunset_timestamp_seconds - time()) / 86400", "Days to sunset"),
         ], w=8, h=9, sort="Days to sunset"),
         table(L, "Callers of deprecated names (range)", [
-            ('sum by (name, user, app) (increase(gpuhub_gateway_name_calls_total{state="deprecated"}[$__range])) > 0', "Calls"),
+            (f'sum by (name, user, app) {events(CALLS.format("deprecated"))} > 0', "Calls"),
         ], w=16, h=9, sort="Calls"),
         table(L, "Callers of retired and unknown names (range)", [
-            ('sum by (state, name, user, app) (increase(gpuhub_gateway_name_calls_total{state=~"retired|unknown|unassigned"}[$__range])) > 0', "Calls"),
+            (f'sum by (state, name, user, app) {events(CALLS.format("retired|unknown|unassigned"))} > 0', "Calls"),
         ], w=12, h=9, sort="Calls"),
         table(L, "Unknown names asked for (range)", [
-            ("topk(20, sum by (name) (increase(gpuhub_gateway_unknown_model_requests_total[$__range]))) > 0", "Calls"),
+            (f"topk(20, sum by (name) {events('gpuhub_gateway_unknown_model_requests_total')}) > 0", "Calls"),
         ], w=12, h=9, sort="Calls"),
         timeseries(L, "Calls per name (active and deprecated)", [('sum by (name, state) (rate(gpuhub_gateway_name_calls_total{state=~"active|deprecated"}[5m]))', "{{name}} ({{state}})")], unit="reqps", w=24),
     ]

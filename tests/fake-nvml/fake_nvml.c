@@ -19,13 +19,28 @@
  *   gpu index=0 uuid=GPU-... name="NVIDIA H200" pci=00000000:19:00.0 mem_total=150754820096
  *       mem_used=1073741824 util=37 mem_util=12 temp=41 power_mw=250000 energy_mj=1000
  *       sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0 fail=temp,power unsupported=ecc
- *       xid=79,48
+ *       xid=79,48 mem_reserved=0 memory_temp=52 pcie_tx_kbs=1000 pcie_rx_kbs=2000
+ *       pcie_replay=3 enc_util=4 dec_util=5 nvlink_tx_kibps=1000 nvlink_rx_kibps=3000
+ *       remap_cor=6 remap_unc=7 remap_failed=0 gpm_gr_engine=61.5 gpm_sm_active=52.5
+ *       gpm_sm_occupancy=33.25 gpm_tensor=24.5 gpm_dram=45.5 gpm_pcie_tx=1500 gpm_pcie_rx=2500
+ *       gpm_nvlink_tx=3500 gpm_nvlink_rx=4500
  *   proc gpu=0 pid=1234 mem=1073741824 sm=30 mem_util=5
  *
  * (a `gpu` item is one line.) `fail=` fields return NVML_ERROR_UNKNOWN, `unsupported=` fields
  * NVML_ERROR_NOT_SUPPORTED; field names: name uuid util mem temp power energy clock ecc pci
- * procs proc_util xid. The energy counter grows at the scripted power from library init:
- * energy = energy_mj + power_mw * seconds since nvmlInit.
+ * procs proc_util xid memory_temp pcie_throughput pcie_replay enc_util dec_util
+ * nvlink_bandwidth remapped_rows gpm gpm_gr_engine gpm_sm_active gpm_sm_occupancy gpm_tensor
+ * gpm_dram gpm_pcie_tx gpm_pcie_rx gpm_nvlink_tx gpm_nvlink_rx. The energy counter grows at the
+ * scripted power from library init: energy = energy_mj + power_mw * seconds since nvmlInit;
+ * the NVLink data counters (nvmlDeviceGetFieldValues, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX,
+ * KiB) likewise grow at nvlink_tx_kibps / nvlink_rx_kibps, stamped with the same clock.
+ *
+ * GPM (Hopper's GPU Performance Monitoring: nvmlGpmSampleAlloc/Get/Free, nvmlGpmMetricsGet,
+ * nvmlGpmQueryDeviceSupport): the metrics between two samples of one GPU are the scripted
+ * gpm_* values (percent for the utilisations, MiB/s for PCIe and NVLink, as nvml.h says).
+ * `unsupported=gpm` makes the GPU a pre-Hopper one (isSupportedDevice = 0, sampling refused);
+ * `unsupported=gpm_tensor` refuses that one metric (its nvmlReturn, not the call's). Samples
+ * are malloc'ed; fake_nvml_gpm_live_samples() says how many are not freed (a leak check).
  *
  * XID events: `xid=` lists every XID the GPU has had, oldest first (cumulative: to add one,
  * append it, e.g. `xid=79` then `xid=79,79`). An event set registered for the GPU (matched by
@@ -69,6 +84,13 @@ typedef int nvmlReturn_t;
 #define EV_CLOCK 16ull
 #define EV_SUPPORTED (EV_SBE | EV_DBE | EV_PSTATE | EV_XID | EV_CLOCK)
 
+/* The GPM metrics the fake scripts: NVML's metric ids and the script keys (= field names). */
+#define GPM_METRICS 9
+static const unsigned int gpm_ids[GPM_METRICS] = {1, 2, 3, 5, 10, 20, 21, 61, 60};
+static const char *const gpm_names[GPM_METRICS] = {
+    "gpm_gr_engine", "gpm_sm_active", "gpm_sm_occupancy", "gpm_tensor", "gpm_dram",
+    "gpm_pcie_tx", "gpm_pcie_rx", "gpm_nvlink_tx", "gpm_nvlink_rx"};
+
 /* Layouts from nvml-wrapper-sys 0.10 src/bindings.rs. */
 typedef struct { unsigned int gpu; unsigned int memory; } nvmlUtilization_t;
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
@@ -93,8 +115,12 @@ typedef struct {
 struct fake_gpu {
     unsigned int index;
     char uuid[96], name[96], pci[32];
-    unsigned long long mem_total, mem_used, energy_mj, ecc_sbe, ecc_dbe;
+    unsigned long long mem_total, mem_used, mem_reserved, energy_mj, ecc_sbe, ecc_dbe;
     unsigned int util, mem_util, temp, power_mw, sm_clock, mem_clock;
+    unsigned int memory_temp, pcie_tx_kbs, pcie_rx_kbs, pcie_replay, enc_util, dec_util;
+    unsigned int remap_cor, remap_unc, remap_failed;
+    unsigned long long nvlink_tx_kibps, nvlink_rx_kibps;
+    double gpm[9]; /* in gpm_ids order */
     char fail[256], unsupported[256];
     unsigned long long xid[MAX_XIDS];
     unsigned int xid_count;
@@ -172,6 +198,22 @@ static void parse_gpu(char *cur, struct fake_gpu *g) {
         else if (!strcmp(k, "mem_clock")) g->mem_clock = (unsigned)n;
         else if (!strcmp(k, "ecc_sbe")) g->ecc_sbe = n;
         else if (!strcmp(k, "ecc_dbe")) g->ecc_dbe = n;
+        else if (!strcmp(k, "mem_reserved")) g->mem_reserved = n;
+        else if (!strcmp(k, "memory_temp")) g->memory_temp = (unsigned)n;
+        else if (!strcmp(k, "pcie_tx_kbs")) g->pcie_tx_kbs = (unsigned)n;
+        else if (!strcmp(k, "pcie_rx_kbs")) g->pcie_rx_kbs = (unsigned)n;
+        else if (!strcmp(k, "pcie_replay")) g->pcie_replay = (unsigned)n;
+        else if (!strcmp(k, "enc_util")) g->enc_util = (unsigned)n;
+        else if (!strcmp(k, "dec_util")) g->dec_util = (unsigned)n;
+        else if (!strcmp(k, "remap_cor")) g->remap_cor = (unsigned)n;
+        else if (!strcmp(k, "remap_unc")) g->remap_unc = (unsigned)n;
+        else if (!strcmp(k, "remap_failed")) g->remap_failed = (unsigned)n;
+        else if (!strcmp(k, "nvlink_tx_kibps")) g->nvlink_tx_kibps = n;
+        else if (!strcmp(k, "nvlink_rx_kibps")) g->nvlink_rx_kibps = n;
+        else if (!strncmp(k, "gpm_", 4)) {
+            for (unsigned int i = 0; i < GPM_METRICS; i++)
+                if (!strcmp(k, gpm_names[i])) g->gpm[i] = strtod(v, NULL);
+        }
         else if (!strcmp(k, "fail")) snprintf(g->fail, sizeof g->fail, ",%s,", v);
         else if (!strcmp(k, "unsupported")) snprintf(g->unsupported, sizeof g->unsupported, ",%s,", v);
         else if (!strcmp(k, "xid")) {
@@ -363,7 +405,7 @@ static nvmlReturn_t do_mem2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
     if (r) return r;
     if (!m || m->version != (unsigned)(sizeof(nvmlMemory_v2_t) | (2u << 24))) return NVML_ERROR_INVALID_ARGUMENT;
     m->total = d->mem_total;
-    m->reserved = 0;
+    m->reserved = d->mem_reserved;
     m->used = d->mem_used;
     m->free = d->mem_total > d->mem_used ? d->mem_total - d->mem_used : 0;
     return NVML_SUCCESS;
@@ -614,3 +656,200 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         nanosleep(&tick, NULL);
     }
 }
+
+/* ---- dcgm-exporter's other default counters. */
+static double secs_since_init(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - init_time.tv_sec) + (double)(now.tv_nsec - init_time.tv_nsec) / 1e9;
+}
+
+static nvmlReturn_t do_pcie_tp(nvmlDevice_t d, int counter, unsigned int *kbs) {
+    nvmlReturn_t r = enter(d, "pcie_throughput");
+    if (r) return r;
+    if (!kbs || counter < 0 || counter > 1) return NVML_ERROR_INVALID_ARGUMENT;
+    *kbs = counter == 0 ? d->pcie_tx_kbs : d->pcie_rx_kbs;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t d, int counter, unsigned int *kbs) { LOCKED(do_pcie_tp(d, counter, kbs)); }
+
+static nvmlReturn_t do_replay(nvmlDevice_t d, unsigned int *n) {
+    nvmlReturn_t r = enter(d, "pcie_replay");
+    if (r) return r;
+    if (!n) return NVML_ERROR_INVALID_ARGUMENT;
+    *n = d->pcie_replay;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t d, unsigned int *n) { LOCKED(do_replay(d, n)); }
+
+static nvmlReturn_t do_codec(nvmlDevice_t d, int enc, unsigned int *util, unsigned int *period_us) {
+    nvmlReturn_t r = enter(d, enc ? "enc_util" : "dec_util");
+    if (r) return r;
+    if (!util || !period_us) return NVML_ERROR_INVALID_ARGUMENT;
+    *util = enc ? d->enc_util : d->dec_util;
+    *period_us = 167000;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t d, unsigned int *u, unsigned int *p) {
+    LOCKED(do_codec(d, 1, u, p));
+}
+nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t d, unsigned int *u, unsigned int *p) {
+    LOCKED(do_codec(d, 0, u, p));
+}
+
+/* nvmlDeviceGetFieldValues: the fields gpuhub asks for; any other id is NOT_SUPPORTED in its slot. */
+typedef union { double dVal; unsigned int uiVal; unsigned long ulVal; unsigned long long ullVal; long long sllVal; } nvmlValue_t;
+typedef struct {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t; /* 40 bytes */
+#define FI_MEMORY_TEMP 82
+#define FI_NVLINK_DATA_TX 138
+#define FI_NVLINK_DATA_RX 139
+#define FI_REMAPPED_COR 142
+#define FI_REMAPPED_UNC 143
+#define FI_REMAPPED_FAILURE 145
+#define VT_UINT 1
+#define VT_ULL 3
+
+static nvmlReturn_t field_status(nvmlDevice_t d, const char *field) {
+    if (has(d->fail, field)) return NVML_ERROR_UNKNOWN;
+    if (has(d->unsupported, field)) return NVML_ERROR_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t do_field_values(nvmlDevice_t d, int count, nvmlFieldValue_t *values) {
+    nvmlReturn_t r = enter(d, NULL);
+    if (r) return r;
+    if (count <= 0 || !values) return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    long long now_us = (long long)wall.tv_sec * 1000000ll + wall.tv_nsec / 1000;
+    double secs = secs_since_init();
+    for (int i = 0; i < count; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = now_us;
+        v->latencyUsec = 0;
+        v->value.ullVal = 0;
+        switch (v->fieldId) {
+        case FI_MEMORY_TEMP:
+            /* Like r545 (nvbugs/4300930): the type says double, the value is in uiVal. */
+            v->nvmlReturn = field_status(d, "memory_temp");
+            v->valueType = 0;
+            v->value.uiVal = d->memory_temp;
+            break;
+        case FI_NVLINK_DATA_TX:
+        case FI_NVLINK_DATA_RX:
+            v->nvmlReturn = field_status(d, "nvlink_bandwidth");
+            v->valueType = VT_ULL;
+            v->value.ullVal = (unsigned long long)((double)(v->fieldId == FI_NVLINK_DATA_TX ? d->nvlink_tx_kibps : d->nvlink_rx_kibps) * secs);
+            break;
+        case FI_REMAPPED_COR:
+        case FI_REMAPPED_UNC:
+        case FI_REMAPPED_FAILURE:
+            v->nvmlReturn = field_status(d, "remapped_rows");
+            v->valueType = VT_UINT;
+            v->value.uiVal = v->fieldId == FI_REMAPPED_COR ? d->remap_cor : v->fieldId == FI_REMAPPED_UNC ? d->remap_unc : d->remap_failed;
+            break;
+        default:
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *values) { LOCKED(do_field_values(d, count, values)); }
+
+/* ---- GPM. */
+#define GPM_MAGIC 0x67706d31u
+struct nvmlGpmSample_st { unsigned int magic; int filled; char uuid[96]; struct timespec at; };
+typedef struct nvmlGpmSample_st *nvmlGpmSample_t;
+typedef struct {
+    unsigned int metricId;
+    nvmlReturn_t nvmlReturn;
+    double value;
+    struct { char *shortName, *longName, *unit; } metricInfo;
+} nvmlGpmMetric_t;
+typedef struct {
+    unsigned int version, numMetrics;
+    nvmlGpmSample_t sample1, sample2;
+    nvmlGpmMetric_t metrics[98];
+} nvmlGpmMetricsGet_t;
+typedef struct { unsigned int version, isSupportedDevice; } nvmlGpmSupport_t;
+static long gpm_live;
+
+long fake_nvml_gpm_live_samples(void) {
+    pthread_mutex_lock(&lock);
+    long n = gpm_live;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+static nvmlReturn_t do_gpm_support(nvmlDevice_t d, nvmlGpmSupport_t *s) {
+    nvmlReturn_t r = enter(d, NULL);
+    if (r) return r;
+    if (!s || s->version != 1) return NVML_ERROR_INVALID_ARGUMENT;
+    if (has(d->fail, "gpm")) return NVML_ERROR_UNKNOWN;
+    s->isSupportedDevice = !has(d->unsupported, "gpm");
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t d, nvmlGpmSupport_t *s) { LOCKED(do_gpm_support(d, s)); }
+
+static nvmlReturn_t do_gpm_alloc(nvmlGpmSample_t *out) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlGpmSample_t s = calloc(1, sizeof *s);
+    if (!s) return NVML_ERROR_UNKNOWN;
+    s->magic = GPM_MAGIC;
+    gpm_live++;
+    *out = s;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *out) { LOCKED(do_gpm_alloc(out)); }
+
+static nvmlReturn_t do_gpm_free(nvmlGpmSample_t s) {
+    if (!s || s->magic != GPM_MAGIC) return NVML_ERROR_INVALID_ARGUMENT;
+    s->magic = 0;
+    free(s);
+    gpm_live--;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t s) { LOCKED(do_gpm_free(s)); }
+
+static nvmlReturn_t do_gpm_get(nvmlDevice_t d, nvmlGpmSample_t s) {
+    nvmlReturn_t r = enter(d, "gpm");
+    if (r) return r;
+    if (!s || s->magic != GPM_MAGIC) return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(s->uuid, sizeof s->uuid, "%s", d->uuid);
+    clock_gettime(CLOCK_MONOTONIC, &s->at);
+    s->filled = 1;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t d, nvmlGpmSample_t s) { LOCKED(do_gpm_get(d, s)); }
+
+static nvmlReturn_t do_gpm_metrics(nvmlGpmMetricsGet_t *m) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!m || m->version != 1 || m->numMetrics > 98) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlGpmSample_t a = m->sample1, b = m->sample2;
+    if (!a || !b || a->magic != GPM_MAGIC || b->magic != GPM_MAGIC || !a->filled || !b->filled) return NVML_ERROR_INVALID_ARGUMENT;
+    /* Two samples of one GPU, the second one later. */
+    if (strcmp(a->uuid, b->uuid)) return NVML_ERROR_INVALID_ARGUMENT;
+    if (b->at.tv_sec < a->at.tv_sec || (b->at.tv_sec == a->at.tv_sec && b->at.tv_nsec <= a->at.tv_nsec)) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_gpu *g = gpu_by_uuid(a->uuid);
+    for (unsigned int i = 0; i < m->numMetrics; i++) {
+        nvmlGpmMetric_t *x = &m->metrics[i];
+        x->metricInfo.shortName = x->metricInfo.longName = x->metricInfo.unit = NULL;
+        x->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        x->value = 0;
+        if (!g) { x->nvmlReturn = NVML_ERROR_NOT_FOUND; continue; }
+        for (unsigned int k = 0; k < GPM_METRICS; k++) {
+            if (gpm_ids[k] != x->metricId) continue;
+            x->nvmlReturn = field_status(g, gpm_names[k]);
+            if (!x->nvmlReturn) x->value = g->gpm[k];
+        }
+    }
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *m) { LOCKED(do_gpm_metrics(m)); }

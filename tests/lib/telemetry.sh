@@ -2,7 +2,8 @@
 #
 #   tel_init                 temp dir $T (removed at exit), fake NVML built into $T/nvml
 #   tel_free_port            print a free loopback TCP port
-#   tel_gpu_line IDX USED UTIL   one `gpu` line of the fake NVML script (UUID GPU-tel-...IDX)
+#   tel_gpu_line IDX USED UTIL   one `gpu` line of the fake NVML script (UUID GPU-tel-...IDX), every
+#                            field scripted; TEL_DCGM_EXPECT: the DCGM value each field becomes
 #   tel_start_agent [SLURM] [TOML]  write $T/agent.toml (fake NVML, 200 ms sampling, private paths and
 #                            ports; SLURM=true|false; TOML: more sections appended, e.g. [accounting];
 #                            TEL_JOB_MAP_DIR: telemetry.job_map_dir, default $T/run/dcgm-job-map, "" off)
@@ -41,9 +42,23 @@ tel_init() {
     "$TEL_REPO/tests/fake-nvml/build.sh" "$T/nvml" >/dev/null || tel_fail "cannot build the fake NVML library"
 }
 
+# Every field the agent reads is scripted (TEL_DCGM_EXPECT lists what each becomes on /metrics).
+TEL_GPU_EXTRA='mem_reserved=536870912 memory_temp=52 pcie_tx_kbs=1000 pcie_rx_kbs=2000 pcie_replay=3 enc_util=4 dec_util=5 nvlink_tx_kibps=1000 nvlink_rx_kibps=3000 remap_cor=6 remap_unc=7 remap_failed=0 gpm_gr_engine=61.5 gpm_sm_active=52.5 gpm_sm_occupancy=33.25 gpm_tensor=24.5 gpm_dram=45.5 gpm_pcie_tx=1.5 gpm_pcie_rx=2.5 gpm_nvlink_tx=3.5 gpm_nvlink_rx=4.5'
+# DCGM family and the value the line above gives it (the ones whose value does not depend on
+# the GPU line's arguments; NVLINK_BANDWIDTH_TOTAL is a rate: 4000 KiB/s / 1000).
+TEL_DCGM_EXPECT='DCGM_FI_DEV_SM_CLOCK=1980 DCGM_FI_DEV_MEM_CLOCK=2619 DCGM_FI_DEV_MEMORY_TEMP=52 DCGM_FI_DEV_GPU_TEMP=45
+DCGM_FI_DEV_POWER_USAGE=400 DCGM_FI_DEV_PCIE_TX_THROUGHPUT=1000 DCGM_FI_DEV_PCIE_RX_THROUGHPUT=2000
+DCGM_FI_DEV_PCIE_REPLAY_COUNTER=3 DCGM_FI_DEV_MEM_COPY_UTIL=20 DCGM_FI_DEV_ENC_UTIL=4 DCGM_FI_DEV_DEC_UTIL=5
+DCGM_FI_DEV_FB_RESERVED=512 DCGM_FI_DEV_ECC_SBE_VOL_TOTAL=0 DCGM_FI_DEV_ECC_DBE_VOL_TOTAL=0
+DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL=4 DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS=7 DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS=6
+DCGM_FI_DEV_ROW_REMAP_FAILURE=0 DCGM_FI_PROF_GR_ENGINE_ACTIVE=0.615 DCGM_FI_PROF_SM_ACTIVE=0.525
+DCGM_FI_PROF_SM_OCCUPANCY=0.3325 DCGM_FI_PROF_PIPE_TENSOR_ACTIVE=0.245 DCGM_FI_PROF_DRAM_ACTIVE=0.455
+DCGM_FI_PROF_PCIE_TX_BYTES=1572864 DCGM_FI_PROF_PCIE_RX_BYTES=2621440 DCGM_FI_PROF_NVLINK_TX_BYTES=3670016
+DCGM_FI_PROF_NVLINK_RX_BYTES=4718592'
+
 tel_gpu_line() {
-    printf 'gpu index=%d uuid=GPU-tel00000-0000-0000-0000-%012d name="NVIDIA H200" pci=00000000:%02X:00.0 mem_total=150754820096 mem_used=%s util=%s mem_util=20 temp=45 power_mw=400000 energy_mj=1000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0\n' \
-        "$1" "$1" $((0x19 + $1)) "$2" "$3"
+    printf 'gpu index=%d uuid=GPU-tel00000-0000-0000-0000-%012d name="NVIDIA H200" pci=00000000:%02X:00.0 mem_total=150754820096 mem_used=%s util=%s mem_util=20 temp=45 power_mw=400000 energy_mj=1000 sm_clock=1980 mem_clock=2619 ecc_sbe=0 ecc_dbe=0 %s\n' \
+        "$1" "$1" $((0x19 + $1)) "$2" "$3" "$TEL_GPU_EXTRA"
 }
 
 tel_start_agent() {

@@ -16,8 +16,9 @@ apt_pkgs=(
     libclang-dev clang gcc binutils
     # PostgreSQL (production store) and SQLite CLI for inspection
     postgresql sqlite3
-    # promtool + a real Prometheus that scrapes the agent
-    prometheus
+    # promtool + a real Prometheus that scrapes the agent, and the node_exporter the shipped
+    # scrape config and dashboards use for CPU, RAM and disk (tests run their own, on a free port)
+    prometheus prometheus-node-exporter
     # RPM packaging on Debian
     # rpm rpmlint; elfutils: eu-strip for find-debuginfo (RHEL-style -debuginfo packages);
     # systemd: systemd-analyze (rpm/build.sh verifies the units) and systemd-tmpfiles (the

@@ -390,6 +390,46 @@ pub async fn jobs_since(pool: &AnyPool, since_us: i64, uid: Option<i64>) -> Resu
         .collect())
 }
 
+/// Jobs of `node` that ended before `before_us`, in job-id order after `after_job`, at most
+/// `limit`, with their GPUs: the settled part of the usage counters, read in pages so a store
+/// with years of jobs is never loaded at once.
+pub async fn node_jobs_ended_before(
+    pool: &AnyPool,
+    node: &str,
+    before_us: i64,
+    after_job: i64,
+    limit: i64,
+) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
+    let jobs: Vec<JobRow> = sqlx::query_as(&format!(
+        "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NOT NULL AND end_us < $2 AND job_id > $3 ORDER BY job_id LIMIT $4"
+    ))
+    .bind(node)
+    .bind(before_us)
+    .bind(after_job)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let (Some(first), Some(last)) = (jobs.first().map(|j| j.job_id), jobs.last().map(|j| j.job_id)) else { return Ok(Vec::new()) };
+    let rows: Vec<JobGpuRow> =
+        sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id >= $2 AND job_id <= $3 ORDER BY job_id"))
+            .bind(node)
+            .bind(first)
+            .bind(last)
+            .fetch_all(pool)
+            .await?;
+    let mut by_job: BTreeMap<i64, Vec<JobGpuRow>> = BTreeMap::new();
+    for g in rows {
+        by_job.entry(g.job_id).or_default().push(g);
+    }
+    Ok(jobs
+        .into_iter()
+        .map(|j| {
+            let g = by_job.remove(&j.job_id).unwrap_or_default();
+            (j, g)
+        })
+        .collect())
+}
+
 /// One job (every node it ran on), with its GPUs.
 pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
     let jobs: Vec<JobRow> =

@@ -19,6 +19,8 @@
 //! - [`api`]: control-socket routes `GET /v1/usage/gpu` and `GET /v1/jobs/{id}`; users see
 //!   their own jobs (SO_PEERCRED uid), admins all.
 //! - [`cli`]: `gpuhub usage` and `gpuhub job` output.
+//! - [`usage_counters`]: the GPU-hours counters on `/metrics`, from the store (exact, monotone
+//!   across restarts), and `gpuhub_store_up`.
 //!
 //! Bad input, each visible in the log and in `gpuhub_accounting_*` metrics: a corrupt record
 //! (quarantined), a record naming a GPU NVML does not know (`unknown_gpu`, still accounted:
@@ -35,6 +37,7 @@ pub mod job_map;
 pub mod reconcile;
 pub mod slurm;
 pub mod usage;
+pub mod usage_counters;
 
 use std::collections::BTreeMap;
 
@@ -170,6 +173,7 @@ pub struct AccountingMetrics {
     pub last_pass: Gauge<f64, std::sync::atomic::AtomicU64>,
     pub disagreements: Family<FieldLabels, Counter>,
     pub slurm_errors: Counter,
+    pub usage: usage_counters::UsageCounterMetrics,
 }
 
 impl AccountingMetrics {
@@ -192,11 +196,29 @@ impl AccountingMetrics {
             "Claims in usage records that Slurm's allocation contradicts, by field (billed as Slurm says; see gpuhub job)",
             m.disagreements.clone(),
         );
+        // Every field a disagreement can name, at 0, so the series (and the alert on it) exist
+        // before the first one.
+        for field in reconcile::DISAGREEMENT_FIELDS {
+            let _ = m.disagreements.get_or_create(&FieldLabels { field: (*field).to_string() });
+        }
         r.register(
             "accounting_slurm_errors",
             "Looks at Slurm (scontrol/sacct) for accounting that failed or timed out (retried next interval)",
             m.slurm_errors.clone(),
         );
+        r.register_with_unit(
+            "slurm_gpu",
+            "Whole-GPU seconds this node's jobs were allocated (Slurm's allocation, from the accounting store; running jobs up to now), by user and account",
+            Unit::Seconds,
+            m.usage.gpu_seconds.clone(),
+        );
+        r.register_with_unit(
+            "slurm_shard",
+            "GPU-shard seconds this node's jobs were allocated (from the accounting store), by user and account",
+            Unit::Seconds,
+            m.usage.shard_seconds.clone(),
+        );
+        r.register("store_up", "1 when the last query of the store (every usage counter pass) answered", m.usage.store_up.clone());
         r.register("accounting_ingest_errors", "Ingest passes stopped by a store error (retried)", m.ingest_errors.clone());
         r.register("accounting_spool_backlog", "Record files waiting in the spool after the last pass", m.backlog.clone());
         r.register_with_unit(

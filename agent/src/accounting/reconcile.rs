@@ -39,6 +39,10 @@ use crate::telemetry::JobGpuStats;
 pub const TIME_TOLERANCE_US: i64 = 2_000_000;
 
 /// A claim in the records that Slurm's allocation contradicts.
+/// Every `field` a [`Disagreement`] names (the `field` label of
+/// `gpuhub_accounting_slurm_disagreements_total`).
+pub const DISAGREEMENT_FIELDS: &[&str] = &["uid", "user", "account", "partition", "gpus", "gpu_indices", "shards", "start", "end"];
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Disagreement {
     /// `uid`, `user`, `account`, `partition`, `gpus`, `gpu_indices`, `shards`, `node`, `start`, `end`.

@@ -67,6 +67,13 @@ pub struct SlurmJob {
     /// Job-wide totals (`TRES` / `AllocTRES`).
     pub gpus: u32,
     pub shards: u32,
+    /// Job-wide CPUs and memory (`NumCPUs` and `TRES` `mem=` / `AllocTRES`); for a pending job
+    /// what it asks for.
+    pub cpus: u32,
+    pub mem_bytes: u64,
+    /// Why a pending job waits (`Reason=`, e.g. `Resources`); `None` when Slurm says none or
+    /// (sacct) does not say.
+    pub reason: Option<String>,
     /// Per-node allocation with indices (running jobs in `scontrol -d` only).
     pub per_node: BTreeMap<String, NodeAlloc>,
 }
@@ -198,6 +205,35 @@ pub fn parse_node_gres(s: &str) -> Option<NodeAlloc> {
     Some(na)
 }
 
+/// Memory of a TRES list (`mem=500M`, `mem=2G`; Slurm's units are binary, M = MiB), in bytes.
+pub fn parse_tres_mem(s: &str) -> u64 {
+    s.split(',').find_map(|kv| kv.trim().strip_prefix("mem=")).map(parse_slurm_size).unwrap_or(0)
+}
+
+/// A Slurm size: a number with an optional K/M/G/T/P suffix (binary; no suffix = MiB, as
+/// Slurm's memory options read it). Unparseable: 0.
+pub fn parse_slurm_size(v: &str) -> u64 {
+    let v = v.trim();
+    let (num, mult) = match v.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                'P' => 50,
+                _ => return 0,
+            };
+            (&v[..i], 1u64 << shift)
+        }
+        _ => (v, 1u64 << 20),
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n.is_finite() && n >= 0.0 => (n * mult as f64) as u64,
+        _ => 0,
+    }
+}
+
 /// GPU and shard totals of a TRES list: `cpu=1,mem=500M,node=1,billing=1,gres/gpu=2`
 /// (`gres/gpu:h200=2` counts when the untyped total is missing).
 pub fn parse_tres(s: &str) -> (u32, u32) {
@@ -269,7 +305,20 @@ pub fn parse_scontrol(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
 }
 
 /// Fields read from a line; each must occur once, before the per-node sections' end.
-const ONCE: &[&str] = &["JobId", "UserId", "Account", "JobState", "StartTime", "EndTime", "Partition", "NodeList", "TRES", "MinCPUsNode"];
+const ONCE: &[&str] = &[
+    "JobId",
+    "UserId",
+    "Account",
+    "JobState",
+    "Reason",
+    "StartTime",
+    "EndTime",
+    "Partition",
+    "NodeList",
+    "NumCPUs",
+    "TRES",
+    "MinCPUsNode",
+];
 
 fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
     // key=value tokens; a token without `=` continues the previous value (a name with spaces).
@@ -342,6 +391,9 @@ fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
         end_us: time_s(get("EndTime")),
         gpus,
         shards,
+        cpus: get("NumCPUs").trim().parse().unwrap_or(0),
+        mem_bytes: parse_tres_mem(get("TRES")),
+        reason: null(get("Reason")),
         per_node,
     })
 }
@@ -377,6 +429,9 @@ pub fn parse_sacct(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
                 end_us: time_s(f[6]),
                 gpus,
                 shards,
+                cpus: f[1].split(',').find_map(|kv| kv.trim().strip_prefix("cpu=")).and_then(|v| v.parse().ok()).unwrap_or(0),
+                mem_bytes: parse_tres_mem(f[1]),
+                reason: None,
                 per_node: BTreeMap::new(),
             },
         );
@@ -498,6 +553,7 @@ mod tests {
         assert_eq!((j.user.as_str(), j.uid, j.account.as_deref(), j.partition.as_deref()), ("root", Some(0), Some("root"), Some("gpu")));
         assert_eq!((j.state.as_str(), j.start_us, j.end_us), ("RUNNING", Some(1_796_120_479_000_000), None));
         assert_eq!((j.gpus, j.shards), (0, 2));
+        assert_eq!((j.cpus, j.mem_bytes, j.reason.as_deref()), (1, 500 << 20, None), "Reason=None is no reason");
         let a = j.alloc_on(&nodes(&["gpu01"])).unwrap();
         assert_eq!((a.gpus, a.shards), (0, 2));
         assert_eq!(a.indices.unwrap().shards, BTreeMap::from([(0, 2)]));
@@ -524,6 +580,11 @@ mod tests {
         assert_eq!(parse_tres("cpu=1,mem=500M,node=1,billing=1,gres/gpu=2"), (2, 0));
         assert_eq!(parse_tres("billing=1,cpu=1,gres/gpu:h200=1,gres/shard=7"), (1, 7));
         assert_eq!(parse_tres(""), (0, 0));
+        assert_eq!(parse_tres_mem("cpu=2,mem=2G,node=1"), 2 << 30);
+        assert_eq!(parse_tres_mem("cpu=2,mem=1.5G"), 3 << 29);
+        assert_eq!(parse_tres_mem("cpu=2"), 0);
+        assert_eq!(parse_slurm_size("16000"), 16000 << 20, "no suffix: MiB");
+        assert_eq!(parse_slurm_size("x"), 0);
     }
 
     #[test]

@@ -301,6 +301,9 @@ mod reconcile_story {
             end_us: end,
             gpus,
             shards,
+            cpus: 1,
+            mem_bytes: 500 << 20,
+            reason: None,
             per_node: BTreeMap::new(),
         }
     }
@@ -577,5 +580,116 @@ mod reconcile_story {
         // Running elsewhere (not this node): closed.
         running.ctld.get_mut(&7).unwrap().node_list = "gpu02".into();
         assert_eq!(reconcile::plan(&inp, &running).len(), 1);
+    }
+}
+
+// ---- GPU-hours counters from the store (usage_counters.rs), on every backend.
+
+mod usage_counter_story {
+    use super::*;
+    use crate::accounting::usage_counters::UsageCounters;
+
+    fn counters(registry: &Registry) -> BTreeMap<String, f64> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .filter(|l| {
+                l.starts_with("gpuhub_slurm_gpu_seconds_total{")
+                    || l.starts_with("gpuhub_slurm_shard_seconds_total{")
+                    || l.starts_with("gpuhub_store_up ")
+            })
+            .filter_map(|l| l.rsplit_once(' ').map(|(k, v)| (k.to_string(), v.parse().unwrap())))
+            .collect()
+    }
+
+    fn key(kind: &str, user: &str) -> String {
+        format!("gpuhub_slurm_{kind}_seconds_total{{user=\"{user}\",account=\"{user}-lab\"}}")
+    }
+
+    async fn story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let now = crate::util::now_us();
+        let old = now - 5 * 24 * 3600 * S; // settled: ended before the 2-day window
+        let (alice, bob, carol) = (ident(31, 1001, "alice"), ident(32, 1002, "bob"), ident(33, 1003, "carol"));
+        let mut elsewhere = ident(34, 1001, "alice");
+        elsewhere.node = "gpu02".into();
+        // alice: gpu:2 for 100 s five days ago, and gpu:1 running for the last 60 s.
+        write(spool.path(), &start(old, &alice, vec![g(0, Some(U0)), g(1, Some(U1))]));
+        write(spool.path(), &end(old + 100 * S, &alice, vec![g(0, Some(U0)), g(1, Some(U1))]));
+        let mut alice2 = ident(35, 1001, "alice");
+        alice2.job_id = 35;
+        write(spool.path(), &start(now - 60 * S, &alice2, vec![g(0, Some(U0))]));
+        // bob: shard:7 for 30 s an hour ago; carol: CPU only.
+        write(spool.path(), &start(now - 3600 * S, &bob, vec![g(1, None)]));
+        write(spool.path(), &step(now - 3599 * S, &bob, vec![g(1, None)], Some(7)));
+        write(spool.path(), &end(now - 3570 * S, &bob, vec![g(1, None)]));
+        write(spool.path(), &start(now - 100 * S, &carol, vec![]));
+        write(spool.path(), &end(now - 50 * S, &carol, vec![]));
+        // Another node's job in a shared store: not this agent's to export.
+        write(spool.path(), &start(now - 100 * S, &elsewhere, vec![g(0, None)]));
+        write(spool.path(), &end(now - 10 * S, &elsewhere, vec![g(0, None)]));
+        let mut registry = Registry::default();
+        let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+        let usage = metrics.usage.clone();
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics);
+        assert_eq!(ing.pass().await.ingested, 10);
+
+        let mut uc = UsageCounters::new(store.clone(), "gpu01", usage);
+        uc.load().await;
+        uc.pass().await;
+        let c = counters(&registry);
+        assert_eq!(c["gpuhub_store_up"], 1.0, "{c:?}");
+        let alice_gpu = c[&key("gpu", "alice")];
+        assert!((259.0..270.0).contains(&alice_gpu), "200 s settled + 60 s running (+ the test's own time): {c:?}");
+        assert_eq!(c[&key("shard", "bob")], 7.0 * 30.0, "{c:?}");
+        assert_eq!(c[&key("gpu", "bob")], 0.0);
+        assert_eq!(c[&key("gpu", "carol")], 0.0, "CPU jobs bill no GPU time");
+        // The same figures as `gpuhub usage` (all time, this node's jobs only).
+        let v = usage_json(store.pool(), &caller(0, "root", true), "30d", 30 * 24 * 3600, UsageBy::User, 14).await.unwrap();
+        let table_alice = row(&v, "alice")["gpu_seconds"].as_f64().unwrap();
+        assert!((table_alice - 90.0 - alice_gpu).abs() < 3.0, "usage adds gpu02's 90 s: table {table_alice}, counter {alice_gpu}");
+        assert_eq!(row(&v, "bob")["shard_seconds"].as_f64().unwrap(), c[&key("shard", "bob")]);
+
+        // The running job keeps counting.
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        uc.pass().await;
+        assert!(counters(&registry)[&key("gpu", "alice")] > alice_gpu, "a running job's time grows");
+
+        // The store corrects itself downwards (bob's end was 10 s earlier): the counter holds.
+        sqlx::query("UPDATE acct_jobs SET end_us = end_us - $1 WHERE job_id = 32").bind(10 * S).execute(store.pool()).await.unwrap();
+        uc.pass().await;
+        assert_eq!(counters(&registry)[&key("shard", "bob")], 210.0, "monotone: no drop Prometheus would read as a reset");
+
+        // A restart: a fresh registry starts where the last one stopped, before and after its
+        // first pass.
+        let before = counters(&registry);
+        let mut registry2 = Registry::default();
+        let m2 = AccountingMetrics::register(registry2.sub_registry_with_prefix("gpuhub"));
+        let mut uc2 = UsageCounters::new(store.clone(), "gpu01", m2.usage.clone());
+        uc2.load().await;
+        let loaded = counters(&registry2);
+        assert_eq!(loaded[&key("shard", "bob")], 210.0, "{loaded:?}");
+        assert!(loaded[&key("gpu", "alice")] >= before[&key("gpu", "alice")] - 1e-6, "{loaded:?} vs {before:?}");
+        uc2.pass().await;
+        let after = counters(&registry2);
+        for (k, v) in &before {
+            if k.starts_with("gpuhub_slurm_") {
+                assert!(after[k] >= *v, "{k}: {v} -> {}", after[k]);
+            }
+        }
+
+        // The store goes away: store_up 0, counters hold.
+        store.close().await;
+        uc2.pass().await;
+        let down = counters(&registry2);
+        assert_eq!(down["gpuhub_store_up"], 0.0);
+        assert_eq!(down[&key("shard", "bob")], 210.0);
+    }
+
+    #[tokio::test]
+    async fn usage_counters_on_every_backend() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            story(store).await;
+        }
     }
 }

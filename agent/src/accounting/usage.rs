@@ -86,6 +86,23 @@ pub fn billed(job: &JobRow, gpus: &[JobGpuRow]) -> (i64, i64) {
     }
 }
 
+/// GPU- and shard-microseconds of each (user, account) over the jobs' whole lives up to
+/// `now_us` (running jobs count until now), billed as [`aggregate`] bills them. The key is the
+/// user's name (the uid when the name is unknown) and the account (`""` when none): the
+/// `gpuhub_slurm_gpu_seconds_total` counters' labels.
+pub fn totals_by_user_account(jobs: &[(JobRow, Vec<JobGpuRow>)], now_us: i64) -> BTreeMap<(String, String), (i128, i128)> {
+    let mut out: BTreeMap<(String, String), (i128, i128)> = BTreeMap::new();
+    for (job, gpus) in jobs {
+        let t = i128::from(overlap_us(job, i64::MIN, now_us));
+        let (whole, shards) = billed(job, gpus);
+        let user = if job.user_name.is_empty() { job.uid.to_string() } else { job.user_name.clone() };
+        let e = out.entry((user, job.account.clone().unwrap_or_default())).or_default();
+        e.0 += i128::from(whole) * t;
+        e.1 += i128::from(shards) * t;
+    }
+    out
+}
+
 /// Groups the jobs' usage by `by`; rows sorted by GPU-equivalent seconds, largest first.
 pub fn aggregate(jobs: &[(JobRow, Vec<JobGpuRow>)], by: UsageBy, since_us: i64, now_us: i64, shards_per_gpu: u32) -> Vec<UsageRow> {
     let mut sums: BTreeMap<String, Sum> = BTreeMap::new();
@@ -282,6 +299,26 @@ mod tests {
         assert_eq!((rows[0].key.as_str(), rows[0].shard_seconds), ("gpu1", 21.0));
         let rows = aggregate(&[(j, Vec::new())], UsageBy::Account, 0, 10 * s, 14);
         assert_eq!(rows[0].shard_seconds, 21.0, "a verified shard job without GPU rows still bills its shards");
+    }
+
+    #[test]
+    fn totals_per_user_and_account_over_whole_lives() {
+        let s = 1_000_000;
+        let mut running = job(3, "alice", Some(90 * s), None, 0);
+        running.account = None;
+        let jobs = vec![
+            (job(1, "alice", Some(0), Some(10 * s), 0), gpus(1, &[0, 1])),
+            (job(2, "bob", Some(0), Some(4 * s), 7), gpus(2, &[1])),
+            (running, gpus(3, &[0])),
+        ];
+        let t = totals_by_user_account(&jobs, 100 * s);
+        assert_eq!(t[&("alice".to_string(), "acct".to_string())], (20 * s as i128, 0));
+        assert_eq!(t[&("bob".to_string(), "acct".to_string())], (0, 28 * s as i128));
+        assert_eq!(t[&("alice".to_string(), String::new())], (10 * s as i128, 0), "a running job counts until now");
+        // The same as `gpuhub usage` over all time.
+        let by_user = aggregate(&jobs, UsageBy::User, 0, 100 * s, 14);
+        let alice: i128 = t.iter().filter(|((u, _), _)| u == "alice").map(|(_, v)| v.0).sum();
+        assert_eq!(alice as f64 / 1e6, by_user.iter().find(|r| r.key == "alice").unwrap().gpu_seconds);
     }
 
     #[test]

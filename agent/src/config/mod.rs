@@ -99,6 +99,9 @@ pub struct AccountingConfig {
     pub reconcile_interval_ms: Option<u64>,
     /// Where a job's start and end come from (see [`JobBoundaries`]).
     pub job_boundaries: JobBoundaries,
+    /// How often the GPU-hours counters (`gpuhub_slurm_gpu_seconds_total`) are summed from
+    /// the store, in milliseconds.
+    pub usage_counters_interval_ms: u64,
 }
 
 /// `accounting.job_boundaries`: which source says when a job started and ended on this node.
@@ -126,6 +129,7 @@ impl Default for AccountingConfig {
             slurm_reconcile: true,
             reconcile_interval_ms: None,
             job_boundaries: JobBoundaries::Slurm,
+            usage_counters_interval_ms: 30_000,
         }
     }
 }
@@ -369,6 +373,12 @@ impl ConfigFile {
             return Err(invalid(
                 "accounting.reconcile_interval_ms",
                 format!("{ms} is out of range; use 1000..=3600000 (default: telemetry.slurm_interval_ms)"),
+            ));
+        }
+        if !(1_000..=3_600_000).contains(&self.accounting.usage_counters_interval_ms) {
+            return Err(invalid(
+                "accounting.usage_counters_interval_ms",
+                format!("{} is out of range; use 1000..=3600000 (default 30000)", self.accounting.usage_counters_interval_ms),
             ));
         }
         catalog::validate(&mut self.models, &self.templates, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;

@@ -66,6 +66,9 @@ impl ModelMetrics {
     }
 
     pub fn set_state(&self, model: &str, from: Option<State>, to: State) {
+        // The model's eviction counter exists from its first state, at 0 (dashboards and alerts
+        // see the series before the first eviction).
+        let _ = self.evictions.get_or_create(&ModelLabel { model: model.to_string() });
         for s in State::ALL {
             self.state.get_or_create(&StateLabels { model: model.to_string(), state: s.as_str() }).set(i64::from(s == to));
         }

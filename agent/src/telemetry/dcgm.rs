@@ -1,104 +1,247 @@
-//! dcgm-exporter-compatible series: the names, units and labels of dcgm-exporter's default
-//! counters (`etc/default-counters.csv`), so existing Grafana dashboards (e.g. NVIDIA's 12239)
-//! work unchanged when the agent replaces dcgm-exporter.
+//! dcgm-exporter-compatible series: every counter of dcgm-exporter's `etc/default-counters.csv`
+//! that applies to a bare-metal node, with its name, Prometheus type, help text, unit and
+//! labels, so existing Grafana dashboards (e.g. NVIDIA's 12239) and alert rules work unchanged
+//! when the agent replaces dcgm-exporter. [`FAMILIES`] is the list, in the CSV's order.
 //!
-//! Labels: `gpu` (index), `UUID`, `pci_bus_id`, `device` (`nvidia<N>`), `modelName`,
-//! `Hostname`, and `hpc_job`. Like dcgm-exporter with `--hpc-job-mapping-dir`, a GPU running
-//! several jobs (shards) gets one copy of each series per job; a GPU without a job has
-//! `hpc_job=""`, which Prometheus treats as no label.
+//! Labels, in dcgm-exporter's order: `gpu` (index), `UUID`, `pci_bus_id`, `device`
+//! (`nvidia<N>`), `modelName`, `Hostname`, `DCGM_FI_DRIVER_VERSION` (the CSV's one `label`
+//! entry), and `hpc_job`. Like dcgm-exporter with `--hpc-job-mapping-dir`, a GPU running several
+//! jobs (shards) gets one copy of each series per job; a GPU without a job has `hpc_job=""`,
+//! which Prometheus treats as no label. Dashboards must therefore not `sum` a DCGM series over
+//! a GPU's copies (see `rpm/grafana/make-dashboards.py`: `max by (gpu, UUID)` first).
 //!
-//! Differences, on purpose: registered at the registry root with no prefix; every series is a
-//! gauge (prometheus-client appends `_total` to counters, which would rename
-//! `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`; `rate()` works on it all the same); no
-//! `DCGM_FI_DRIVER_VERSION` label.
+//! Types are dcgm-exporter's, counters included: a counter is written as dcgm-exporter writes
+//! it, `# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter` with samples of that very name (no
+//! `_total`), in both exposition formats (Prometheus accepts such OpenMetrics counters; checked
+//! with 2.42). Where dcgm-exporter calls a rate a counter (`PCIE_TX_THROUGHPUT`, KB/s;
+//! `NVLINK_BANDWIDTH_TOTAL`, MB/s over the last interval, computed as DCGM does), the type is
+//! still theirs, so a `rate()` someone already wrote behaves as it did.
 //!
-//! `DCGM_FI_DEV_XID_ERRORS` is, as in DCGM, the code of the last XID the GPU reported (0 before
-//! any). It exists only for GPUs watched for XID events ([`super::xid`]): a GPU without XID
-//! support has no such series, rather than a 0 that would read as "no XID". A GPU whose watch
-//! fails later keeps its last value. The count of XIDs is gpuhub's
-//! `gpuhub_gpu_xid_errors_total{xid}`.
+//! A field NVML refuses (or a GPU without GPM for `DCGM_FI_PROF_*`) is absent, never 0; the
+//! sampler logs it once per GPU. `DCGM_FI_DEV_XID_ERRORS` is, as in DCGM, the code of the last
+//! XID the GPU reported (0 before any); it exists only for GPUs watched for XID events
+//! ([`super::xid`]). The count of XIDs is gpuhub's `gpuhub_gpu_xid_errors_total{xid}`.
+//!
+//! Why not prometheus-client families: with one copy per job the DCGM block is most of
+//! `/metrics` (8 GPUs x 25 jobs x 32 series in `bench/agent-telemetry.sh`). The sampler builds
+//! each GPU's label text once per pass and swaps in a new [`Snapshot`]; a scrape writes the
+//! lines straight from it, and neither side hashes a label set per series.
+//! Not exported: `DCGM_FI_DEV_VGPU_LICENSE_STATUS` (vGPU guests only).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
-
+use super::lock;
 use super::nvml::GpuSample;
 
-/// dcgm-exporter's label set.
-#[allow(non_snake_case)] // label names exactly as dcgm-exporter writes them
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DcgmLabels {
-    pub gpu: String,
-    pub UUID: Arc<String>,
-    pub pci_bus_id: Arc<String>,
-    pub device: String,
-    pub modelName: Arc<String>,
-    pub Hostname: Arc<String>,
-    pub hpc_job: String,
+/// Prometheus type of a family, as dcgm-exporter declares it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Gauge,
+    Counter,
 }
 
-type G = Family<DcgmLabels, Gauge>;
-type GF = Family<DcgmLabels, Gauge<f64, AtomicU64>>;
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Gauge => "gauge",
+            Kind::Counter => "counter",
+        }
+    }
+}
 
-/// Handles to the DCGM series and the label sets written last time.
+/// One value of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    Int(u64),
+    Float(f64),
+}
+
+/// What a family reads from a sample (plus the GPU's last XID code, which is state).
+type Read = fn(&GpuSample, Option<u64>) -> Option<Value>;
+
+/// One DCGM family: name, type, help (dcgm-exporter's text), how to read it.
+pub struct Family {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    read: Read,
+}
+
+const MIB: u64 = 1024 * 1024;
+
+fn int<T: Into<u64>>(v: Option<T>) -> Option<Value> {
+    v.map(|v| Value::Int(v.into()))
+}
+
+fn float(v: Option<f64>) -> Option<Value> {
+    v.filter(|v| v.is_finite()).map(Value::Float)
+}
+
+macro_rules! fam {
+    ($name:literal, $kind:ident, $help:literal, $read:expr) => {
+        Family { name: $name, kind: Kind::$kind, help: $help, read: $read }
+    };
+}
+
+/// Every exported DCGM family, in the order of dcgm-exporter's default counters.
+pub const FAMILIES: &[Family] = &[
+    fam!("DCGM_FI_DEV_SM_CLOCK", Gauge, "SM clock frequency (in MHz).", |s, _| int(s.sm_clock_mhz)),
+    fam!("DCGM_FI_DEV_MEM_CLOCK", Gauge, "Memory clock frequency (in MHz).", |s, _| int(s.mem_clock_mhz)),
+    fam!("DCGM_FI_DEV_MEMORY_TEMP", Gauge, "Memory temperature (in C).", |s, _| int(s.memory_temp_c)),
+    fam!("DCGM_FI_DEV_GPU_TEMP", Gauge, "GPU temperature (in C).", |s, _| int(s.temperature_c)),
+    fam!("DCGM_FI_DEV_POWER_USAGE", Gauge, "Power draw (in W).", |s, _| float(s.power_mw.map(|mw| f64::from(mw) / 1000.0))),
+    fam!("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", Counter, "Total energy consumption since boot (in mJ).", |s, _| int(s.energy_mj)),
+    fam!("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", Counter, "Total number of bytes transmitted through PCIe TX (in KB) via NVML.", |s, _| int(
+        s.pcie_tx_kbs
+    )),
+    fam!("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", Counter, "Total number of bytes received through PCIe RX (in KB) via NVML.", |s, _| int(
+        s.pcie_rx_kbs
+    )),
+    fam!("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", Counter, "Total number of PCIe retries.", |s, _| int(s.pcie_replays)),
+    fam!("DCGM_FI_DEV_GPU_UTIL", Gauge, "GPU utilization (in %).", |s, _| int(s.util_percent)),
+    fam!("DCGM_FI_DEV_MEM_COPY_UTIL", Gauge, "Memory utilization (in %).", |s, _| int(s.mem_copy_util_percent)),
+    fam!("DCGM_FI_DEV_ENC_UTIL", Gauge, "Encoder utilization (in %).", |s, _| int(s.enc_util_percent)),
+    fam!("DCGM_FI_DEV_DEC_UTIL", Gauge, "Decoder utilization (in %).", |s, _| int(s.dec_util_percent)),
+    fam!("DCGM_FI_DEV_XID_ERRORS", Gauge, "Value of the last XID error encountered.", |_, xid| int(xid)),
+    fam!("DCGM_FI_DEV_FB_FREE", Gauge, "Framebuffer memory free (in MiB).", |s, _| int(s.memory_free_bytes.map(|b| b / MIB))),
+    fam!("DCGM_FI_DEV_FB_USED", Gauge, "Framebuffer memory used (in MiB).", |s, _| int(s.memory_used_bytes.map(|b| b / MIB))),
+    fam!("DCGM_FI_DEV_FB_RESERVED", Gauge, "Framebuffer memory reserved (in MiB).", |s, _| int(s.memory_reserved_bytes.map(|b| b / MIB))),
+    // Not in the default CSV; kept because "VRAM in use" panels divide by it.
+    fam!("DCGM_FI_DEV_FB_TOTAL", Gauge, "Framebuffer memory total (in MiB).", |s, _| int(s.memory_total_bytes.map(|b| b / MIB))),
+    fam!("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", Counter, "Total number of single-bit volatile ECC errors.", |s, _| int(s.ecc_corrected)),
+    fam!("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", Counter, "Total number of double-bit volatile ECC errors.", |s, _| int(s.ecc_uncorrected)),
+    fam!("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", Counter, "Total number of NVLink bandwidth counters for all lanes.", |s, _| float(
+        s.nvlink_bandwidth
+    )),
+    fam!("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", Counter, "Number of remapped rows for uncorrectable errors", |s, _| int(
+        s.remapped_rows_uncorrectable
+    )),
+    fam!("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", Counter, "Number of remapped rows for correctable errors", |s, _| int(
+        s.remapped_rows_correctable
+    )),
+    fam!("DCGM_FI_DEV_ROW_REMAP_FAILURE", Gauge, "Whether remapping of rows has failed", |s, _| int(s.row_remap_failure)),
+    fam!("DCGM_FI_PROF_GR_ENGINE_ACTIVE", Gauge, "Ratio of time the graphics engine is active.", |s, _| float(s.prof.gr_engine_active)),
+    fam!("DCGM_FI_PROF_SM_ACTIVE", Gauge, "The ratio of cycles an SM has at least 1 warp assigned.", |s, _| float(s.prof.sm_active)),
+    fam!("DCGM_FI_PROF_SM_OCCUPANCY", Gauge, "The ratio of number of warps resident on an SM.", |s, _| float(s.prof.sm_occupancy)),
+    fam!("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", Gauge, "Ratio of cycles the tensor (HMMA) pipe is active.", |s, _| float(
+        s.prof.pipe_tensor_active
+    )),
+    fam!("DCGM_FI_PROF_DRAM_ACTIVE", Gauge, "Ratio of cycles the device memory interface is active sending or receiving data.", |s, _| {
+        float(s.prof.dram_active)
+    }),
+    fam!(
+        "DCGM_FI_PROF_PCIE_TX_BYTES",
+        Gauge,
+        "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
+        |s, _| float(s.prof.pcie_tx_bytes)
+    ),
+    fam!(
+        "DCGM_FI_PROF_PCIE_RX_BYTES",
+        Gauge,
+        "The rate of data received over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
+        |s, _| float(s.prof.pcie_rx_bytes)
+    ),
+    fam!(
+        "DCGM_FI_PROF_NVLINK_TX_BYTES",
+        Gauge,
+        "The rate of data transmitted over NVLink - including both protocol headers and data payloads - in bytes per second.",
+        |s, _| float(s.prof.nvlink_tx_bytes)
+    ),
+    fam!(
+        "DCGM_FI_PROF_NVLINK_RX_BYTES",
+        Gauge,
+        "The rate of data received over NVLink - including both protocol headers and data payloads - in bytes per second.",
+        |s, _| float(s.prof.nvlink_rx_bytes)
+    ),
+];
+
+/// One GPU in a snapshot: the label text of each copy (one per job) and its values, indexed
+/// like [`FAMILIES`].
+#[derive(Debug, Clone, Default)]
+struct GpuRow {
+    labels: Vec<String>,
+    values: Vec<Option<Value>>,
+}
+
+/// The DCGM series of one sampler pass, and their text once a scrape asked for it (encoded
+/// once per pass however many scrapes come: an HA pair of Prometheus servers, or `curl`).
 #[derive(Debug, Default)]
-pub struct DcgmMetrics {
-    sm_clock: G,
-    mem_clock: G,
-    gpu_temp: G,
-    power_usage: GF,
-    total_energy: G,
-    gpu_util: G,
-    mem_copy_util: G,
-    fb_free: G,
-    fb_used: G,
-    fb_total: G,
-    ecc_sbe: G,
-    ecc_dbe: G,
-    xid: G,
-    live: HashSet<DcgmLabels>,
+pub struct Snapshot {
+    gpus: Vec<GpuRow>,
+    text: std::sync::OnceLock<String>,
+}
+
+/// The DCGM block of `/metrics`: written by the sampler once per pass, encoded by scrapes.
+#[derive(Debug, Default)]
+pub struct DcgmExposition {
+    current: Mutex<Arc<Snapshot>>,
+}
+
+impl DcgmExposition {
+    /// Appends the DCGM families to `out`, in the text both exposition formats share (HELP,
+    /// TYPE, samples; no `# EOF`). A family no GPU has a value for has its HELP and TYPE lines
+    /// only (as prometheus-client writes an empty family), so the names are always listed.
+    pub fn encode(&self, out: &mut String) {
+        let snap = Arc::clone(&lock(&self.current));
+        out.push_str(snap.text.get_or_init(|| snap.render()));
+    }
+
+    fn publish(&self, snap: Snapshot) {
+        *lock(&self.current) = Arc::new(snap);
+    }
+}
+
+impl Snapshot {
+    fn render(&self) -> String {
+        let lines: usize = self.gpus.iter().map(|g| g.labels.len()).sum::<usize>() * FAMILIES.len();
+        let mut out = String::with_capacity(lines * 256 + FAMILIES.len() * 160);
+        let mut value = String::with_capacity(32);
+        for (i, fam) in FAMILIES.iter().enumerate() {
+            let _ = write!(out, "# HELP {} {}\n# TYPE {} {}\n", fam.name, fam.help, fam.name, fam.kind.as_str());
+            for g in &self.gpus {
+                let Some(v) = g.values.get(i).copied().flatten() else { continue };
+                value.clear();
+                let _ = match v {
+                    Value::Int(n) => write!(value, "{n}"),
+                    Value::Float(f) => write!(value, "{f}"),
+                };
+                for l in &g.labels {
+                    out.push_str(fam.name);
+                    out.push('{');
+                    out.push_str(l);
+                    out.push_str("} ");
+                    out.push_str(&value);
+                    out.push('\n');
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The sampler's side: turns each pass into a [`Snapshot`] and keeps the last XID per GPU.
+#[derive(Debug)]
+pub struct DcgmWriter {
+    out: Arc<DcgmExposition>,
     /// Last XID code per GPU UUID, for GPUs ever watched (0 until the first XID). Kept when a
     /// GPU leaves the sample so its value is back when the GPU is; bounded by the GPUs the
     /// node has had.
     last_xid: HashMap<String, u64>,
 }
 
-const MIB: u64 = 1024 * 1024;
-
-impl DcgmMetrics {
-    /// Registers the series at the root of `r` (no prefix: the names are dcgm-exporter's). The
-    /// help texts are dcgm-exporter's without the final period, which prometheus-client adds.
-    pub fn register(r: &mut Registry) -> Self {
-        let m = Self::default();
-        r.register("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)", m.sm_clock.clone());
-        r.register("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz)", m.mem_clock.clone());
-        r.register("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)", m.gpu_temp.clone());
-        r.register("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)", m.power_usage.clone());
-        r.register("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ)", m.total_energy.clone());
-        r.register("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)", m.gpu_util.clone());
-        r.register("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)", m.mem_copy_util.clone());
-        r.register("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)", m.fb_free.clone());
-        r.register("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)", m.fb_used.clone());
-        r.register("DCGM_FI_DEV_FB_TOTAL", "Framebuffer memory total (in MiB)", m.fb_total.clone());
-        r.register("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors", m.ecc_sbe.clone());
-        r.register("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors", m.ecc_dbe.clone());
-        r.register("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered", m.xid.clone());
-        m
+impl DcgmWriter {
+    pub fn new(out: Arc<DcgmExposition>) -> Self {
+        Self { out, last_xid: HashMap::new() }
     }
 
-    /// Writes one sample. `jobs` maps a GPU index to the job ids on it (sorted); series of
-    /// GPUs or jobs no longer present, and of fields NVML refused this time, are removed.
-    pub fn update(&mut self, samples: &[GpuSample], jobs: &BTreeMap<u32, Vec<u32>>, hostname: &Arc<String>) {
-        let mut now = HashSet::new();
+    /// Publishes one pass. `jobs` maps a GPU index to the job ids on it (sorted); GPUs or jobs
+    /// no longer present, and fields NVML refused this time, are simply not in the snapshot.
+    pub fn update(&mut self, samples: &[GpuSample], jobs: &BTreeMap<u32, Vec<u32>>, hostname: &str, driver: &str) {
+        let mut snap = Snapshot { gpus: Vec::with_capacity(samples.len()), ..Snapshot::default() };
+        let (hostname, driver) = (escape(hostname), escape(driver));
         for s in samples.iter().filter(|s| !s.uuid.is_empty()) {
-            let uuid = Arc::new(s.uuid.clone());
-            let pci = Arc::new(s.pci_bus_id.clone());
-            let model = Arc::new(s.name.clone());
             if let Some(codes) = &s.xid_events {
                 let last = self.last_xid.entry(s.uuid.clone()).or_insert(0);
                 if let Some(code) = codes.last() {
@@ -106,73 +249,67 @@ impl DcgmMetrics {
                 }
             }
             let last_xid = self.last_xid.get(&s.uuid).copied();
-            let job_labels: Vec<String> = match jobs.get(&s.index) {
-                Some(ids) if !ids.is_empty() => ids.iter().map(u32::to_string).collect(),
-                _ => vec![String::new()],
+            let base = format!(
+                "gpu=\"{}\",UUID=\"{}\",pci_bus_id=\"{}\",device=\"nvidia{}\",modelName=\"{}\",Hostname=\"{hostname}\",DCGM_FI_DRIVER_VERSION=\"{driver}\",hpc_job=\"",
+                s.index,
+                escape(&s.uuid),
+                escape(&s.pci_bus_id),
+                s.index,
+                escape(&s.name),
+            );
+            let labels = match jobs.get(&s.index) {
+                Some(ids) if !ids.is_empty() => ids.iter().map(|id| format!("{base}{id}\"")).collect(),
+                _ => vec![format!("{base}\"")],
             };
-            for job in job_labels {
-                let l = DcgmLabels {
-                    gpu: s.index.to_string(),
-                    UUID: Arc::clone(&uuid),
-                    pci_bus_id: Arc::clone(&pci),
-                    device: format!("nvidia{}", s.index),
-                    modelName: Arc::clone(&model),
-                    Hostname: Arc::clone(hostname),
-                    hpc_job: job,
-                };
-                set(&self.sm_clock, &l, s.sm_clock_mhz.map(u64::from));
-                set(&self.mem_clock, &l, s.mem_clock_mhz.map(u64::from));
-                set(&self.gpu_temp, &l, s.temperature_c.map(u64::from));
-                match s.power_mw {
-                    Some(mw) => {
-                        self.power_usage.get_or_create(&l).set(f64::from(mw) / 1000.0);
-                    }
-                    None => {
-                        self.power_usage.remove(&l);
-                    }
-                }
-                set(&self.total_energy, &l, s.energy_mj);
-                set(&self.gpu_util, &l, s.util_percent.map(u64::from));
-                set(&self.mem_copy_util, &l, s.mem_copy_util_percent.map(u64::from));
-                set(&self.fb_free, &l, s.memory_free_bytes.map(|b| b / MIB));
-                set(&self.fb_used, &l, s.memory_used_bytes.map(|b| b / MIB));
-                set(&self.fb_total, &l, s.memory_total_bytes.map(|b| b / MIB));
-                set(&self.ecc_sbe, &l, s.ecc_corrected);
-                set(&self.ecc_dbe, &l, s.ecc_uncorrected);
-                set(&self.xid, &l, last_xid);
-                now.insert(l);
-            }
+            let values = FAMILIES.iter().map(|f| (f.read)(s, last_xid)).collect();
+            snap.gpus.push(GpuRow { labels, values });
         }
-        for gone in self.live.difference(&now) {
-            for f in [
-                &self.sm_clock,
-                &self.mem_clock,
-                &self.gpu_temp,
-                &self.total_energy,
-                &self.gpu_util,
-                &self.mem_copy_util,
-                &self.fb_free,
-                &self.fb_used,
-                &self.fb_total,
-                &self.ecc_sbe,
-                &self.ecc_dbe,
-                &self.xid,
-            ] {
-                f.remove(gone);
-            }
-            self.power_usage.remove(gone);
-        }
-        self.live = now;
+        self.out.publish(snap);
     }
 }
 
-fn set(f: &G, l: &DcgmLabels, v: Option<u64>) {
-    match v {
-        Some(v) => {
-            f.get_or_create(l).set(i64::try_from(v).unwrap_or(i64::MAX));
-        }
-        None => {
-            f.remove(l);
-        }
+/// A label value as the text formats want it (`\`, `"` and newlines escaped).
+fn escape(v: &str) -> std::borrow::Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        return std::borrow::Cow::Borrowed(v);
+    }
+    std::borrow::Cow::Owned(v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn family_names_are_unique_and_dcgm_shaped() {
+        let mut names: Vec<&str> = FAMILIES.iter().map(|f| f.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), FAMILIES.len());
+        assert!(FAMILIES.iter().all(|f| f.name.starts_with("DCGM_FI_") && !f.name.ends_with("_total")));
+    }
+
+    #[test]
+    fn absent_fields_have_no_line_and_labels_are_escaped() {
+        let out = Arc::new(DcgmExposition::default());
+        let mut w = DcgmWriter::new(Arc::clone(&out));
+        let s = GpuSample {
+            index: 3,
+            uuid: "GPU-x".into(),
+            name: "odd \"name\"".into(),
+            pci_bus_id: "0000:1b:00.0".into(),
+            temperature_c: Some(40),
+            ..GpuSample::default()
+        };
+        w.update(&[s], &BTreeMap::from([(3, vec![7, 8])]), "h1", "550.1");
+        let mut text = String::new();
+        out.encode(&mut text);
+        assert!(text.contains("# TYPE DCGM_FI_DEV_GPU_TEMP gauge\n"), "{text}");
+        assert!(text.contains("modelName=\"odd \\\"name\\\"\""), "{text}");
+        assert!(text.contains("DCGM_FI_DRIVER_VERSION=\"550.1\",hpc_job=\"7\"} 40\n"), "{text}");
+        assert!(text.contains("hpc_job=\"8\"} 40\n"), "{text}");
+        assert!(!text.contains("DCGM_FI_DEV_MEMORY_TEMP{"), "no value, no sample: {text}");
+        assert!(text.contains("# TYPE DCGM_FI_DEV_MEMORY_TEMP gauge\n"), "the family is listed: {text}");
+        assert_eq!(text.lines().filter(|l| !l.starts_with('#')).count(), 2, "{text}");
     }
 }

@@ -8,6 +8,59 @@
 //! The `/metrics` handler serves OpenMetrics when the `Accept` header asks for
 //! `application/openmetrics-text` (Prometheus does) and this conversion otherwise.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use prometheus_client::registry::Registry;
+
+use super::dcgm::DcgmExposition;
+
+/// What `/metrics` serves: the registry (gpuhub's series) and the DCGM block.
+#[derive(Debug)]
+pub struct Exposition {
+    registry: Registry,
+    dcgm: Option<Arc<DcgmExposition>>,
+    /// Size of the last body, to allocate the next one at once.
+    last_len: AtomicUsize,
+}
+
+impl Exposition {
+    pub fn new(registry: Registry, dcgm: Option<Arc<DcgmExposition>>) -> Self {
+        Self { registry, dcgm, last_len: AtomicUsize::new(64 * 1024) }
+    }
+
+    /// The whole body: OpenMetrics (ending in `# EOF`) or the Prometheus text format. The DCGM
+    /// block is the same text in both (dcgm-exporter's counters keep their names).
+    pub fn render(&self, openmetrics: bool) -> String {
+        let body = render(&self.registry, self.dcgm.as_deref(), openmetrics, self.last_len.load(Ordering::Relaxed));
+        self.last_len.store(body.len(), Ordering::Relaxed);
+        body
+    }
+}
+
+/// [`Exposition::render`] on borrowed parts; `capacity` is a hint.
+pub fn render(registry: &Registry, dcgm: Option<&DcgmExposition>, openmetrics: bool, capacity: usize) -> String {
+    let mut body = String::with_capacity(capacity + 4096);
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut body, registry) {
+        tracing::error!(error = %e, "encoding metrics failed");
+    }
+    let mut body = if openmetrics {
+        if body.ends_with("# EOF\n") {
+            body.truncate(body.len() - "# EOF\n".len());
+        }
+        body
+    } else {
+        to_prometheus_text(&body)
+    };
+    if let Some(d) = dcgm {
+        d.encode(&mut body);
+    }
+    if openmetrics {
+        body.push_str("# EOF\n");
+    }
+    body
+}
+
 /// Content type of [`to_prometheus_text`]'s output.
 pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -20,16 +73,24 @@ pub fn wants_openmetrics(accept: Option<&str>) -> bool {
 pub fn to_prometheus_text(openmetrics: &str) -> String {
     let mut out = String::with_capacity(openmetrics.len());
     // Families whose sample names carry a suffix, so their HELP line (which comes before TYPE)
-    // is renamed too.
+    // is renamed too. A counter's samples end in `_total` when prometheus-client wrote them;
+    // dcgm-exporter's counters (the DCGM block) keep their bare names, and so does their TYPE.
+    let lines: Vec<&str> = openmetrics.lines().collect();
     let mut suffixes: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
-    for rest in openmetrics.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+    for (i, rest) in lines.iter().enumerate().filter_map(|(i, l)| l.strip_prefix("# TYPE ").map(|r| (i, r))) {
         if let Some(name) = rest.strip_suffix(" counter") {
-            suffixes.insert(name, "_total");
+            let first_sample = lines[i + 1..].iter().find(|l| !l.starts_with('#'));
+            let total = format!("{name}_total");
+            if first_sample.is_none_or(|l| l.starts_with(&total)) {
+                suffixes.insert(name, "_total");
+            } else {
+                suffixes.insert(name, "");
+            }
         } else if let Some(name) = rest.strip_suffix(" info") {
             suffixes.insert(name, "_info");
         }
     }
-    for line in openmetrics.lines() {
+    for line in lines {
         if line == "# EOF" || line.starts_with("# UNIT ") {
             continue;
         }
@@ -42,7 +103,7 @@ pub fn to_prometheus_text(openmetrics: &str) -> String {
         if let Some(rest) = line.strip_prefix("# TYPE ") {
             let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
             let (name_suffix, kind) = match kind {
-                "counter" => ("_total", "counter"),
+                "counter" => (suffixes.get(name).copied().unwrap_or("_total"), "counter"),
                 "info" => ("_info", "gauge"),
                 "stateset" | "gaugehistogram" => ("", "gauge"),
                 "unknown" => ("", "untyped"),
@@ -68,6 +129,12 @@ mod tests {
         assert_eq!(
             p,
             "# HELP a_seconds_total Time.\n# TYPE a_seconds_total counter\na_seconds_total{x=\"1\"} 2\n# HELP g Gauge.\n# TYPE g gauge\ng 1\n# TYPE i_info gauge\ni_info{v=\"1\"} 1\n"
+        );
+        // A dcgm-exporter counter keeps its bare name.
+        let om = "# HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION E.\n# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\nDCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu=\"0\"} 5\n# EOF\n";
+        assert_eq!(
+            to_prometheus_text(om),
+            "# HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION E.\n# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\nDCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu=\"0\"} 5\n"
         );
         assert!(wants_openmetrics(Some("application/openmetrics-text;version=1.0.0,text/plain;q=0.5")));
         assert!(!wants_openmetrics(Some("*/*")));

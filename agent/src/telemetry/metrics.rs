@@ -76,7 +76,31 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+/// A node's state, with the admin's reason (`""` when none).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeStateLabels {
+    pub node: String,
+    pub state: String,
+    pub reason: String,
+}
+
+/// A node's CPUs or memory, allocated or idle.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeAllocLabels {
+    pub node: String,
+    pub state: AllocState,
+}
+
+/// A live Slurm job on this node (`jobid`, not `job`: see [`JobGpuLabels`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SlurmLiveJobLabels {
+    pub jobid: String,
+    pub user: String,
+    pub account: String,
+    pub partition: String,
+}
+
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct UserAccountLabels {
     pub user: String,
     pub account: String,
@@ -113,8 +137,13 @@ pub struct GpuhubMetrics {
     pub slurm_gpus: Family<StateLabels, Gauge>,
     pub slurm_shards: Family<StateLabels, Gauge>,
     pub slurm_pending: Family<ReasonLabels, Gauge>,
-    pub slurm_gpu_seconds: Family<UserAccountLabels, CounterF>,
-    pub slurm_shard_seconds: Family<UserAccountLabels, CounterF>,
+    pub slurm_node_state: Family<NodeStateLabels, Gauge>,
+    pub slurm_node_cpus: Family<NodeAllocLabels, Gauge>,
+    pub slurm_node_memory: Family<NodeAllocLabels, Gauge>,
+    pub slurm_job_gpus: Family<SlurmLiveJobLabels, Gauge>,
+    pub slurm_job_shards: Family<SlurmLiveJobLabels, Gauge>,
+    pub slurm_job_cpus: Family<SlurmLiveJobLabels, Gauge>,
+    pub slurm_job_memory: Family<SlurmLiveJobLabels, Gauge>,
     pub slurm_command_errors: Family<CommandLabels, Counter>,
     pub slurm_last_snapshot: GaugeF,
 }
@@ -171,17 +200,25 @@ impl GpuhubMetrics {
         r.register("slurm_gpus", "Whole GPUs of this node allocated to jobs or idle", m.slurm_gpus.clone());
         r.register("slurm_shards", "GPU shards of this node allocated to jobs or idle", m.slurm_shards.clone());
         r.register("slurm_pending_jobs", "Pending Slurm jobs by reason", m.slurm_pending.clone());
-        r.register_with_unit(
-            "slurm_gpu",
-            "Whole-GPU seconds allocated on this node, by user and account, as sampled from squeue (exact figures: gpuhub usage)",
-            Unit::Seconds,
-            m.slurm_gpu_seconds.clone(),
+        r.register(
+            "slurm_node_state",
+            "1 for the node's current state (idle, mixed, allocated, drained, draining, down, ...) and the admin's reason",
+            m.slurm_node_state.clone(),
         );
+        r.register("slurm_node_cpus", "CPUs of the node allocated to jobs or idle", m.slurm_node_cpus.clone());
+        r.register_with_unit("slurm_node_memory", "Memory of the node allocated to jobs or idle", Unit::Bytes, m.slurm_node_memory.clone());
+        r.register(
+            "slurm_job_gpus",
+            "Whole GPUs a running job holds on this node, from slurmctld (any request syntax: --gres, --gpus, --gpus-per-node, --gpus-per-task)",
+            m.slurm_job_gpus.clone(),
+        );
+        r.register("slurm_job_shards", "GPU shards a running job holds on this node, from slurmctld", m.slurm_job_shards.clone());
+        r.register("slurm_job_cpus", "CPUs allocated to a running job on this node (job-wide)", m.slurm_job_cpus.clone());
         r.register_with_unit(
-            "slurm_shard",
-            "Shard seconds allocated on this node, by user and account, as sampled from squeue",
-            Unit::Seconds,
-            m.slurm_shard_seconds.clone(),
+            "slurm_job_memory",
+            "Memory allocated to a running job on this node (job-wide)",
+            Unit::Bytes,
+            m.slurm_job_memory.clone(),
         );
         r.register("slurm_command_errors", "Slurm commands that failed or timed out", m.slurm_command_errors.clone());
         r.register_with_unit(

@@ -10,11 +10,14 @@
 //! - [`attribution`]: maps a GPU process id to its Slurm job (`/proc/<pid>/environ`, then
 //!   `/proc/<pid>/cgroup`), so two shard jobs on one GPU each get their own VRAM and utilisation.
 //! - [`sampler`]: the GPU sampler thread: NVML -> attribution -> per-job accumulators -> gauges.
-//! - [`slurm`]: one `squeue`/`sinfo` snapshot per interval on its own thread, shared by every
+//! - [`slurm`]: one slurmctld snapshot (`scontrol show job`, `scontrol show node`) per interval on its own thread, shared by every
 //!   collector (a scrape never runs a command).
-//! - [`dcgm`]: the dcgm-exporter-compatible series (`DCGM_FI_DEV_*`, same names and labels),
-//!   so existing Grafana dashboards work unchanged.
+//! - [`gpm`]: the profiling series through NVML's GPM API (Hopper and later).
+//! - [`dcgm`]: the dcgm-exporter-compatible series (`DCGM_FI_DEV_*`, `DCGM_FI_PROF_*`: same
+//!   names, types and labels), so existing Grafana dashboards work unchanged; encoded from a
+//!   per-pass snapshot next to the registry ([`exposition::Exposition`]).
 //! - [`metrics`]: gpuhub's own base-unit series under the `gpuhub_` prefix.
+//! - [`disk`]: free space of the agent's state and spool directories (read at scrape time).
 //!
 //! Threads, not tasks: NVML and `fork`/`exec` of Slurm commands block, so they never run on a
 //! tokio worker (STYLE.md §3). Both threads stop when [`Telemetry`] is dropped or
@@ -23,7 +26,9 @@
 
 pub mod attribution;
 pub mod dcgm;
+pub mod disk;
 pub mod exposition;
+pub mod gpm;
 pub mod metrics;
 pub mod nvml;
 pub mod sampler;
@@ -51,9 +56,9 @@ pub struct TelemetryConfig {
     pub interval_ms: u64,
     /// The `Hostname` label of the DCGM series; default: this machine's host name.
     pub hostname: Option<String>,
-    /// Take Slurm snapshots (`squeue`, `sinfo`).
+    /// Take Slurm snapshots (`scontrol show job -d`, `scontrol -d show node`).
     pub enable_slurm: bool,
-    /// Directory holding `squeue` and `sinfo`; default: found on `PATH`.
+    /// Directory holding `scontrol` (and `sacct` for accounting); default: found on `PATH`.
     pub slurm_bin_dir: Option<PathBuf>,
     /// Slurm snapshot interval (milliseconds).
     pub slurm_interval_ms: u64,
@@ -274,18 +279,20 @@ pub struct Telemetry {
     stats: Arc<Mutex<sampler::JobStatsStore>>,
     stop: Arc<Stop>,
     threads: Vec<JoinHandle<()>>,
+    dcgm: Arc<dcgm::DcgmExposition>,
 }
 
 impl Telemetry {
-    /// Registers every series in `registry` (DCGM names at its root, gpuhub's own under the
-    /// `gpuhub` prefix), opens NVML, takes a first GPU sample and starts the sampler threads.
+    /// Registers gpuhub's series in `registry` (under the `gpuhub` prefix; the DCGM series are
+    /// encoded from [`Telemetry::dcgm`] next to it, see [`exposition::Exposition`]), opens NVML, takes a first GPU sample and starts the sampler threads.
     ///
     /// Blocks for NVML initialisation and one sample (milliseconds with the fake library, up to
     /// a few seconds on a real node): call it at startup, or inside `spawn_blocking`. Never
     /// fails: without NVML or GPUs it logs once and exports `gpuhub_nvml_up 0`. `cfg` should
     /// have passed [`TelemetryConfig::validate`]; out-of-range intervals are clamped.
     pub fn start(cfg: &TelemetryConfig, registry: &mut Registry) -> Telemetry {
-        let dcgm = dcgm::DcgmMetrics::register(registry);
+        let dcgm_out = Arc::new(dcgm::DcgmExposition::default());
+        let dcgm = dcgm::DcgmWriter::new(Arc::clone(&dcgm_out));
         let own = metrics::GpuhubMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
         let published = Arc::new(Mutex::new(Published::default()));
         let stats = Arc::new(Mutex::new(sampler::JobStatsStore::new(Duration::from_secs(cfg.job_stats_retention_s))));
@@ -312,7 +319,12 @@ impl Telemetry {
         } else {
             own.slurm_up.set(0);
         }
-        Telemetry { published, stats, stop, threads }
+        Telemetry { published, stats, stop, threads, dcgm: dcgm_out }
+    }
+
+    /// The DCGM block of `/metrics`, for [`exposition::Exposition`].
+    pub fn dcgm(&self) -> Arc<dcgm::DcgmExposition> {
+        Arc::clone(&self.dcgm)
     }
 
     /// The GPUs of the last sample (empty without NVML).

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::attribution::Attributor;
-use super::dcgm::DcgmMetrics;
+use super::dcgm::DcgmWriter;
 use super::metrics::{FieldLabels, GpuLabels, GpuXidLabels, GpuhubMetrics, JobGpuLabels, remove_stale};
 use super::nvml::{GpuSample, NvmlSource};
 use super::xid;
@@ -133,10 +133,12 @@ pub struct GpuSampler {
     nvml: Option<NvmlSource>,
     next_open: Instant,
     logged_no_nvml: bool,
-    hostname: Arc<String>,
+    hostname: String,
+    /// The open driver's version (`DCGM_FI_DRIVER_VERSION` label); empty without NVML.
+    driver_version: String,
     job_map_dir: Option<PathBuf>,
     attributor: Attributor,
-    dcgm: DcgmMetrics,
+    dcgm: DcgmWriter,
     own: GpuhubMetrics,
     published: Arc<Mutex<Published>>,
     stats: Arc<Mutex<JobStatsStore>>,
@@ -157,7 +159,7 @@ impl std::fmt::Debug for GpuSampler {
 impl GpuSampler {
     pub(crate) fn new(
         cfg: &TelemetryConfig,
-        dcgm: DcgmMetrics,
+        dcgm: DcgmWriter,
         own: GpuhubMetrics,
         published: Arc<Mutex<Published>>,
         stats: Arc<Mutex<JobStatsStore>>,
@@ -168,7 +170,8 @@ impl GpuSampler {
             nvml: None,
             next_open: Instant::now(),
             logged_no_nvml: false,
-            hostname: Arc::new(cfg.effective_hostname()),
+            hostname: cfg.effective_hostname(),
+            driver_version: String::new(),
             job_map_dir: cfg.job_map().map(std::path::Path::to_path_buf),
             attributor: Attributor::default(),
             dcgm,
@@ -206,10 +209,11 @@ impl GpuSampler {
         self.next_open = Instant::now() + NVML_RETRY;
         match NvmlSource::open(self.nvml_library.as_deref()) {
             Ok(src) => {
+                self.driver_version = src.driver_version().unwrap_or_default();
                 tracing::info!(
                     "telemetry: NVML opened ({}), driver {}",
                     self.nvml_library.as_ref().map_or("libnvidia-ml.so.1".to_string(), |p| p.display().to_string()),
-                    src.driver_version().unwrap_or_else(|| "unknown".into())
+                    if self.driver_version.is_empty() { "unknown" } else { &self.driver_version }
                 );
                 self.nvml = Some(src);
                 self.logged_no_nvml = false;
@@ -365,7 +369,7 @@ impl GpuSampler {
             stats.expire();
         }
         self.remove_stale(&gpu_now, &job_now, &unattributed_now);
-        self.dcgm.update(&samples, &jobs_per_gpu, &self.hostname);
+        self.dcgm.update(&samples, &jobs_per_gpu, &self.hostname, &self.driver_version);
         self.attributor.retain(&live_pids);
         let gone: Vec<String> = self.prev_energy_mj.keys().filter(|u| !samples.iter().any(|s| &s.uuid == *u)).cloned().collect();
         for u in gone {

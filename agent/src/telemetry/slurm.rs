@@ -1,20 +1,28 @@
-//! Slurm snapshot: one `squeue` and one `sinfo` per interval on the `gpuhub-slurm` thread,
-//! shared by every collector, so a scrape never runs a command (a slow slurmctld must not
-//! make `/metrics` slow).
+//! Slurm snapshot: `scontrol show job -d -o` and `scontrol -d show node -o` once per interval on
+//! the `gpuhub-slurm` thread, shared by every collector (the `gpuhub_slurm_*` series and the GPU
+//! sampler's user lookup), so a scrape never runs a command (a slow slurmctld must not make
+//! `/metrics` slow).
 //!
-//! Both commands run with explicit `-o` formats and `|` separators, `LC_ALL=C`, and a timeout
+//! Both come from slurmctld, whatever syntax a job was submitted with: `--gres=gpu:N`,
+//! `--gres=gpu:h200:N`, `--gpus=N`, `--gpus-per-node`, `--gpus-per-task` and shards all end up
+//! as the job's per-node `GRES=gpu:h200:N(IDX:..)` / `shard:..` and as the node's `GresUsed=`
+//! (`squeue -o %b` shows `N/A` for `--gpus`, which is why this is not squeue). The job lines are
+//! parsed by accounting's parser ([`crate::accounting::slurm::parse_scontrol`]), which refuses a
+//! line whose free text imitates Slurm's fields; such a job is counted as a malformed line and
+//! left out of the per-job series, while the node's totals (`CPUAlloc`, `AllocMem`, and GPUs
+//! from `GresUsed`, which no user text reaches) stay exact.
+//!
+//! Commands run with `LC_ALL=C`, `SLURM_TIME_FORMAT=%s` and a timeout
 //! (`telemetry.slurm_timeout_ms`) after which the command is killed, the snapshot skipped and
-//! `gpuhub_slurm_up` set to 0. Formats:
-//! - `squeue -h -a -t PD,R,CG,S,CF -o '%i|%T|%P|%u|%a|%r|%b|%N'`: id, state, partition, user,
-//!   account, reason, GRES per node (`gres:gpu:2`, `gres/shard:7`, `gres:gpu:h200:1`), nodes.
-//! - `sinfo -h -N -o '%N|%G'`: node and its configured GRES (`gpu:h200:2,shard:h200:28(S:0)`).
+//! `gpuhub_slurm_up` set to 0.
 //!
-//! GPUs and shards in use are those of running jobs on this node (`telemetry.slurm_node_name`);
-//! GPU- and shard-seconds per user and account are integrated from these snapshots (an
-//! estimate with one interval of resolution; `gpuhub usage` has the exact figures from the
-//! plugin's records).
+//! Series: GPUs and shards of this node (`telemetry.slurm_node_name`) allocated and idle; the
+//! node's state (`idle`, `mixed`, `allocated`, `drained`, `draining`, `down`, ...) with the
+//! admin's reason; its CPUs and memory allocated and idle; each live job's GPUs, shards, CPUs
+//! and memory on it; jobs by state, partition and user; pending jobs by reason. GPU-seconds
+//! per user and account come from the accounting store (`gpuhub_usage_*`), not from here.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
@@ -22,35 +30,42 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::metrics::{AllocState, CommandLabels, GpuhubMetrics, ReasonLabels, SlurmJobLabels, StateLabels, UserAccountLabels};
+use super::metrics::{
+    AllocState, CommandLabels, GpuhubMetrics, NodeAllocLabels, NodeStateLabels, ReasonLabels, SlurmJobLabels, SlurmLiveJobLabels,
+    StateLabels,
+};
 use super::{Published, Stop, TelemetryConfig, lock, unix_now};
+use crate::accounting::slurm::{SlurmJob, is_finished, is_live, parse_scontrol, parse_slurm_size};
 
-pub const SQUEUE_FORMAT: &str = "%i|%T|%P|%u|%a|%r|%b|%N";
-pub const SINFO_FORMAT: &str = "%N|%G";
 /// Output beyond this is refused (a runaway command must not eat the agent's memory).
 const MAX_OUTPUT: u64 = 64 * 1024 * 1024;
-
-/// One job line of `squeue`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SqueueJob {
-    /// Numeric job id; `None` for a pending array (`123_[1-5]`), kept for the counts.
-    pub job_id: Option<u32>,
-    pub state: String,
-    pub partition: String,
-    pub user: String,
-    pub account: String,
-    pub reason: String,
-    /// GPUs and shards per node the job holds (running) or asks for (pending).
-    pub gpus: u32,
-    pub shards: u32,
-    pub nodes: String,
-}
 
 /// GRES configured on a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct NodeGres {
     pub gpus: u32,
     pub shards: u32,
+}
+
+/// One node as `scontrol -d show node -o` prints it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SlurmNode {
+    pub name: String,
+    /// Slurm's own state word(s), e.g. `MIXED+DRAIN`, `DOWN*`.
+    pub raw_state: String,
+    /// What dashboards show: `idle`, `mixed`, `allocated`, `completing`, `drained`,
+    /// `draining`, `down`, `fail`, `failing`, `maint`, `reserved`, `future`, `unknown`.
+    pub state: String,
+    /// The admin's reason (`scontrol update ... reason=`), without Slurm's `[user@time]`.
+    pub reason: String,
+    pub cpus_alloc: u32,
+    pub cpus_total: u32,
+    pub mem_alloc_bytes: u64,
+    pub mem_total_bytes: u64,
+    /// `Gres=`.
+    pub configured: NodeGres,
+    /// `GresUsed=`; `None` when the node line has none.
+    pub used: Option<NodeGres>,
 }
 
 /// A malformed line; the snapshot keeps the good lines and counts the bad.
@@ -63,61 +78,96 @@ pub struct ParseError {
     pub text: String,
 }
 
-/// Parses `squeue -o SQUEUE_FORMAT` output.
-pub fn parse_squeue(text: &str) -> (Vec<SqueueJob>, Vec<ParseError>) {
-    let mut jobs = Vec::new();
-    let mut errors = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let f: Vec<&str> = line.split('|').collect();
-        if f.len() != 8 {
-            errors.push(ParseError { command: "squeue", line: i + 1, problem: "expected 8 |-separated fields", text: line.into() });
-            continue;
-        }
-        let id = f[0].trim();
-        let job_id = id.split('_').next().and_then(|s| s.parse().ok());
-        if job_id.is_none() && !id.contains('_') {
-            errors.push(ParseError { command: "squeue", line: i + 1, problem: "job id is not a number", text: line.into() });
-            continue;
-        }
-        let (gpus, shards) = parse_gres_counts(f[6]);
-        // Slurm prints `(null)` for an unset field (the account without slurmdbd).
-        let field = |i: usize| match f[i].trim() {
-            "(null)" => String::new(),
-            v => v.to_string(),
+/// Slurm's node state as one word: flags that matter win over the base state (`IDLE+DRAIN` is
+/// `drained`, `MIXED+DRAIN` `draining`, `IDLE*` (not responding) `down`).
+pub fn node_state(raw: &str) -> String {
+    let raw = raw.trim();
+    let not_responding = raw.contains('*');
+    let mut parts = raw.split('+').map(|p| p.trim_end_matches(['*', '~', '#', '%', '$', '@', '^', '!', '-']).to_ascii_uppercase());
+    let base = parts.next().unwrap_or_default();
+    let flags: Vec<String> = parts.collect();
+    let has = |f: &str| flags.iter().any(|x| x == f);
+    let s = if has("DRAIN") {
+        if matches!(base.as_str(), "IDLE" | "DOWN") { "drained" } else { "draining" }
+    } else if has("FAIL") {
+        if matches!(base.as_str(), "IDLE" | "DOWN") { "fail" } else { "failing" }
+    } else if base == "DOWN" || not_responding {
+        "down"
+    } else if has("MAINT") {
+        "maint"
+    } else if has("RESERVED") {
+        "reserved"
+    } else if has("COMPLETING") || base == "COMPLETING" {
+        "completing"
+    } else {
+        return match base.as_str() {
+            "IDLE" | "MIXED" | "ALLOCATED" | "FUTURE" | "ERROR" => base.to_ascii_lowercase(),
+            "ALLOC" => "allocated".into(),
+            "MIX" => "mixed".into(),
+            _ => "unknown".into(),
         };
-        jobs.push(SqueueJob {
-            job_id: if id.contains('[') { None } else { job_id },
-            state: field(1),
-            partition: field(2),
-            user: field(3),
-            account: field(4),
-            reason: field(5),
-            gpus,
-            shards,
-            nodes: f[7].trim().to_string(),
-        });
-    }
-    (jobs, errors)
+    };
+    s.to_string()
 }
 
-/// Parses `sinfo -N -o SINFO_FORMAT` output: node -> GRES (a node listed once per partition
-/// is counted once).
-pub fn parse_sinfo(text: &str) -> (BTreeMap<String, NodeGres>, Vec<ParseError>) {
+/// key=value tokens of an `-o` line; a token without `=` continues the previous value
+/// (`OS=Linux 6.1 #1 SMP`, `Reason=maint [root@...]`).
+fn fields(line: &str) -> Vec<(&str, String)> {
+    let mut out: Vec<(&str, String)> = Vec::new();
+    for tok in line.split_ascii_whitespace() {
+        match tok.split_once('=') {
+            Some((k, v)) if !k.is_empty() && !out.iter().any(|(seen, _)| *seen == k) => out.push((k, v.to_string())),
+            _ => {
+                if let Some(last) = out.last_mut() {
+                    last.1.push(' ');
+                    last.1.push_str(tok);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Parses `scontrol -d show node -o`: node name -> node.
+pub fn parse_nodes(text: &str) -> (BTreeMap<String, SlurmNode>, Vec<ParseError>) {
     let mut nodes = BTreeMap::new();
     let mut errors = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let Some((node, gres)) = line.split_once('|') else {
-            errors.push(ParseError { command: "sinfo", line: i + 1, problem: "expected node|gres", text: line.into() });
+        let f = fields(line);
+        let get = |k: &str| f.iter().find(|(key, _)| *key == k).map(|(_, v)| v.trim());
+        let Some(name) = get("NodeName").filter(|n| !n.is_empty()) else {
+            errors.push(ParseError { command: "scontrol show node", line: i + 1, problem: "no NodeName=", text: line.into() });
             continue;
         };
-        let (gpus, shards) = parse_gres_counts(gres);
-        nodes.insert(node.trim().to_string(), NodeGres { gpus, shards });
+        let num = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let raw_state = get("State").unwrap_or("UNKNOWN").to_string();
+        let reason = get("Reason").map(|r| r.split(" [").next().unwrap_or(r).trim().to_string()).unwrap_or_default();
+        let (gpus, shards) = parse_gres_counts(get("Gres").unwrap_or(""));
+        let used = get("GresUsed").map(|u| {
+            let (gpus, shards) = parse_gres_counts(u);
+            NodeGres { gpus, shards }
+        });
+        nodes.insert(
+            name.to_string(),
+            SlurmNode {
+                name: name.to_string(),
+                state: node_state(&raw_state),
+                raw_state,
+                reason: if reason == "(null)" { String::new() } else { reason },
+                cpus_alloc: u32::try_from(num("CPUAlloc")).unwrap_or(u32::MAX),
+                cpus_total: u32::try_from(num("CPUTot")).unwrap_or(u32::MAX),
+                mem_alloc_bytes: get("AllocMem").map(parse_slurm_size).unwrap_or(0),
+                mem_total_bytes: get("RealMemory").map(parse_slurm_size).unwrap_or(0),
+                configured: NodeGres { gpus, shards },
+                used,
+            },
+        );
     }
     (nodes, errors)
 }
 
 /// Sums GPU and shard counts in a GRES string: `gres:gpu:2`, `gres/gpu:h200:1`,
-/// `gpu:h200:2(S:0-1),shard:h200:28`, `gres:shard:7`, `N/A`, `(null)`.
+/// `gpu:h200:2(S:0-1),shard:h200:28`, `gres:shard:7`, `gpu:h200:1(IDX:0)`, `N/A`, `(null)`.
 pub fn parse_gres_counts(s: &str) -> (u32, u32) {
     let mut gpus = 0u32;
     let mut shards = 0u32;
@@ -225,47 +275,58 @@ fn kill_group(child: &mut std::process::Child) {
     let _ = child.wait();
 }
 
+/// One look at Slurm, as every collector shares it.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Every job slurmctld lists (finished ones within `MinJobAge` included).
+    pub jobs: BTreeMap<u32, SlurmJob>,
+    pub nodes: BTreeMap<String, SlurmNode>,
+    /// Lines that were refused (ambiguous job lines, malformed node lines).
+    pub bad_lines: usize,
+}
+
 /// The Slurm sampler; runs on its own thread.
 #[derive(Debug)]
 pub struct SlurmSampler {
-    squeue: PathBuf,
-    sinfo: PathBuf,
+    scontrol: PathBuf,
     timeout: Duration,
     node: String,
     own: GpuhubMetrics,
     published: Arc<Mutex<Published>>,
-    last_ok: Option<Instant>,
-    interval: Duration,
     was_up: Option<bool>,
     live_jobs: HashSet<SlurmJobLabels>,
     live_reasons: HashSet<ReasonLabels>,
+    live_nodes: HashSet<NodeStateLabels>,
+    live_node_alloc: HashSet<NodeAllocLabels>,
+    live_job_alloc: HashSet<SlurmLiveJobLabels>,
     warned_node: bool,
 }
 
+const JOB_CMD: &str = "scontrol show job";
+const NODE_CMD: &str = "scontrol show node";
+
 impl SlurmSampler {
     pub(crate) fn new(cfg: &TelemetryConfig, own: GpuhubMetrics, published: Arc<Mutex<Published>>) -> Self {
-        let bin = |name: &str| match &cfg.slurm_bin_dir {
-            Some(dir) => dir.join(name),
-            None => PathBuf::from(name),
-        };
         Self {
-            squeue: bin("squeue"),
-            sinfo: bin("sinfo"),
+            scontrol: match &cfg.slurm_bin_dir {
+                Some(dir) => dir.join("scontrol"),
+                None => PathBuf::from("scontrol"),
+            },
             timeout: Duration::from_millis(cfg.slurm_timeout_ms.clamp(100, 600_000)),
             node: cfg.effective_node_name(),
             own,
             published,
-            last_ok: None,
-            interval: Duration::from_millis(cfg.slurm_interval_ms),
             was_up: None,
             live_jobs: HashSet::new(),
             live_reasons: HashSet::new(),
+            live_nodes: HashSet::new(),
+            live_node_alloc: HashSet::new(),
+            live_job_alloc: HashSet::new(),
             warned_node: false,
         }
     }
 
     pub(crate) fn run(mut self, interval: Duration, stop: &Stop) {
-        self.interval = interval;
         loop {
             if stop.is_stopped() {
                 return;
@@ -283,12 +344,17 @@ impl SlurmSampler {
         let result = self.take();
         lock(&self.published).slurm_snapshots += 1;
         match result {
-            Ok((jobs, nodes)) => {
+            Ok(snap) => {
                 if self.was_up != Some(true) {
-                    tracing::info!("telemetry: Slurm snapshot ok ({} jobs, node {})", jobs.len(), self.node);
+                    tracing::info!(
+                        "telemetry: Slurm snapshot ok ({} jobs, {} nodes; counting node {})",
+                        snap.jobs.len(),
+                        snap.nodes.len(),
+                        self.node
+                    );
                 }
                 self.was_up = Some(true);
-                self.apply(&jobs, &nodes);
+                self.apply(&snap);
             }
             Err(e) => {
                 if self.was_up != Some(false) {
@@ -298,60 +364,125 @@ impl SlurmSampler {
                 }
                 self.was_up = Some(false);
                 self.own.slurm_up.set(0);
-                self.last_ok = None;
             }
         }
     }
 
-    fn take(&mut self) -> Result<(Vec<SqueueJob>, BTreeMap<String, NodeGres>), CommandError> {
+    fn take(&mut self) -> Result<Snapshot, CommandError> {
         let fail = |own: &GpuhubMetrics, command: &str| {
             own.slurm_command_errors.get_or_create(&CommandLabels { command: command.into() }).inc();
         };
-        let sq = run_command(&self.squeue, &["-h", "-a", "-t", "PD,R,CG,S,CF", "-o", SQUEUE_FORMAT], self.timeout)
-            .inspect_err(|_| fail(&self.own, "squeue"))?;
-        let si = run_command(&self.sinfo, &["-h", "-N", "-o", SINFO_FORMAT], self.timeout).inspect_err(|_| fail(&self.own, "sinfo"))?;
-        let (jobs, errs_q) = parse_squeue(&sq);
-        let (nodes, errs_i) = parse_sinfo(&si);
-        for e in errs_q.iter().chain(errs_i.iter()) {
-            tracing::warn!("telemetry: skipped a Slurm output line: {e}");
-            fail(&self.own, e.command);
+        let env = [("SLURM_TIME_FORMAT", "%s")];
+        let jobs_text =
+            run_command_env(&self.scontrol, &["show", "job", "-d", "-o"], &env, self.timeout).inspect_err(|_| fail(&self.own, JOB_CMD))?;
+        let nodes_text = run_command_env(&self.scontrol, &["-d", "show", "node", "-o"], &env, self.timeout)
+            .inspect_err(|_| fail(&self.own, NODE_CMD))?;
+        let (jobs, job_errors) = parse_scontrol(&jobs_text);
+        let (nodes, node_errors) = parse_nodes(&nodes_text);
+        for e in &job_errors {
+            tracing::warn!("telemetry: skipped a Slurm job line: {e}");
+            fail(&self.own, JOB_CMD);
         }
-        Ok((jobs, nodes))
+        for e in &node_errors {
+            tracing::warn!("telemetry: skipped a Slurm node line: {e}");
+            fail(&self.own, NODE_CMD);
+        }
+        Ok(Snapshot { jobs, nodes, bad_lines: job_errors.len() + node_errors.len() })
     }
 
-    fn apply(&mut self, jobs: &[SqueueJob], nodes: &BTreeMap<String, NodeGres>) {
+    pub(crate) fn apply(&mut self, snap: &Snapshot) {
         let m = &self.own;
-        // Which node's GRES: ours if sinfo knows it, else all nodes (single-node clusters
-        // under another name), said once.
-        let ours = nodes.get(&self.node).copied();
-        if ours.is_none() && !self.warned_node && !nodes.is_empty() {
+        let ours = snap.nodes.get(&self.node);
+        if ours.is_none() && !self.warned_node && !snap.nodes.is_empty() {
             tracing::warn!(
-                "telemetry: Slurm node `{}` not in sinfo (nodes: {}); counting GPUs of all nodes (set telemetry.slurm_node_name)",
+                "telemetry: Slurm node `{}` not in `scontrol show node` (nodes: {}); counting GPUs of all nodes (set telemetry.slurm_node_name)",
                 self.node,
-                nodes.keys().cloned().collect::<Vec<_>>().join(",")
+                snap.nodes.keys().cloned().collect::<Vec<_>>().join(",")
             );
             self.warned_node = true;
         }
-        let total = ours.unwrap_or_else(|| {
-            nodes.values().fold(NodeGres::default(), |a, n| NodeGres { gpus: a.gpus + n.gpus, shards: a.shards + n.shards })
-        });
-        let on_node = |j: &SqueueJob| ours.is_none() || j.nodes == self.node;
-        let running: Vec<&SqueueJob> = jobs.iter().filter(|j| j.state == "RUNNING" && on_node(j)).collect();
-        let gpus_alloc: u32 = running.iter().map(|j| j.gpus).sum();
-        let shards_alloc: u32 = running.iter().map(|j| j.shards).sum();
-        m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(gpus_alloc));
-        m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(total.gpus.saturating_sub(gpus_alloc)));
-        m.slurm_shards.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(shards_alloc));
-        m.slurm_shards.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(total.shards.saturating_sub(shards_alloc)));
+        let counted: Vec<&SlurmNode> = match ours {
+            Some(n) => vec![n],
+            None => snap.nodes.values().collect(),
+        };
+        let names: BTreeSet<String> = counted.iter().map(|n| n.name.clone()).collect();
 
+        // Each live job's allocation on the counted node(s): GPUs and shards per node from its
+        // GRES indices (any request syntax), CPUs and memory job-wide.
+        let mut job_alloc_now = HashSet::new();
+        let (mut job_gpus, mut job_shards) = (0u32, 0u32);
+        for j in snap.jobs.values().filter(|j| is_live(&j.state)) {
+            let Some(a) = j.alloc_on(&names) else { continue };
+            job_gpus = job_gpus.saturating_add(a.gpus);
+            job_shards = job_shards.saturating_add(a.shards);
+            let l = SlurmLiveJobLabels {
+                jobid: j.job_id.to_string(),
+                user: j.user.clone(),
+                account: j.account.clone().unwrap_or_default(),
+                partition: j.partition.clone().unwrap_or_default(),
+            };
+            m.slurm_job_gpus.get_or_create(&l).set(i64::from(a.gpus));
+            m.slurm_job_shards.get_or_create(&l).set(i64::from(a.shards));
+            m.slurm_job_cpus.get_or_create(&l).set(i64::from(j.cpus));
+            m.slurm_job_memory.get_or_create(&l).set(i64::try_from(j.mem_bytes).unwrap_or(i64::MAX));
+            job_alloc_now.insert(l);
+        }
+        for f in [&m.slurm_job_gpus, &m.slurm_job_shards, &m.slurm_job_cpus, &m.slurm_job_memory] {
+            super::metrics::remove_stale(f, &self.live_job_alloc, &job_alloc_now);
+        }
+        self.live_job_alloc = job_alloc_now;
+
+        // GPUs and shards of the node in use: what the live jobs hold, or the node's GresUsed
+        // if that says more (it also counts a job whose line was refused as ambiguous). Slurm
+        // 22.05's GresUsed counts shards wrongly (`shard:h200:1(IDX:0)` while 8 shards are held
+        // on GPU 0), so there the jobs' sum is the figure.
+        let sum = |f: fn(&SlurmNode) -> u32| counted.iter().map(|n| f(n)).fold(0u32, u32::saturating_add);
+        let (cfg_gpus, cfg_shards) = (sum(|n| n.configured.gpus), sum(|n| n.configured.shards));
+        let (used_gpus, used_shards) = (sum(|n| n.used.map_or(0, |u| u.gpus)), sum(|n| n.used.map_or(0, |u| u.shards)));
+        let (gpus_alloc, shards_alloc) = (job_gpus.max(used_gpus), job_shards.max(used_shards));
+        m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(gpus_alloc));
+        m.slurm_gpus.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(cfg_gpus.saturating_sub(gpus_alloc)));
+        m.slurm_shards.get_or_create(&StateLabels { state: AllocState::allocated }).set(i64::from(shards_alloc));
+        m.slurm_shards.get_or_create(&StateLabels { state: AllocState::idle }).set(i64::from(cfg_shards.saturating_sub(shards_alloc)));
+
+        // Node state with the reason, CPUs and memory.
+        let mut nodes_now = HashSet::new();
+        let mut node_alloc_now = HashSet::new();
+        for n in &counted {
+            let l = NodeStateLabels { node: n.name.clone(), state: n.state.clone(), reason: n.reason.clone() };
+            m.slurm_node_state.get_or_create(&l).set(1);
+            nodes_now.insert(l);
+            let pairs = [
+                (&m.slurm_node_cpus, AllocState::allocated, u64::from(n.cpus_alloc)),
+                (&m.slurm_node_cpus, AllocState::idle, u64::from(n.cpus_total.saturating_sub(n.cpus_alloc))),
+                (&m.slurm_node_memory, AllocState::allocated, n.mem_alloc_bytes),
+                (&m.slurm_node_memory, AllocState::idle, n.mem_total_bytes.saturating_sub(n.mem_alloc_bytes)),
+            ];
+            for (family, state, v) in pairs {
+                let l = NodeAllocLabels { node: n.name.clone(), state };
+                family.get_or_create(&l).set(i64::try_from(v).unwrap_or(i64::MAX));
+                node_alloc_now.insert(l);
+            }
+        }
+        super::metrics::remove_stale(&m.slurm_node_state, &self.live_nodes, &nodes_now);
+        super::metrics::remove_stale(&m.slurm_node_cpus, &self.live_node_alloc, &node_alloc_now);
+        super::metrics::remove_stale(&m.slurm_node_memory, &self.live_node_alloc, &node_alloc_now);
+        self.live_nodes = nodes_now;
+        self.live_node_alloc = node_alloc_now;
+
+        // Jobs by state (not finished: what squeue lists by default), pending by reason.
         let mut by_state: HashMap<SlurmJobLabels, i64> = HashMap::new();
         let mut by_reason: HashMap<ReasonLabels, i64> = HashMap::new();
-        for j in jobs {
+        for j in snap.jobs.values().filter(|j| !is_finished(&j.state)) {
             *by_state
-                .entry(SlurmJobLabels { state: j.state.to_lowercase(), partition: j.partition.clone(), user: j.user.clone() })
+                .entry(SlurmJobLabels {
+                    state: j.state.to_lowercase(),
+                    partition: j.partition.clone().unwrap_or_default(),
+                    user: j.user.clone(),
+                })
                 .or_default() += 1;
             if j.state == "PENDING" {
-                *by_reason.entry(ReasonLabels { reason: j.reason.clone() }).or_default() += 1;
+                *by_reason.entry(ReasonLabels { reason: j.reason.clone().unwrap_or_else(|| "None".into()) }).or_default() += 1;
             }
         }
         for (l, n) in &by_state {
@@ -367,26 +498,9 @@ impl SlurmSampler {
         self.live_jobs = jobs_now;
         self.live_reasons = reasons_now;
 
-        // Integrate allocated GPU/shard time since the previous good snapshot (bounded to two
-        // intervals, so an outage is not invented as usage).
-        let now = Instant::now();
-        if let Some(prev) = self.last_ok {
-            let dt = now.duration_since(prev).min(self.interval * 2).as_secs_f64();
-            for j in &running {
-                let l = UserAccountLabels { user: j.user.clone(), account: j.account.clone() };
-                if j.gpus > 0 {
-                    m.slurm_gpu_seconds.get_or_create(&l).inc_by(f64::from(j.gpus) * dt);
-                }
-                if j.shards > 0 {
-                    m.slurm_shard_seconds.get_or_create(&l).inc_by(f64::from(j.shards) * dt);
-                }
-            }
-        }
-        self.last_ok = Some(now);
         m.slurm_up.set(1);
         m.slurm_last_snapshot.set(unix_now());
-
-        let map = jobs.iter().filter_map(|j| j.job_id.map(|id| (id, (j.user.clone(), j.account.clone())))).collect();
+        let map = snap.jobs.values().map(|j| (j.job_id, (j.user.clone(), j.account.clone().unwrap_or_default()))).collect();
         lock(&self.published).slurm_jobs = map;
     }
 }
@@ -410,36 +524,50 @@ mod tests {
         assert_eq!(parse_gres_counts(""), (0, 0));
     }
 
+    // Captured on the lab (Slurm 22.05, `scontrol -d show node -o`), the OS field cut.
+    const NODE_IDLE: &str = "NodeName=gpu01 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=16 CPUTot=16 CPULoad=6.55 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:h200:2,shard:h200:28 GresDrain=N/A GresUsed=gpu:h200:0(IDX:N/A),shard:h200:0(IDX:N/A) NodeAddr=127.0.0.1 NodeHostName=localhost Version=22.05.8 OS=Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=16000 AllocMem=0 FreeMem=4312 Sockets=16 Boards=1 State=IDLE ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=gpu,interactive,cpu  BootTime=2026-12-01T13:25:51 SlurmdStartTime=2026-12-01T15:01:19 LastBusyTime=2026-12-01T15:29:39 CfgTRES=cpu=16,mem=16000M,billing=16,gres/gpu=2,gres/shard=28 AllocTRES= CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s";
+
     #[test]
-    fn squeue_lines_and_bad_lines() {
-        let text = "\
-12|RUNNING|gpu|alice|physics|None|gres:gpu:2|gpu01
-13|RUNNING|gpu|bob|bio|None|gres:shard:7|gpu01
-14|PENDING|gpu|bob|bio|Resources|gres:gpu:2|
-15_[1-3]|PENDING|cpu|carol|(null)|Priority|N/A|
-garbage line
-x|RUNNING|gpu|a|b|None||gpu01
-";
-        let (jobs, errs) = parse_squeue(text);
-        assert_eq!(jobs.len(), 4, "{jobs:?}");
-        assert_eq!(errs.len(), 2, "{errs:?}");
-        assert_eq!(errs[0].line, 5);
-        assert!(errs[1].to_string().contains("job id is not a number"), "{}", errs[1]);
-        assert_eq!(jobs[0].job_id, Some(12));
-        assert_eq!((jobs[0].gpus, jobs[0].shards), (2, 0));
-        assert_eq!((jobs[1].gpus, jobs[1].shards), (0, 7));
-        assert_eq!(jobs[2].reason, "Resources");
-        assert_eq!(jobs[3].job_id, None);
-        assert_eq!(jobs[3].account, "", "(null) is no account");
+    fn node_lines_state_reason_cpus_memory_gres() {
+        let busy = NODE_IDLE
+            .replace("CPUAlloc=0", "CPUAlloc=3")
+            .replace("AllocMem=0", "AllocMem=1500")
+            .replace("State=IDLE", "State=MIXED+DRAIN")
+            .replace("GresUsed=gpu:h200:0(IDX:N/A),shard:h200:0(IDX:N/A)", "GresUsed=gpu:h200:1(IDX:1),shard:h200:7(IDX:0)")
+            .replace("NodeName=gpu01", "NodeName=gpu02")
+            + " Reason=bad fan [root@2026-12-01T15:00:00]";
+        let (nodes, errs) = parse_nodes(&format!("{NODE_IDLE}\n{busy}\nno node name here\n"));
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        let a = &nodes["gpu01"];
+        assert_eq!((a.state.as_str(), a.reason.as_str(), a.cpus_alloc, a.cpus_total), ("idle", "", 0, 16));
+        assert_eq!((a.mem_total_bytes, a.mem_alloc_bytes), (16000 << 20, 0));
+        assert_eq!((a.configured, a.used), (NodeGres { gpus: 2, shards: 28 }, Some(NodeGres { gpus: 0, shards: 0 })));
+        let b = &nodes["gpu02"];
+        assert_eq!((b.state.as_str(), b.reason.as_str(), b.raw_state.as_str()), ("draining", "bad fan", "MIXED+DRAIN"));
+        assert_eq!((b.cpus_alloc, b.mem_alloc_bytes, b.used), (3, 1500 << 20, Some(NodeGres { gpus: 1, shards: 7 })));
     }
 
     #[test]
-    fn sinfo_counts_a_node_once() {
-        let (nodes, errs) = parse_sinfo("gpu01|gpu:h200:2,shard:h200:28\ngpu01|gpu:h200:2,shard:h200:28\ncpu01|(null)\nbad\n");
-        assert_eq!(errs.len(), 1);
-        assert_eq!(nodes.len(), 2);
-        assert_eq!(nodes["gpu01"], NodeGres { gpus: 2, shards: 28 });
-        assert_eq!(nodes["cpu01"], NodeGres { gpus: 0, shards: 0 });
+    fn node_states_as_dashboards_show_them() {
+        for (raw, want) in [
+            ("IDLE", "idle"),
+            ("MIXED", "mixed"),
+            ("ALLOCATED", "allocated"),
+            ("IDLE+DRAIN", "drained"),
+            ("DOWN+DRAIN", "drained"),
+            ("ALLOCATED+DRAIN", "draining"),
+            ("DOWN*", "down"),
+            ("IDLE*", "down"),
+            ("DOWN+NOT_RESPONDING", "down"),
+            ("IDLE+COMPLETING", "completing"),
+            ("MIXED+FAIL", "failing"),
+            ("IDLE+MAINT", "maint"),
+            ("IDLE+RESERVED", "reserved"),
+            ("FUTURE", "future"),
+            ("WHATEVER", "unknown"),
+        ] {
+            assert_eq!(node_state(raw), want, "{raw}");
+        }
     }
 
     #[test]

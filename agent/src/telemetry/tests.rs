@@ -7,7 +7,6 @@ use std::process::{Child, Command};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 
 use super::*;
@@ -127,10 +126,9 @@ fn wait_samples(t: &Telemetry, n: u64) {
     }
 }
 
-fn render(r: &Registry) -> String {
-    let mut s = String::new();
-    encode(&mut s, r).unwrap();
-    s
+/// `/metrics` as Prometheus gets it (OpenMetrics): the registry and the DCGM block.
+fn render(r: &Registry, t: &Telemetry) -> String {
+    super::exposition::render(r, Some(&t.dcgm()), true, 0)
 }
 
 /// The value of the one sample line starting with `prefix` (metric name + labels).
@@ -143,7 +141,7 @@ fn value(text: &str, prefix: &str) -> Option<f64> {
 
 fn dcgm_prefix(name: &str, gpu: u32, uuid: &str, job: &str) -> String {
     format!(
-        "{name}{{gpu=\"{gpu}\",UUID=\"{uuid}\",pci_bus_id=\"00000000:{:02X}:00.0\",device=\"nvidia{gpu}\",modelName=\"NVIDIA H200\",Hostname=\"gpu01\",hpc_job=\"{job}\"}}",
+        "{name}{{gpu=\"{gpu}\",UUID=\"{uuid}\",pci_bus_id=\"00000000:{:02X}:00.0\",device=\"nvidia{gpu}\",modelName=\"NVIDIA H200\",Hostname=\"gpu01\",DCGM_FI_DRIVER_VERSION=\"550.54.15\",hpc_job=\"{job}\"}}",
         0x19 + gpu
     )
 }
@@ -151,9 +149,18 @@ fn dcgm_prefix(name: &str, gpu: u32, uuid: &str, job: &str) -> String {
 /// Runs `promtool check metrics` (Debian's prometheus package, 2.42) on the Prometheus-text
 /// form of the encoded registry, as `curl /metrics | promtool check metrics` sees it.
 ///
-/// Exit 0 passes. Exit 3 (lint problems only) passes when every problem is the one that
-/// dcgm-exporter's own output has: the camelCase label `modelName` on a `DCGM_FI_*` series,
-/// kept on purpose so existing dashboards work. Anything else fails.
+/// Exit 0 passes. Exit 3 (lint problems only) passes when every problem is one dcgm-exporter's
+/// own output has on a `DCGM_FI_*` series ([`DCGM_EXPORTER_LINT`]), kept on purpose so existing
+/// dashboards work. Anything else fails.
+/// promtool's findings on dcgm-exporter's names, labels and types, which gpuhub keeps: the
+/// camelCase label `modelName`, counters without `_total` (`DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`)
+/// and the word "counter" in `DCGM_FI_DEV_PCIE_REPLAY_COUNTER`.
+pub(crate) const DCGM_EXPORTER_LINT: [&str; 3] = [
+    "label names should be written in 'snake_case' not 'camelCase'",
+    "counter metrics should have \"_total\" suffix",
+    "metric name should not include type 'counter'",
+];
+
 pub(crate) fn promtool_check(openmetrics: &str) {
     use std::io::Write;
     let text = super::exposition::to_prometheus_text(openmetrics);
@@ -167,11 +174,11 @@ pub(crate) fn promtool_check(openmetrics: &str) {
     child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let only_dcgm_camel_case = report
+    let only_dcgm_exporter_names = report
         .lines()
         .filter(|l| !l.trim().is_empty())
-        .all(|l| l.starts_with("DCGM_FI_") && l.ends_with("label names should be written in 'snake_case' not 'camelCase'"));
-    let ok = out.status.success() || (out.status.code() == Some(3) && only_dcgm_camel_case);
+        .all(|l| l.starts_with("DCGM_FI_") && DCGM_EXPORTER_LINT.iter().any(|finding| l.ends_with(finding)));
+    let ok = out.status.success() || (out.status.code() == Some(3) && only_dcgm_exporter_names);
     assert!(ok, "promtool check metrics failed ({}):\n{report}\n--- text ---\n{text}", out.status);
 }
 
@@ -207,7 +214,7 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
     assert_eq!(gpus[0].memory_total_bytes, H200_BYTES);
     assert_eq!(gpus[0].memory_free_bytes, H200_BYTES - 31 * GIB);
 
-    let text = render(&registry);
+    let text = render(&registry, &t);
     let job = |j: &str, u: &str, gpu: u32, uuid: &str| format!("{{gpu=\"{gpu}\",uuid=\"{uuid}\",jobid=\"{j}\",user=\"{u}\"}}");
     let got = |name: &str, labels: &str| value(&text, &format!("{name}{labels}")).unwrap_or_else(|| panic!("no {name}{labels} in\n{text}"));
     assert_eq!(got("gpuhub_job_gpu_memory_used_bytes", &job("101", &me(), 0, UUID0)), (10 * GIB) as f64);
@@ -252,7 +259,7 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
     drop(alice);
     fake.write(&script.replace(&format!("pid={alice_pid} "), "pid=1 ").replace("proc gpu=0 pid=1 ", "#"));
     wait_samples(&t, 3);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert!(!text.contains("jobid=\"101\""), "series of an ended job must be removed:\n{text}");
     assert!(!text.contains("hpc_job=\"101\""), "DCGM copy of an ended job must be removed");
     assert!(text.contains("jobid=\"102\""));
@@ -268,7 +275,7 @@ fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
     wait_samples(&t, 2);
     assert!(t.nvml_up());
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 0, UUID0, "")), None, "{text}");
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_POWER_USAGE", 0, UUID0, "")), None);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 0, UUID0, "")), None);
@@ -283,7 +290,7 @@ fn a_field_nvml_refuses_is_skipped_and_counted_not_fatal() {
     // The fields come back: the series reappear.
     fake.write(&format!("{}{}", gpu_line(0, UUID0, GIB, 10, ""), gpu_line(1, UUID1, GIB, 20, "")));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", 0, UUID0, "")), Some(40.0), "{text}");
 }
 
@@ -299,7 +306,7 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
         value(text, &format!("gpuhub_gpu_xid_errors_total{{gpu=\"{gpu}\",uuid=\"{uuid}\",xid=\"{code}\"}}"))
     };
     // Watched GPUs export 0 before any XID, and no counter series yet.
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0), "{text}");
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(0.0));
     assert!(!text.contains("gpuhub_gpu_xid_errors_total{"), "{text}");
@@ -307,7 +314,7 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
     // GPU 1 reports XID 79 (fell off the bus): its gauge says 79, GPU 0's stays 0.
     fake.write(&gpus("xid=79"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0), "{text}");
     assert_eq!(xid_gauge(&text, 0, UUID0), Some(0.0));
     assert_eq!(xid_count(&text, 1, UUID1, 79), Some(1.0));
@@ -316,15 +323,15 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
 
     // More samples and scrapes count nothing new: once per event, not per sample or scrape.
     wait_samples(&t, 3);
-    let _ = render(&registry);
-    let text = render(&registry);
+    let _ = render(&registry, &t);
+    let text = render(&registry, &t);
     assert_eq!(xid_count(&text, 1, UUID1, 79), Some(1.0), "{text}");
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0));
 
     // Three more events (48, then 79 twice): each counted; the gauge holds the last code.
     fake.write(&gpus("xid=79,48,79,79"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(xid_count(&text, 1, UUID1, 79), Some(3.0), "{text}");
     assert_eq!(xid_count(&text, 1, UUID1, 48), Some(1.0));
     assert_eq!(xid_gauge(&text, 1, UUID1), Some(79.0));
@@ -338,7 +345,7 @@ fn an_xid_event_sets_the_dcgm_gauge_of_its_gpu_and_counts_once_per_event() {
     let t = Telemetry::start(&TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) }, &mut registry);
     fake.write(&gpus("xid=79,48,79,79,31"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_XID_ERRORS", 1, UUID1, "777")), Some(31.0), "{text}");
     assert_eq!(xid_count(&text, 1, UUID1, 31), Some(1.0), "a new registration delivers only new XIDs");
     assert_eq!(xid_count(&text, 1, UUID1, 79), None, "XIDs from before the registration are not replayed");
@@ -354,7 +361,7 @@ fn a_gpu_without_xid_events_exports_everything_else() {
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
     wait_samples(&t, 3);
     assert!(t.nvml_up());
-    let text = render(&registry);
+    let text = render(&registry, &t);
     for (gpu, uuid, util) in [(0, UUID0, 10.0), (1, UUID1, 20.0)] {
         assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", gpu, uuid, "")), Some(util), "{text}");
         assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_TEMP", gpu, uuid, "")), Some(40.0 + f64::from(gpu)));
@@ -370,7 +377,7 @@ fn a_gpu_without_xid_events_exports_everything_else() {
     // Scripted XIDs on such GPUs are not delivered, and nothing else changes.
     fake.write(&script.replace("fail=xid", "fail=xid xid=79").replace("unsupported=xid", "unsupported=xid xid=48"));
     wait_samples(&t, 2);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert!(!text.contains("gpuhub_gpu_xid_errors_total{"), "{text}");
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "")), Some(20.0));
 }
@@ -382,7 +389,7 @@ fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
         let t = Telemetry::start(&cfg_for(&lib), &mut registry);
         assert!(!t.nvml_up());
         assert!(t.gpus().is_empty());
-        let text = render(&registry);
+        let text = render(&registry, &t);
         assert_eq!(value(&text, "gpuhub_nvml_up "), Some(0.0), "{text}");
         assert!(!text.lines().any(|l| l.starts_with("DCGM_FI_DEV_GPU_UTIL{")));
         promtool_check(&text);
@@ -393,7 +400,7 @@ fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
     let mut registry = Registry::default();
     let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
     assert!(!t.nvml_up());
-    assert_eq!(value(&render(&registry), "gpuhub_nvml_up "), Some(0.0));
+    assert_eq!(value(&render(&registry, &t), "gpuhub_nvml_up "), Some(0.0));
     // A driver with no GPU.
     let fake = FakeNvml::new("driver version=550.54.15\n");
     let mut registry = Registry::default();
@@ -404,7 +411,7 @@ fn without_nvml_the_agent_starts_and_exports_nvml_up_0() {
     let mut registry = Registry::default();
     let t = Telemetry::start(&TelemetryConfig { enable_nvml: false, enable_slurm: false, ..TelemetryConfig::default() }, &mut registry);
     assert!(!t.nvml_up());
-    assert_eq!(value(&render(&registry), "gpuhub_nvml_up "), Some(0.0));
+    assert_eq!(value(&render(&registry, &t), "gpuhub_nvml_up "), Some(0.0));
 }
 
 #[test]
@@ -416,7 +423,7 @@ fn a_gpu_that_disappears_takes_its_series_with_it() {
     fake.write(&gpu_line(0, UUID0, GIB, 10, ""));
     wait_samples(&t, 2);
     assert_eq!(t.gpus().len(), 1);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert!(!text.contains(UUID1), "{text}");
     assert!(text.contains(UUID0));
 }
@@ -431,33 +438,88 @@ fn the_job_map_names_the_job_of_a_gpu_without_processes() {
     let cfg = TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) };
     let t = Telemetry::start(&cfg, &mut registry);
     wait_samples(&t, 1);
-    let text = render(&registry);
+    let text = render(&registry, &t);
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "555")), Some(20.0), "{text}");
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 1, UUID1, "556")), Some(20.0));
     assert_eq!(value(&text, &dcgm_prefix("DCGM_FI_DEV_GPU_UTIL", 0, UUID0, "")), Some(10.0));
     assert_eq!(t.job_gpu_stats(555).len(), 1);
 }
 
+/// A `scontrol show job -d -o` line as Slurm 22.05 prints it (from one captured on the lab),
+/// with the fields a test varies. `node_gres` is the per-node section's `GRES=` (empty for a
+/// pending job, which has no section's indices).
+#[allow(clippy::too_many_arguments)] // one flat template; a struct would only rename the arguments
+fn job_line(id: u32, user: &str, account: &str, state: &str, reason: &str, tres: &str, node_gres: &str, per: &str) -> String {
+    let nodes = if state == "PENDING" { "(null)" } else { "gpu01" };
+    format!(
+        "JobId={id} JobName=job{id} UserId={user}(1001) GroupId={user}(1001) MCS_label=N/A Priority=4294901683 Nice=0 Account={account} QOS=normal \
+         JobState={state} Reason={reason} Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 \
+         RunTime=00:00:00 TimeLimit=00:02:00 TimeMin=N/A SubmitTime=1796121759 EligibleTime=1796121759 AccrueTime=1796121759 \
+         StartTime=1796121759 EndTime=1796121879 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796121759 Scheduler=Main \
+         Partition=gpu AllocNode:Sid=localhost:1132 ReqNodeList=(null) ExcNodeList=(null) NodeList={nodes} BatchHost=gpu01 NumNodes=1 \
+         NumCPUs=2 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES={tres} Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* \
+         JOB_GRES=gpu:h200:2   Nodes=gpu01 CPU_IDs=0-1 Mem=1024 GRES={node_gres} MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 \
+         Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sh WorkDir=/tmp Power= {per}"
+    )
+}
+
+const NODE_LINE: &str = "NodeName=gpu01 Arch=x86_64 CoresPerSocket=1  CPUAlloc=11 CPUEfctv=16 CPUTot=16 CPULoad=0.5 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:h200:2,shard:h200:28 GresDrain=N/A GresUsed=gpu:h200:2(IDX:0-1),shard:h200:0(IDX:N/A) NodeAddr=127.0.0.1 NodeHostName=localhost Version=22.05.8 OS=Linux 6.1 #1 SMP RealMemory=16000 AllocMem=5632 FreeMem=4312 Sockets=16 Boards=1 State=MIXED+DRAIN ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=gpu CfgTRES=cpu=16,mem=16000M,billing=16,gres/gpu=2,gres/shard=28 AllocTRES=cpu=11,mem=5632M,gres/gpu=2 CapWatts=n/a CurrentWatts=0 AveWatts=0 Reason=fan check [root@2026-12-01T15:00:00]";
+
 #[test]
-fn slurm_snapshot_from_commands_with_explicit_formats() {
+fn slurm_snapshot_counts_gpus_and_shards_whatever_the_request_syntax() {
     let bin = tempfile::tempdir().unwrap();
-    let script = |name: &str, body: &str| {
+    let write = |name: &str, body: &str| {
         let p = bin.path().join(name);
-        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::write(&p, body).unwrap();
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     };
-    // The fake commands check that they are called with the explicit formats.
-    script(
-        "squeue",
-        "case \"$*\" in *'%i|%T|%P|%u|%a|%r|%b|%N'*) ;; *) echo \"bad args: $*\" >&2; exit 2;; esac\n\
-         echo '12|RUNNING|gpu|alice|physics|None|gres:gpu:2|gpu01'\n\
-         echo '13|RUNNING|gpu|bob|bio|None|gres:shard:7|gpu01'\n\
-         echo '14|PENDING|gpu|bob|bio|Resources|gres:gpu:2|'\n\
-         echo '15|PENDING|gpu|carol|chem|Priority|gres:gpu:1|'\n\
-         echo 'this line is corrupt'",
+    // One running job per request syntax (as slurmctld prints each: the per-node GRES carries
+    // the indices whatever the syntax), a pending one, a finished one still listed, a job
+    // whose name imitates Slurm's fields, and a line that is not a job.
+    let m500 = "cpu=2,mem=1G,node=1,billing=2";
+    let jobs = [
+        job_line(11, "alice", "physics", "RUNNING", "None", &format!("{m500},gres/gpu=1"), "gpu:h200:1(IDX:0)", "TresPerNode=gres:gpu:1"),
+        job_line(12, "bob", "bio", "RUNNING", "None", &format!("{m500},gres/gpu=1"), "gpu:h200:1(IDX:1)", "TresPerJob=gres:gpu:1"),
+        job_line(
+            13,
+            "carol",
+            "chem",
+            "RUNNING",
+            "None",
+            &format!("{m500},gres/shard=7"),
+            "shard:h200:7(IDX:0)",
+            "TresPerNode=gres:shard:7",
+        ),
+        job_line(
+            14,
+            "dave",
+            "chem",
+            "RUNNING",
+            "None",
+            &format!("{m500},gres/shard=3"),
+            "shard:h200:3(3/14,0/14)",
+            "TresPerNode=gres:shard:3",
+        ),
+        job_line(15, "erin", "bio", "PENDING", "Resources", &format!("{m500},gres/gpu=2"), "", "TresPerTask=gres:gpu:1"),
+        job_line(16, "erin", "bio", "PENDING", "QOSMaxGRESPerUser", &format!("{m500},gres/gpu=1"), "", "TresPerNode=gres:gpu:1"),
+        job_line(17, "frank", "bio", "COMPLETED", "None", &format!("{m500},gres/gpu=2"), "", "TresPerNode=gres:gpu:2"),
+        job_line(18, "mallory", "x", "RUNNING", "None", &format!("{m500},gres/gpu=1"), "gpu:h200:1(IDX:1)", "")
+            .replace("JobName=job18", "JobName=x UserId=alice(1000)"),
+        "this line is not a job".to_string(),
+    ]
+    .join("\n");
+    std::fs::write(bin.path().join("jobs.txt"), format!("{jobs}\n")).unwrap();
+    std::fs::write(bin.path().join("nodes.txt"), format!("{NODE_LINE}\n")).unwrap();
+    // The fake scontrol checks that it is called as the agent must call it.
+    let dir = bin.path().display();
+    write(
+        "scontrol",
+        &format!(
+            "#!/bin/sh\n[ \"$SLURM_TIME_FORMAT\" = %s ] || {{ echo 'SLURM_TIME_FORMAT not %s' >&2; exit 3; }}\n\
+             case \"$*\" in\n  'show job -d -o') cat {dir}/jobs.txt ;;\n  '-d show node -o') cat {dir}/nodes.txt ;;\n  *) echo \"bad args: $*\" >&2; exit 2 ;;\nesac\n"
+        ),
     );
-    script("sinfo", "echo 'gpu01|gpu:h200:2,shard:h200:28'\necho 'gpu01|gpu:h200:2,shard:h200:28'");
     let cfg = TelemetryConfig {
         enable_nvml: false,
         enable_slurm: true,
@@ -473,40 +535,73 @@ fn slurm_snapshot_from_commands_with_explicit_formats() {
         assert!(Instant::now() < deadline, "no Slurm snapshot");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let text = render(&registry);
+    let text = render(&registry, &t);
     let v = |p: &str| value(&text, p).unwrap_or_else(|| panic!("no {p} in\n{text}"));
+    let job = |id: u32, user: &str, account: &str| format!("{{jobid=\"{id}\",user=\"{user}\",account=\"{account}\",partition=\"gpu\"}}");
     assert_eq!(v("gpuhub_slurm_up "), 1.0);
-    assert_eq!(v("gpuhub_slurm_jobs{state=\"running\",partition=\"gpu\",user=\"alice\"}"), 1.0);
-    assert_eq!(v("gpuhub_slurm_jobs{state=\"pending\",partition=\"gpu\",user=\"bob\"}"), 1.0);
+    // Per job, from the per-node GRES whatever the syntax.
+    assert_eq!(v(&format!("gpuhub_slurm_job_gpus{}", job(11, "alice", "physics"))), 1.0, "--gres=gpu:1");
+    assert_eq!(v(&format!("gpuhub_slurm_job_gpus{}", job(12, "bob", "bio"))), 1.0, "--gpus=1 (squeue %b says N/A)");
+    assert_eq!(v(&format!("gpuhub_slurm_job_shards{}", job(13, "carol", "chem"))), 7.0, "22.05 shard form");
+    assert_eq!(v(&format!("gpuhub_slurm_job_shards{}", job(14, "dave", "chem"))), 3.0, "23.x shard form");
+    assert_eq!(v(&format!("gpuhub_slurm_job_gpus{}", job(13, "carol", "chem"))), 0.0);
+    assert_eq!(v(&format!("gpuhub_slurm_job_cpus{}", job(11, "alice", "physics"))), 2.0);
+    assert_eq!(v(&format!("gpuhub_slurm_job_memory_bytes{}", job(11, "alice", "physics"))), (1u64 << 30) as f64);
+    assert!(!text.contains("jobid=\"15\"") && !text.contains("jobid=\"17\""), "pending and finished jobs hold nothing:\n{text}");
+    assert!(!text.contains("jobid=\"18\""), "an ambiguous line is left out, not believed:\n{text}");
+    assert!(!text.contains("user=\"alice\",account=\"x\""), "{text}");
+    // The node: GPUs/shards from GresUsed, state with the reason, CPUs and memory.
     assert_eq!(v("gpuhub_slurm_gpus{state=\"allocated\"}"), 2.0);
     assert_eq!(v("gpuhub_slurm_gpus{state=\"idle\"}"), 0.0);
-    assert_eq!(v("gpuhub_slurm_shards{state=\"allocated\"}"), 7.0);
-    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 21.0);
+    assert_eq!(v("gpuhub_slurm_shards{state=\"allocated\"}"), 10.0, "the jobs' shards: 22.05's GresUsed undercounts them");
+    assert_eq!(v("gpuhub_slurm_shards{state=\"idle\"}"), 18.0);
+    assert_eq!(v("gpuhub_slurm_node_state{node=\"gpu01\",state=\"draining\",reason=\"fan check\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_node_cpus{node=\"gpu01\",state=\"allocated\"}"), 11.0);
+    assert_eq!(v("gpuhub_slurm_node_cpus{node=\"gpu01\",state=\"idle\"}"), 5.0);
+    assert_eq!(v("gpuhub_slurm_node_memory_bytes{node=\"gpu01\",state=\"allocated\"}"), (5632u64 << 20) as f64);
+    assert_eq!(v("gpuhub_slurm_node_memory_bytes{node=\"gpu01\",state=\"idle\"}"), ((16000u64 - 5632) << 20) as f64);
+    // Jobs by state, pending by reason; finished jobs are not counted.
+    assert_eq!(v("gpuhub_slurm_jobs{state=\"running\",partition=\"gpu\",user=\"alice\"}"), 1.0);
+    assert_eq!(v("gpuhub_slurm_jobs{state=\"pending\",partition=\"gpu\",user=\"erin\"}"), 2.0);
+    assert!(!text.contains("state=\"completed\""), "{text}");
     assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"Resources\"}"), 1.0);
-    assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"Priority\"}"), 1.0);
-    assert!(v("gpuhub_slurm_command_errors_total{command=\"squeue\"}") >= 2.0, "the corrupt line is counted");
-    let gs = v("gpuhub_slurm_gpu_seconds_total{user=\"alice\",account=\"physics\"}");
-    assert!((1.5..=4.5).contains(&gs), "2 GPUs over ~1 s between snapshots: {gs}");
-    assert!(v("gpuhub_slurm_shard_seconds_total{user=\"bob\",account=\"bio\"}") > 5.0);
+    assert_eq!(v("gpuhub_slurm_pending_jobs{reason=\"QOSMaxGRESPerUser\"}"), 1.0);
+    assert!(v("gpuhub_slurm_command_errors_total{command=\"scontrol show job\"}") >= 4.0, "2 bad lines per snapshot:\n{text}");
     promtool_check(&text);
 
-    // slurmctld stops answering: the command times out, slurm_up goes 0, nothing hangs.
-    script("squeue", "sleep 30");
+    // Jobs end and the node is back: their series go, the node's state and GPUs follow.
+    std::fs::write(bin.path().join("jobs.txt"), "No jobs in the system\n").unwrap();
+    let idle = NODE_LINE
+        .replace("State=MIXED+DRAIN", "State=IDLE")
+        .replace(" Reason=fan check [root@2026-12-01T15:00:00]", "")
+        .replace("GresUsed=gpu:h200:2(IDX:0-1)", "GresUsed=gpu:h200:0(IDX:N/A)");
+    std::fs::write(bin.path().join("nodes.txt"), format!("{idle}\n")).unwrap();
     let n = t.slurm_snapshots_taken();
-    let t0 = Instant::now();
-    let cfg_timeout = TelemetryConfig { slurm_timeout_ms: 300, ..cfg.clone() };
-    drop(t);
-    assert!(t0.elapsed() < Duration::from_secs(12), "shutdown waited too long: {:?}", t0.elapsed());
-    let _ = n;
-    let mut registry = Registry::default();
-    let t = Telemetry::start(&cfg_timeout, &mut registry);
-    while t.slurm_snapshots_taken() < 1 {
+    while t.slurm_snapshots_taken() < n + 2 {
         assert!(Instant::now() < deadline + Duration::from_secs(10), "no Slurm snapshot");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let text = render(&registry);
+    let text = render(&registry, &t);
+    assert!(!text.contains("gpuhub_slurm_job_gpus{"), "no ghosts:\n{text}");
+    assert!(!text.contains("state=\"draining\""), "{text}");
+    assert_eq!(value(&text, "gpuhub_slurm_node_state{node=\"gpu01\",state=\"idle\",reason=\"\"}"), Some(1.0), "{text}");
+    assert_eq!(value(&text, "gpuhub_slurm_gpus{state=\"idle\"}"), Some(2.0));
+    assert!(!text.contains("gpuhub_slurm_pending_jobs{"), "{text}");
+
+    // slurmctld stops answering: the command times out, slurm_up goes 0, nothing hangs.
+    write("scontrol", "#!/bin/sh\nsleep 30\n");
+    let t0 = Instant::now();
+    drop(t);
+    assert!(t0.elapsed() < Duration::from_secs(12), "shutdown waited too long: {:?}", t0.elapsed());
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&TelemetryConfig { slurm_timeout_ms: 300, ..cfg.clone() }, &mut registry);
+    while t.slurm_snapshots_taken() < 1 {
+        assert!(Instant::now() < deadline + Duration::from_secs(20), "no Slurm snapshot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = render(&registry, &t);
     assert_eq!(value(&text, "gpuhub_slurm_up "), Some(0.0), "{text}");
-    assert_eq!(value(&text, "gpuhub_slurm_command_errors_total{command=\"squeue\"}"), Some(1.0));
+    assert_eq!(value(&text, "gpuhub_slurm_command_errors_total{command=\"scontrol show job\"}"), Some(1.0));
 }
 
 #[test]
@@ -534,4 +629,210 @@ fn config_defaults_validate_and_errors_name_the_key() {
     assert!(msgs.iter().any(|m| m.starts_with("telemetry.hostname:")), "{msgs:?}");
     let named = TelemetryConfig { hostname: Some("gpu01.cluster.example".into()), ..TelemetryConfig::default() };
     assert_eq!(named.effective_node_name(), "gpu01");
+}
+
+/// Every dcgm-exporter default counter that applies to bare metal, plus the GPM profiling
+/// series: `(family, type, scripted value)` for a GPU scripted with all of them.
+const FULL_GPU: &str = "mem_reserved=536870912 memory_temp=52 pcie_tx_kbs=1000 pcie_rx_kbs=2000 pcie_replay=3 enc_util=4 dec_util=5 \
+    nvlink_tx_kibps=1000 nvlink_rx_kibps=3000 remap_cor=6 remap_unc=7 remap_failed=1 gpm_gr_engine=61.5 gpm_sm_active=52.5 \
+    gpm_sm_occupancy=33.25 gpm_tensor=24.5 gpm_dram=45.5 gpm_pcie_tx=1.5 gpm_pcie_rx=2.5 gpm_nvlink_tx=3.5 gpm_nvlink_rx=4.5 ecc_sbe=8 ecc_dbe=9";
+
+fn expected_dcgm(gpu: u32) -> Vec<(&'static str, &'static str, f64)> {
+    let mib = 1024.0 * 1024.0;
+    vec![
+        ("DCGM_FI_DEV_SM_CLOCK", "gauge", 1980.0),
+        ("DCGM_FI_DEV_MEM_CLOCK", "gauge", 2619.0),
+        ("DCGM_FI_DEV_MEMORY_TEMP", "gauge", 52.0),
+        ("DCGM_FI_DEV_GPU_TEMP", "gauge", 40.0 + f64::from(gpu)),
+        ("DCGM_FI_DEV_POWER_USAGE", "gauge", 300.0),
+        ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "counter", 1000.0),
+        ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "counter", 2000.0),
+        ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", 3.0),
+        ("DCGM_FI_DEV_GPU_UTIL", "gauge", 10.0),
+        ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", 11.0),
+        ("DCGM_FI_DEV_ENC_UTIL", "gauge", 4.0),
+        ("DCGM_FI_DEV_DEC_UTIL", "gauge", 5.0),
+        ("DCGM_FI_DEV_XID_ERRORS", "gauge", 0.0),
+        ("DCGM_FI_DEV_FB_FREE", "gauge", ((H200_BYTES - GIB) / (1024 * 1024)) as f64),
+        ("DCGM_FI_DEV_FB_USED", "gauge", 1024.0),
+        ("DCGM_FI_DEV_FB_RESERVED", "gauge", 512.0),
+        ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", 8.0),
+        ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", 9.0),
+        // (1000 + 3000) KiB/s of NVLink data, in DCGM's unit (KiB/s / 1000).
+        ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "counter", 4.0),
+        ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter", 7.0),
+        ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", 6.0),
+        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", 1.0),
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", 0.615),
+        ("DCGM_FI_PROF_SM_ACTIVE", "gauge", 0.525),
+        ("DCGM_FI_PROF_SM_OCCUPANCY", "gauge", 0.3325),
+        ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", 0.245),
+        ("DCGM_FI_PROF_DRAM_ACTIVE", "gauge", 0.455),
+        ("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge", 1.5 * mib),
+        ("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", 2.5 * mib),
+        ("DCGM_FI_PROF_NVLINK_TX_BYTES", "gauge", 3.5 * mib),
+        ("DCGM_FI_PROF_NVLINK_RX_BYTES", "gauge", 4.5 * mib),
+    ]
+}
+
+/// The loaded fake library's GPM leak counter (samples allocated and not freed), through a
+/// handle of its own that keeps the library loaded after NVML is shut down and closed.
+struct GpmLeakCounter(*mut libc::c_void);
+
+impl GpmLeakCounter {
+    fn attach(lib: &Path) -> Self {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(lib.as_os_str().as_bytes()).unwrap();
+        // SAFETY: RTLD_NOLOAD only returns a handle when NVML's loader has the library loaded
+        // in this process already; the handle adds a reference until `drop`.
+        let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        assert!(!h.is_null(), "the fake NVML is not loaded");
+        Self(h)
+    }
+
+    fn live(&self) -> i64 {
+        // SAFETY: the symbol is the fake library's `long fake_nvml_gpm_live_samples(void)`, and
+        // `self.0` keeps the library loaded.
+        unsafe {
+            let f = libc::dlsym(self.0, c"fake_nvml_gpm_live_samples".as_ptr());
+            assert!(!f.is_null());
+            let f: extern "C" fn() -> std::os::raw::c_long = std::mem::transmute(f);
+            f()
+        }
+    }
+}
+
+impl Drop for GpmLeakCounter {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from dlopen and is closed once.
+        unsafe { libc::dlclose(self.0) };
+    }
+}
+
+#[test]
+fn every_dcgm_default_counter_and_profiling_series_with_dcgm_exporter_types_and_labels() {
+    let script = format!("driver version=550.54.15\n{}{}", gpu_line(0, UUID0, GIB, 10, FULL_GPU), gpu_line(1, UUID1, GIB, 10, FULL_GPU));
+    let fake = FakeNvml::new(&script);
+    let map = tempfile::tempdir().unwrap();
+    std::fs::write(map.path().join("1"), "4242\n4243\n").unwrap();
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&TelemetryConfig { job_map_dir: Some(map.path().to_path_buf()), ..cfg_for(&fake.lib) }, &mut registry);
+    // Rates (NVLink bandwidth, GPM) need two samples.
+    wait_samples(&t, 3);
+    let text = render(&registry, &t);
+    for gpu in [0, 1] {
+        let (uuid, jobs) = if gpu == 0 { (UUID0, vec![""]) } else { (UUID1, vec!["4242", "4243"]) };
+        for (name, kind, want) in expected_dcgm(gpu) {
+            assert!(text.contains(&format!("\n# TYPE {name} {kind}\n")), "{name} must be a {kind}:\n{text}");
+            for job in &jobs {
+                let got = value(&text, &dcgm_prefix(name, gpu, uuid, job))
+                    .unwrap_or_else(|| panic!("no {name} for GPU {gpu} job {job:?}:\n{text}"));
+                let tolerance = if name == "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" { 0.01 } else { 1e-9 };
+                assert!((got - want).abs() <= tolerance * want.abs().max(1.0), "{name} GPU {gpu} job {job:?}: got {got}, want {want}");
+            }
+        }
+        let energy = value(&text, &dcgm_prefix("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", gpu, uuid, jobs[0])).unwrap();
+        assert!(energy >= 5_000_000.0, "{energy}");
+    }
+    assert!(text.contains("\n# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"));
+    assert!(!text.contains("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"), "dcgm-exporter's counters keep their names");
+    assert!(text.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
+    promtool_check(&text);
+    // One GPM sample per GPU is kept between passes, none leak.
+    // (A pass briefly holds a third while it swaps one GPU's sample: read between passes.)
+    let leaks = GpmLeakCounter::attach(&fake.lib);
+    let settles_at_two = || (0..100).any(|_| leaks.live() == 2 || (std::thread::sleep(Duration::from_millis(7)), false).1);
+    assert!(settles_at_two(), "{} GPM samples live", leaks.live());
+    wait_samples(&t, 5);
+    assert!(settles_at_two(), "{} GPM samples live after 5 more passes", leaks.live());
+    t.shutdown();
+    assert_eq!(leaks.live(), 0, "GPM samples are freed with NVML");
+}
+
+#[test]
+fn a_field_the_gpu_does_not_support_is_absent_not_zero_and_logged_once() {
+    // GPU 0: no GPM at all (pre-Hopper), no memory temperature, no NVLink; GPU 1: one GPM
+    // metric refused, remapped rows failing.
+    let script = format!(
+        "{}{}",
+        gpu_line(0, UUID0, GIB, 10, &format!("{FULL_GPU} unsupported=gpm,memory_temp,nvlink_bandwidth,enc_util")),
+        gpu_line(1, UUID1, GIB, 10, &format!("{FULL_GPU} unsupported=gpm_sm_occupancy fail=remapped_rows")),
+    );
+    let fake = FakeNvml::new(&script);
+    let mut registry = Registry::default();
+    let t = Telemetry::start(&cfg_for(&fake.lib), &mut registry);
+    wait_samples(&t, 3);
+    let text = render(&registry, &t);
+    let has = |name: &str, gpu: u32, uuid: &str| value(&text, &dcgm_prefix(name, gpu, uuid, "")).is_some();
+    for name in [
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+        "DCGM_FI_PROF_SM_ACTIVE",
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "DCGM_FI_PROF_NVLINK_RX_BYTES",
+        "DCGM_FI_DEV_MEMORY_TEMP",
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+        "DCGM_FI_DEV_ENC_UTIL",
+    ] {
+        assert!(!has(name, 0, UUID0), "{name} must be absent on GPU 0:\n{text}");
+        assert!(has(name, 1, UUID1), "{name} must be there on GPU 1:\n{text}");
+    }
+    assert!(!has("DCGM_FI_PROF_SM_OCCUPANCY", 1, UUID1), "{text}");
+    assert!(!has("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 1, UUID1) && has("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 0, UUID0));
+    assert!(has("DCGM_FI_DEV_DEC_UTIL", 0, UUID0) && !has("DCGM_FI_PROF_SM_OCCUPANCY", 0, UUID0));
+    // Unsupported is a property of the GPU, not counted; the failure is.
+    assert!(value(&text, "gpuhub_telemetry_nvml_errors_total{field=\"remapped_rows\"}").unwrap() >= 3.0, "{text}");
+    for f in ["gpm", "memory_temp", "nvlink_bandwidth", "gpm_sm_occupancy"] {
+        assert_eq!(value(&text, &format!("gpuhub_telemetry_nvml_errors_total{{field=\"{f}\"}}")), None, "{f}: {text}");
+    }
+    promtool_check(&text);
+    t.shutdown();
+}
+
+/// Log lines written while `f` runs on this thread.
+fn captured_log(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let w = buf.clone();
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || w.clone()).finish();
+    tracing::subscriber::with_default(subscriber, f);
+    String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+}
+
+#[test]
+fn an_unsupported_field_is_said_once_in_the_log_not_every_sample() {
+    let fake = FakeNvml::new(&gpu_line(0, UUID0, GIB, 10, &format!("{FULL_GPU} unsupported=gpm,memory_temp")));
+    let cfg = cfg_for(&fake.lib);
+    let out = Arc::new(dcgm::DcgmExposition::default());
+    let mut registry = Registry::default();
+    let own = metrics::GpuhubMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
+    let log = captured_log(|| {
+        let mut s = sampler::GpuSampler::new(
+            &cfg,
+            dcgm::DcgmWriter::new(Arc::clone(&out)),
+            own,
+            Arc::new(Mutex::new(Published::default())),
+            Arc::new(Mutex::new(sampler::JobStatsStore::new(Duration::from_secs(60)))),
+        );
+        for _ in 0..5 {
+            s.sample_once();
+        }
+    });
+    for field in ["gpm", "memory_temp"] {
+        let lines = log.lines().filter(|l| l.contains(&format!("does not support `{field}`"))).count();
+        assert_eq!(lines, 1, "{field} said once over 5 samples:\n{log}");
+    }
+    let mut text = String::new();
+    out.encode(&mut text);
+    assert!(!text.contains("DCGM_FI_DEV_MEMORY_TEMP{") && !text.contains("DCGM_FI_PROF_GR_ENGINE_ACTIVE{"), "{text}");
+    assert!(text.contains("DCGM_FI_DEV_ENC_UTIL{"), "{text}");
 }
