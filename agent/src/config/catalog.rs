@@ -399,8 +399,16 @@ mod tests {
     #[test]
     fn adapters_are_names_with_weights_that_the_command_loads() {
         let entry = |adapters: &str, cmd: &str| {
-            format!("[[models]]\nname = \"base\"\nlauncher = \"slurm\"\ncommand = \"{cmd}\"\nadapters = {adapters}\n")
+            format!(
+                "[[models]]\nname = \"base\"\nlauncher = \"slurm\"\ncommand = \"{cmd}\"\napi_key_env = \"VLLM_API_KEY\"\nadapters = {adapters}\n"
+            )
         };
+        // The documented form: the vllm template, {adapters} in `args`.
+        let t = Config::from_toml(
+            "[[models]]\nname = \"base\"\nlauncher = \"slurm\"\ntemplate = \"vllm\"\nmodel_path = \"/m\"\nargs = \"--enable-lora --lora-modules {adapters}\"\nadapters = [\"sql-lora=/w/sql\"]\n",
+        )
+        .unwrap();
+        assert!(t.file.models[0].worker.command.ends_with("--lora-modules {adapters}"), "{}", t.file.models[0].worker.command);
         let ok = Config::from_toml(&entry(r#"["sql-lora=/w/sql", "chat-lora = /w/chat"]"#, "vllm --port {port} --lora-modules {adapters}"))
             .unwrap();
         assert_eq!(ok.file.models[0].adapter_names().collect::<Vec<_>>(), ["sql-lora", "chat-lora"]);
