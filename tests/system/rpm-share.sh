@@ -27,7 +27,9 @@ promtool check config "$work/prometheus.yml"
 echo "+ promtool test rules tests/rpm/alerts-test.yml"
 (cd tests/rpm && promtool test rules alerts-test.yml)
 echo "+ self-test: the alert tests fail when GpuhubRetiredModelNameCalled watches the wrong state"
-sed 's/state="retired"}\[15m\]/state="active"}[15m]/' rpm/share/prometheus/gpuhub-alerts.yml > "$work/mutated-alerts.yml"
+# Every selector of the rule's expression (the line after its name) watches the wrong state.
+sed '/alert: GpuhubRetiredModelNameCalled$/{n;s/state="retired"/state="active"/g}' rpm/share/prometheus/gpuhub-alerts.yml > "$work/mutated-alerts.yml"
+cmp -s rpm/share/prometheus/gpuhub-alerts.yml "$work/mutated-alerts.yml" && { echo "FAIL: the self-test's mutation changed nothing (rule renamed?)"; exit 1; }
 sed "s|../../rpm/share/prometheus/gpuhub-alerts.yml|$work/mutated-alerts.yml|" tests/rpm/alerts-test.yml > "$work/mutated-test.yml"
 if promtool test rules "$work/mutated-test.yml" > "$work/mutated.out" 2>&1; then
     echo "FAIL: the alert unit tests passed against a broken rule"; exit 1

@@ -3,7 +3,8 @@
 # Worker keys are never on a command line, and no worker runs as root (issue 13), checked the
 # way another user on the node would look: as the unprivileged $LAB_USER (gpuhublab) reading
 # every /proc/PID/cmdline.
-#   1. The lab's own agent and catalog: the first call to demo-chat starts its Slurm worker job;
+#   1. The lab's own agent and catalog: the first call to SmolLM2-135M-Instruct (llama.cpp's
+#      server, the key in API_KEY) starts its Slurm worker job;
 #      the worker's key (root reads it from the lab's store) is in no process's argv; the job
 #      runs as gpuhub-worker and none of its processes is root.
 #   2. A test agent (tests/lib/models.sh) with a secret variable in its own environment, a Slurm
@@ -61,28 +62,29 @@ check_job() {
     echo "   ok: job $job runs as $WORKER_USER ($n processes, none root)"
 }
 
-echo "== 1. the lab agent's demo-chat (Slurm worker)"
+MODEL=SmolLM2-135M-Instruct   # the lab's chat model (tests/lab/agent.toml)
+echo "== 1. the lab agent's $MODEL (Slurm worker, llama.cpp's server)"
 agent_healthy || fail "the lab agent does not answer on 127.0.0.1:8400 (tests/lab/up.sh)"
 created="$("$CLI" keys create --user root --app security-test --json)"
 LAB_KEY="$(jq -r .key <<<"$created")"
 [ -n "$LAB_KEY" ] && [ "$LAB_KEY" != null ] || fail "cannot create an API key through the lab agent: $created"
 lab_cleanup_add "'$CLI' keys revoke '$(jq -r .id <<<"$created")' >/dev/null 2>&1 || true"
-body='{"model":"demo-chat","messages":[{"role":"user","content":"hello"}]}'
+body="{\"model\":\"$MODEL\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}]}"
 out="$(curl -s --max-time 90 -w '\n%{http_code}' -H "Authorization: Bearer $LAB_KEY" -H 'content-type: application/json' \
     -d "$body" http://127.0.0.1:8400/v1/chat/completions || true)"
-[ "$(tail -n1 <<<"$out")" = 200 ] || fail "demo-chat: expected 200, got: $out"
+[ "$(tail -n1 <<<"$out")" = 200 ] || fail "$MODEL: expected 200, got: $out"
 # The lab agent's store, as its configuration says (SQLite under the lab's state dir).
 lab_db="$(env -u GPUHUB_STORE_URL "$REPO/target/release/gpuhub-agent" check-config --config "$LAB_AGENT_CONFIG" | sed -n 's|^url = "sqlite://\(.*\)"$|\1|p' | head -n1)"
 [ -f "$lab_db" ] || fail "cannot find the lab agent's SQLite store (check-config --config $LAB_AGENT_CONFIG gives '$lab_db')"
-row="$(sqlite3 -separator ' ' "$lab_db" "SELECT instance_id, api_key FROM model_workers WHERE model = 'demo-chat'")"
+row="$(sqlite3 -separator ' ' "$lab_db" "SELECT instance_id, api_key FROM model_workers WHERE model = '$MODEL'")"
 read -r job key <<<"$row"
-[ -n "${key:-}" ] || fail "the lab store remembers no worker for demo-chat"
+[ -n "${key:-}" ] || fail "the lab store remembers no worker for $MODEL"
 hits="$(key_in_argv "$key")" || fail "cannot scan /proc as $LAB_USER"
-[ -z "$hits" ] || fail "the worker key of demo-chat is on a command line other users read:
+[ -z "$hits" ] || fail "the worker key of $MODEL is on a command line other users read:
 $hits"
 echo "   ok: the worker key is in no process's argv ($(ls /proc | grep -c '^[0-9]') processes)"
 check_job "$job"
-"$CLI" models unload demo-chat >/dev/null || true
+"$CLI" models unload "$MODEL" >/dev/null || true
 
 echo "== 2. a test agent: Slurm and local workers, the agent's environment, logs, the workers dir"
 MT_AGENT_ENV="GPUHUB_AGENT_ONLY_SECRET=must-not-reach-workers"

@@ -114,19 +114,20 @@ for who in "alice ocr-app" "bob notebook"; do
     echo "+ gpuhub keys create --user $1 --app $2 -> key $(jq -r .id "$T/key-$1.json")"
 done
 KA="$(jq -r .key "$T/key-alice.json")"; KB="$(jq -r .key "$T/key-bob.json")"
+CHAT=SmolLM2-135M-Instruct   # the lab's chat model (tests/lab/agent.toml)
 call() { # call KEY MODEL WANT_CODE
     local code
     code="$(curl -s --max-time 150 -o "$T/body" -w '%{http_code}' "$GW/v1/chat/completions" -H "authorization: Bearer $1" \
-        -H 'content-type: application/json' -d "{\"model\":\"$2\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}" || true)"
+        -H 'content-type: application/json' -d "{\"model\":\"$2\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}" || true)"
     echo "+ POST /v1/chat/completions model=$2 -> HTTP $code"
     [ "$code" = "$3" ] || lab_fail "model $2: expected HTTP $3, got $code: $(head -c 300 "$T/body")"
 }
-call "$KA" demo-chat 200     # the first call starts the worker through Slurm
-call "$KB" demo-chat 200
+call "$KA" "$CHAT" 200     # the first call starts the worker (llama.cpp's server) through Slurm
+call "$KB" "$CHAT" 200
 call "$KA" svc-ocr 200       # deprecated alias of dots.ocr: a second worker
 call "$KB" no-such-model 404
 call "$KA" tts 503           # a role with no model assigned
-for i in 1 2 3; do call "$KA" demo-chat 200; call "$KB" demo-chat 200; done
+for i in 1 2 3; do call "$KA" "$CHAT" 200; call "$KB" "$CHAT" 200; done
 
 echo "== every shipped query against Prometheus (up to 180 s for the data to arrive)"
 checks='[
