@@ -32,9 +32,10 @@ done
 M=SmolLM2-135M-Instruct
 # The lab's entry, started through bench/llama_timed.py (the same server, with timestamps) and
 # with a first line that stamps the job's start.
-ENTRY="$("$PY" "$REPO/tests/lib/lab_entries.py" "$M" --set idle_timeout_s=600 \
-    --prefix-command 'echo "gpuhub-bench: at_us=$(date +%s%6N) job started" >&2')"
-ENTRY="${ENTRY//-m llama_cpp.server/$REPO/bench/llama_timed.py}"
+# The entry keeps its llama-cpp-python template (key in API_KEY, the venv on PATH, its args);
+# only the command is this one.
+CMD="echo \"gpuhub-bench: at_us=\$(date +%s%6N) job started\" >&2; python3 $REPO/bench/llama_timed.py --model {model_path} --model_alias {model} --host {host} --port {port}"
+ENTRY="$("$PY" "$REPO/tests/lib/lab_entries.py" "$M" --set idle_timeout_s=600 --set "command=$(jq -Rn --arg c "$CMD" '$c')")"
 models_setup "$ENTRY"
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 AGENT_PID="$(cat "$MT_DIR/agent.pid")"
@@ -97,11 +98,13 @@ med() { awk -v c="$1" '{print $c}' "$MT_DIR/cold" | sort -n | awk '{v[NR] = $1} 
 echo "cold start medians (ms): total $(med 2) = gpuhub before sbatch $(med 3) + Slurm $(med 4) + server start $(med 5) + model load $(med 6) + gateway readiness $(med 7) + first token $(med 8)"
 
 echo "== warm: $CALLS calls each, direct vs through the gateway (alternating blocks of 50)"
-url="$(sqlite3 "$MT_DIR/state/gpuhub.db" "SELECT base_url FROM model_workers WHERE model = '$M'")"
-[ -n "$url" ] || models_fail "no worker URL for $M"
-"$PY" - "$url" "http://$MT_GW" "$MT_KEY" "$M" "$CALLS" "$AGENT_PID" <<'EOF'
+# Direct calls carry the worker's own key (the server refuses any other), read from the store.
+read -r url wkey <<<"$(sqlite3 -separator ' ' "$MT_DIR/state/gpuhub.db" "SELECT base_url, api_key FROM model_workers WHERE model = '$M'")"
+[ -n "$url" ] && [ -n "${wkey:-}" ] || models_fail "no worker URL or key for $M"
+"$PY" - "$url" "http://$MT_GW" "$MT_KEY" "$M" "$CALLS" "$AGENT_PID" "$wkey" <<'EOF'
 import http.client, json, os, sys, time, urllib.parse
 direct, gateway, key, model, calls, agent = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
+keys = {direct: sys.argv[7], gateway: key}
 tick = os.sysconf("SC_CLK_TCK")
 def cpu_s():
     f = open(f"/proc/{agent}/stat").read().rsplit(")", 1)[1].split()
@@ -120,7 +123,7 @@ def connect(base):
 def call(base, body, streamed):
     c = conns[base]
     t0 = time.perf_counter()
-    c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json", "authorization": f"Bearer {key}"})
+    c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json", "authorization": f"Bearer {keys[base]}"})
     r = c.getresponse()
     first = None
     if streamed:
