@@ -260,7 +260,10 @@ pub async fn store_split(
     Ok(true)
 }
 
-/// The stored split of worker jobs among `keys`: (node, job id) -> shares.
+/// An `inference_shares` row: node, job id, user, app, busy, calls, GPU-us, shard-us.
+type StoredShare = (String, i64, String, String, i64, i64, i64, i64);
+
+/// The worker jobs overlapping the window that were split, and their stored shares.
 async fn stored(pool: &AnyPool, since_us: i64) -> Result<(BTreeSet<(String, i64)>, BTreeMap<(String, i64), Vec<Share>>), sqlx::Error> {
     let jobs: Vec<(String, i64)> = sqlx::query_as(
         "SELECT i.node, i.job_id FROM inference_jobs i JOIN acct_jobs j ON j.node = i.node AND j.job_id = i.job_id \
@@ -269,7 +272,7 @@ async fn stored(pool: &AnyPool, since_us: i64) -> Result<(BTreeSet<(String, i64)
     .bind(since_us)
     .fetch_all(pool)
     .await?;
-    let rows: Vec<(String, i64, String, String, i64, i64, i64, i64)> = sqlx::query_as(
+    let rows: Vec<StoredShare> = sqlx::query_as(
         "SELECT s.node, s.job_id, s.user_name, s.app, s.busy_us, s.calls, s.gpu_us, s.shard_us FROM inference_shares s \
          JOIN acct_jobs j ON j.node = s.node AND j.job_id = s.job_id WHERE j.end_us IS NULL OR j.end_us >= $1 \
          ORDER BY s.node, s.job_id, s.user_name, s.app",
@@ -405,7 +408,7 @@ mod tests {
         assert_eq!(prorate(100, 5, 0), 100);
     }
 
-    async fn job(pool: &AnyPool, job_id: i64, uid: i64, user: &str, start: i64, end: Option<i64>, gpus: i64, shards: i64) {
+    async fn job(pool: &AnyPool, job_id: i64, uid: i64, user: &str, (start, end): (i64, i64), (gpus, shards): (i64, i64)) {
         sqlx::query(
             "INSERT INTO acct_jobs (node, job_id, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, \
              shards, anomalies, verified, slurm_gpus, slurm_start_us, slurm_end_us) \
@@ -456,12 +459,12 @@ mod tests {
         for (store, _dir) in crate::store::testing::stores().await {
             let pool = store.pool();
             let t = (crate::util::now_us() / S - 1000) * S;
-            job(pool, 900, 990, "gpuhub-worker", t, Some(t + 100 * S), 0, 2).await;
-            job(pool, 901, 1000, "alice", t, Some(t + 50 * S), 1, 0).await;
+            job(pool, 900, 990, "gpuhub-worker", (t, t + 100 * S), (0, 2)).await;
+            job(pool, 901, 1000, "alice", (t, t + 50 * S), (1, 0)).await;
             // A job of the worker account the agent did not submit as a worker, and a recorded
             // worker id that Slurm ran as another uid (ids reused): neither is a worker job.
-            job(pool, 902, 990, "gpuhub-worker", t, Some(t + 10 * S), 1, 0).await;
-            job(pool, 903, 1001, "bob", t, Some(t + 10 * S), 1, 0).await;
+            job(pool, 902, 990, "gpuhub-worker", (t, t + 10 * S), (1, 0)).await;
+            job(pool, 903, 1001, "bob", (t, t + 10 * S), (1, 0)).await;
             store.record_worker_job(900, "chat", 990, t - S).await.unwrap();
             store.record_worker_job(900, "other", 990, t).await.unwrap();
             store.record_worker_job(903, "chat", 990, t - S).await.unwrap();
