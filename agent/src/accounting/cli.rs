@@ -181,3 +181,46 @@ pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitC
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_table_shows_inference_beside_jobs() {
+        let v = serde_json::json!({
+            "scope": "all users", "shards_per_gpu": 14,
+            "rows": [{"key": "alice", "jobs": 1, "gpu_seconds": 3600.0, "shard_seconds": 0.0, "gpu_equivalent_seconds": 3600.0,
+                      "inference_gpu_seconds": 0.0, "inference_shard_seconds": 50400.0, "inference_gpu_equivalent_seconds": 3600.0,
+                      "total_gpu_equivalent_seconds": 7200.0}],
+            "total": {"jobs": 1, "gpu_seconds": 3600.0, "shard_seconds": 0.0, "gpu_equivalent_seconds": 3600.0,
+                      "inference_gpu_seconds": 0.0, "inference_shard_seconds": 50400.0, "inference_gpu_equivalent_seconds": 3600.0,
+                      "total_gpu_equivalent_seconds": 7200.0},
+            "inference": [{"user": "alice", "app": "nb", "model": "chat", "worker_jobs": 2, "calls": 7, "busy_seconds": 360.0,
+                           "gpu_seconds": 0.0, "shard_seconds": 50400.0, "gpu_equivalent_seconds": 3600.0}],
+        });
+        let t = usage_table(&v, "30d", UsageBy::User);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[0].split_whitespace().eq([
+                "USER",
+                "JOBS",
+                "GPU_H",
+                "SHARD_H",
+                "GPU_EQ_H",
+                "INF_GPU_H",
+                "INF_SHARD_H",
+                "INF_EQ_H",
+                "TOTAL_EQ_H"
+            ]),
+            "{t}"
+        );
+        assert!(lines[1].split_whitespace().eq(["alice", "1", "1.00", "0.00", "1.00", "0.00", "14.00", "1.00", "2.00"]), "{t}");
+        assert!(t.contains("\ninference: "), "{t}");
+        assert!(t.lines().any(|l| l.split_whitespace().eq(["alice", "nb", "chat", "2", "7", "0.10", "0.00", "14.00", "1.00"])), "{t}");
+        // Other groupings keep their columns; the inference section still says whom workers served.
+        let t = usage_table(&v, "30d", UsageBy::Account);
+        assert!(!t.contains("INF_EQ_H") && t.contains("\ninference: "), "{t}");
+    }
+}
