@@ -369,6 +369,7 @@ mod tests {
         assert_eq!(apportion(5, &[0, 0]), vec![0, 0]);
         // The largest fractional part first: 2/3 of 10 = 6.67 -> 7, 1/3 -> 3.33 -> 3.
         assert_eq!(apportion(10, &[2, 1]), vec![7, 3]);
+        assert_eq!(apportion(10, &[1, 2]), vec![3, 7], "the remainder to the largest fraction, not the first");
         for total in [0i64, 1, 999_999, 7_200_000_000, i64::MAX / 4] {
             let w = [3i128, 7, 11, 0, 1];
             assert_eq!(apportion(total, &w).iter().map(|p| i128::from(*p)).sum::<i128>(), i128::from(total));
