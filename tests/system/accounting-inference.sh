@@ -73,10 +73,10 @@ echo "== gpuhub usage splits the job once it is closed (Slurm's end + 30 s)"
 usage=""
 for ((i = 0; i < 120; i++)); do
     usage="$("$MT_CLI" --socket "$SOCK" usage --since 1h --json)"
-    [ "$(jq --argjson j "$job" '[.inference_jobs[] | select(.job_id == $j and .settled)] | length' <<<"$usage")" = 1 ] && break
+    [ "$(jq --argjson j "$job" '[(.inference_jobs // [])[] | select(.job_id == $j and .settled)] | length' <<<"$usage")" = 1 ] && break
     sleep 1
 done
-wj="$(jq -c --argjson j "$job" '.inference_jobs[] | select(.job_id == $j)' <<<"$usage")"
+wj="$(jq -c --argjson j "$job" '(.inference_jobs // [])[] | select(.job_id == $j)' <<<"$usage")"
 [ "$(jq -r .settled <<<"$wj")" = true ] || models_fail "worker job $job was not split and stored within 120 s: $(jq -c .inference_jobs <<<"$usage")"
 echo "   job $job: $wj"
 share() { jq -r --arg u "$1" --arg k "$2" '[.shares[] | select(.user == $u) | .[$k]] | add // 0' <<<"$wj"; }
