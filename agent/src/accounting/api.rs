@@ -1,7 +1,10 @@
 //! Control-socket routes for accounting (merged in `control/server.rs`):
 //!
 //! - `GET /v1/usage/gpu?since=30d&by=user|account|gpu|partition` → `{since, by, shards_per_gpu,
-//!   rows: [{key, <by>, jobs, gpu_seconds, shard_seconds, gpu_equivalent_seconds}], total}`
+//!   rows: [{key, <by>, jobs, gpu_seconds, shard_seconds, gpu_equivalent_seconds}], total,
+//!   inference, inference_jobs}`; with `by=user` the rows and total also carry
+//!   `inference_worker_jobs`, `inference_gpu_seconds`, `inference_shard_seconds`,
+//!   `inference_gpu_equivalent_seconds` and `total_gpu_equivalent_seconds` (see [`usage_json`])
 //! - `GET /v1/jobs/{job_id}` → the job's summary per node, with per-GPU NVML measurements, where
 //!   its allocation came from (`verified`: slurmctld, sacct, unverified, pending) and its
 //!   `anomalies` (`{kind, explain}`; a disagreement with Slurm adds `field, claimed, slurm, used, source`).
@@ -15,10 +18,12 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use std::collections::BTreeMap;
+
 use super::Anomaly;
 use super::db::{self, JobGpuRow, JobRow};
-use super::reconcile;
 use super::usage::{self, UsageBy};
+use super::{inference, reconcile};
 use crate::AppState;
 use crate::control::Caller;
 
@@ -53,6 +58,11 @@ async fn usage_gpu(State(state): State<AppState>, caller: Caller, Query(q): Quer
 }
 
 /// The `/v1/usage/gpu` body (also used by tests without HTTP).
+///
+/// Model worker jobs ([`inference`]) are billed to the callers they served: with `by=user`
+/// they leave the jobs' columns (the worker account is no user) and each row carries its
+/// user's `inference_*` seconds; with any `by`, `inference` lists the shares per (user, app,
+/// model) and `inference_jobs` each worker job with its shares (a user sees their own).
 pub async fn usage_json(
     pool: &sqlx::AnyPool,
     caller: &Caller,
@@ -63,18 +73,108 @@ pub async fn usage_json(
 ) -> Result<Value, sqlx::Error> {
     let now = crate::util::now_us();
     let since_us = now.saturating_sub(since_s.saturating_mul(1_000_000));
-    let uid = (!caller.admin).then_some(i64::from(caller.uid));
-    let jobs = db::jobs_since(pool, since_us, uid).await?;
-    let rows = usage::aggregate(&jobs, by, since_us, now, spg);
+    let all = db::jobs_since(pool, since_us, None).await?;
+    let workers = inference::worker_jobs(pool, since_us).await?;
+    let jobs: Vec<(JobRow, Vec<JobGpuRow>)> = all
+        .iter()
+        .filter(|(j, _)| caller.admin || j.uid == i64::from(caller.uid))
+        .filter(|(j, _)| by != UsageBy::User || !workers.contains_key(&(j.node.clone(), j.job_id)))
+        .cloned()
+        .collect();
+    let mut wjobs = inference::window(pool, &all, &workers, since_us, now).await?;
+    if !caller.admin {
+        for w in &mut wjobs {
+            w.shares.retain(|s| s.user == caller.user);
+        }
+        wjobs.retain(|w| !w.shares.is_empty());
+    }
+    let spg_f = f64::from(spg.max(1));
+    let secs = |us: i64| us as f64 / 1e6;
+    let eq = |g: i64, s: i64| (g as f64 + s as f64 / spg_f) / 1e6;
+    // Per (user, app, model), and per user.
+    #[derive(Default)]
+    struct Inf {
+        jobs: u64,
+        calls: i64,
+        busy_us: i64,
+        gpu_us: i64,
+        shard_us: i64,
+    }
+    let mut per_caller: BTreeMap<(String, String, String), Inf> = BTreeMap::new();
+    let mut per_user: BTreeMap<String, Inf> = BTreeMap::new();
+    for w in &wjobs {
+        for s in &w.shares {
+            for e in [
+                per_caller.entry((s.user.clone(), s.app.clone(), w.model.clone())).or_default(),
+                per_user.entry(s.user.clone()).or_default(),
+            ] {
+                e.jobs += 1;
+                e.calls += s.calls;
+                e.busy_us += s.busy_us;
+                e.gpu_us += s.gpu_us;
+                e.shard_us += s.shard_us;
+            }
+        }
+    }
+    let mut rows = usage::aggregate(&jobs, by, since_us, now, spg);
+    if by == UsageBy::User {
+        for u in per_user.keys() {
+            if !rows.iter().any(|r| &r.key == u) {
+                rows.push(usage::UsageRow { key: u.clone(), jobs: 0, gpu_seconds: 0.0, shard_seconds: 0.0, gpu_equivalent_seconds: 0.0 });
+            }
+        }
+    }
+    let inf_of = |key: &str| per_user.get(key).filter(|_| by == UsageBy::User);
+    let row_total = |r: &usage::UsageRow| r.gpu_equivalent_seconds + inf_of(&r.key).map_or(0.0, |i| eq(i.gpu_us, i.shard_us));
+    rows.sort_by(|a, b| row_total(b).total_cmp(&row_total(a)).then(a.key.cmp(&b.key)));
     let total = rows
         .iter()
         .fold((0u64, 0.0, 0.0, 0.0), |t, r| (t.0 + r.jobs, t.1 + r.gpu_seconds, t.2 + r.shard_seconds, t.3 + r.gpu_equivalent_seconds));
     let rows: Vec<Value> = rows
         .iter()
         .map(|r| {
-            json!({
+            let mut v = json!({
                 "key": r.key, by.as_str(): r.key, "jobs": r.jobs, "gpu_seconds": r.gpu_seconds,
                 "shard_seconds": r.shard_seconds, "gpu_equivalent_seconds": r.gpu_equivalent_seconds,
+            });
+            if by == UsageBy::User {
+                let (g, s, n) = inf_of(&r.key).map_or((0, 0, 0), |i| (i.gpu_us, i.shard_us, i.jobs));
+                v["inference_worker_jobs"] = json!(n);
+                v["inference_gpu_seconds"] = json!(secs(g));
+                v["inference_shard_seconds"] = json!(secs(s));
+                v["inference_gpu_equivalent_seconds"] = json!(eq(g, s));
+                v["total_gpu_equivalent_seconds"] = json!(r.gpu_equivalent_seconds + eq(g, s));
+            }
+            v
+        })
+        .collect();
+    let mut total = json!({"jobs": total.0, "gpu_seconds": total.1, "shard_seconds": total.2, "gpu_equivalent_seconds": total.3});
+    if by == UsageBy::User {
+        let (g, s) = per_user.values().fold((0i64, 0i64), |t, i| (t.0 + i.gpu_us, t.1 + i.shard_us));
+        total["inference_gpu_seconds"] = json!(secs(g));
+        total["inference_shard_seconds"] = json!(secs(s));
+        total["inference_gpu_equivalent_seconds"] = json!(eq(g, s));
+        total["total_gpu_equivalent_seconds"] = json!(total["gpu_equivalent_seconds"].as_f64().unwrap_or(0.0) + eq(g, s));
+    }
+    let mut inference_rows: Vec<(&(String, String, String), &Inf)> = per_caller.iter().collect();
+    inference_rows.sort_by(|a, b| eq(b.1.gpu_us, b.1.shard_us).total_cmp(&eq(a.1.gpu_us, a.1.shard_us)).then(a.0.cmp(b.0)));
+    let inference_rows: Vec<Value> = inference_rows
+        .into_iter()
+        .map(|((user, app, model), i)| {
+            json!({
+                "user": user, "app": app, "model": model, "worker_jobs": i.jobs, "calls": i.calls,
+                "busy_seconds": secs(i.busy_us), "gpu_seconds": secs(i.gpu_us), "shard_seconds": secs(i.shard_us),
+                "gpu_equivalent_seconds": eq(i.gpu_us, i.shard_us),
+            })
+        })
+        .collect();
+    let inference_jobs: Vec<Value> = wjobs
+        .iter()
+        .map(|w| {
+            json!({
+                "node": w.node, "job_id": w.job_id, "model": w.model, "settled": w.settled,
+                "gpu_us": caller.admin.then_some(w.gpu_us), "shard_us": caller.admin.then_some(w.shard_us),
+                "shares": w.shares,
             })
         })
         .collect();
@@ -82,7 +182,9 @@ pub async fn usage_json(
         "since": since, "since_us": since_us, "until_us": now, "by": by.as_str(), "shards_per_gpu": spg,
         "scope": if caller.admin { "all users" } else { "your jobs" },
         "rows": rows,
-        "total": {"jobs": total.0, "gpu_seconds": total.1, "shard_seconds": total.2, "gpu_equivalent_seconds": total.3},
+        "total": total,
+        "inference": inference_rows,
+        "inference_jobs": inference_jobs,
     }))
 }
 

@@ -28,27 +28,12 @@ fn hours(v: &Value, k: &str) -> String {
     format!("{:.2}", v[k].as_f64().unwrap_or(0.0) / 3600.0)
 }
 
-/// The human table (kept apart from `--json`, STYLE.md §9).
-pub fn usage_table(v: &Value, since: &str, by: UsageBy) -> String {
-    let rows: Vec<&Value> = v["rows"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
-    if rows.is_empty() {
-        return format!("no GPU usage in the last {since} ({})", v["scope"].as_str().unwrap_or(""));
-    }
+/// Lays out `table` (first column left-aligned, the others right-aligned).
+fn render(table: &[Vec<String>]) -> String {
+    let cols = table.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..cols).map(|c| table.iter().map(|row| row[c].chars().count()).max().unwrap_or(0)).collect();
     let mut out = String::new();
-    let header = [by.as_str().to_uppercase(), "JOBS".into(), "GPU_H".into(), "SHARD_H".into(), "GPU_EQ_H".into()];
-    let mut table: Vec<[String; 5]> = vec![header];
-    for r in rows.iter().copied().chain(std::iter::once(&v["total"])) {
-        let key = if std::ptr::eq(r, &v["total"]) { "TOTAL".to_string() } else { sanitize(r["key"].as_str().unwrap_or("-")) };
-        table.push([
-            key,
-            r["jobs"].as_u64().unwrap_or(0).to_string(),
-            hours(r, "gpu_seconds"),
-            hours(r, "shard_seconds"),
-            hours(r, "gpu_equivalent_seconds"),
-        ]);
-    }
-    let widths: Vec<usize> = (0..5).map(|c| table.iter().map(|row| row[c].chars().count()).max().unwrap_or(0)).collect();
-    for row in &table {
+    for row in table {
         let cells: Vec<String> = row
             .iter()
             .enumerate()
@@ -57,11 +42,71 @@ pub fn usage_table(v: &Value, since: &str, by: UsageBy) -> String {
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
+    out
+}
+
+/// The human table (kept apart from `--json`, STYLE.md §9): jobs per group, with `--by user`
+/// each user's share of model worker jobs beside them (`INF_*`); then the inference shares
+/// per user, app and model.
+pub fn usage_table(v: &Value, since: &str, by: UsageBy) -> String {
+    let rows: Vec<&Value> = v["rows"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
+    let inference: Vec<&Value> = v["inference"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
+    if rows.is_empty() && inference.is_empty() {
+        return format!("no GPU usage in the last {since} ({})", v["scope"].as_str().unwrap_or(""));
+    }
+    let with_inf = by == UsageBy::User;
+    let mut header: Vec<String> = vec![by.as_str().to_uppercase(), "JOBS".into(), "GPU_H".into(), "SHARD_H".into(), "GPU_EQ_H".into()];
+    if with_inf {
+        header.extend(["INF_GPU_H", "INF_SHARD_H", "INF_EQ_H", "TOTAL_EQ_H"].map(String::from));
+    }
+    let mut table: Vec<Vec<String>> = vec![header];
+    for r in rows.iter().copied().chain(std::iter::once(&v["total"])) {
+        let key = if std::ptr::eq(r, &v["total"]) { "TOTAL".to_string() } else { sanitize(r["key"].as_str().unwrap_or("-")) };
+        let mut row = vec![
+            key,
+            r["jobs"].as_u64().unwrap_or(0).to_string(),
+            hours(r, "gpu_seconds"),
+            hours(r, "shard_seconds"),
+            hours(r, "gpu_equivalent_seconds"),
+        ];
+        if with_inf {
+            row.extend([
+                hours(r, "inference_gpu_seconds"),
+                hours(r, "inference_shard_seconds"),
+                hours(r, "inference_gpu_equivalent_seconds"),
+                hours(r, "total_gpu_equivalent_seconds"),
+            ]);
+        }
+        table.push(row);
+    }
+    let mut out = render(&table);
     out.push_str(&format!(
         "GPU-hours in the last {since}, {}; shard-hours count 1/{} GPU each in GPU_EQ_H",
         v["scope"].as_str().unwrap_or(""),
         v["shards_per_gpu"].as_u64().unwrap_or(14)
     ));
+    if with_inf {
+        out.push_str("; INF_*: model worker jobs billed to the callers they served (not in JOBS)");
+    }
+    if !inference.is_empty() {
+        let mut t: Vec<Vec<String>> =
+            vec![["USER", "APP", "MODEL", "WORKER_JOBS", "CALLS", "BUSY_H", "GPU_H", "SHARD_H", "GPU_EQ_H"].map(String::from).to_vec()];
+        for r in inference {
+            t.push(vec![
+                sanitize(r["user"].as_str().unwrap_or("-")),
+                sanitize(r["app"].as_str().filter(|a| !a.is_empty()).unwrap_or("-")),
+                sanitize(r["model"].as_str().unwrap_or("-")),
+                r["worker_jobs"].as_u64().unwrap_or(0).to_string(),
+                r["calls"].as_i64().unwrap_or(0).to_string(),
+                hours(r, "busy_seconds"),
+                hours(r, "gpu_seconds"),
+                hours(r, "shard_seconds"),
+                hours(r, "gpu_equivalent_seconds"),
+            ]);
+        }
+        out.push_str("\n\ninference: model worker jobs split among their callers by the busy time of their calls\n");
+        out.push_str(render(&t).trim_end());
+    }
     out
 }
 
@@ -135,4 +180,47 @@ pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitC
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_table_shows_inference_beside_jobs() {
+        let v = serde_json::json!({
+            "scope": "all users", "shards_per_gpu": 14,
+            "rows": [{"key": "alice", "jobs": 1, "gpu_seconds": 3600.0, "shard_seconds": 0.0, "gpu_equivalent_seconds": 3600.0,
+                      "inference_gpu_seconds": 0.0, "inference_shard_seconds": 50400.0, "inference_gpu_equivalent_seconds": 3600.0,
+                      "total_gpu_equivalent_seconds": 7200.0}],
+            "total": {"jobs": 1, "gpu_seconds": 3600.0, "shard_seconds": 0.0, "gpu_equivalent_seconds": 3600.0,
+                      "inference_gpu_seconds": 0.0, "inference_shard_seconds": 50400.0, "inference_gpu_equivalent_seconds": 3600.0,
+                      "total_gpu_equivalent_seconds": 7200.0},
+            "inference": [{"user": "alice", "app": "nb", "model": "chat", "worker_jobs": 2, "calls": 7, "busy_seconds": 360.0,
+                           "gpu_seconds": 0.0, "shard_seconds": 50400.0, "gpu_equivalent_seconds": 3600.0}],
+        });
+        let t = usage_table(&v, "30d", UsageBy::User);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[0].split_whitespace().eq([
+                "USER",
+                "JOBS",
+                "GPU_H",
+                "SHARD_H",
+                "GPU_EQ_H",
+                "INF_GPU_H",
+                "INF_SHARD_H",
+                "INF_EQ_H",
+                "TOTAL_EQ_H"
+            ]),
+            "{t}"
+        );
+        assert!(lines[1].split_whitespace().eq(["alice", "1", "1.00", "0.00", "1.00", "0.00", "14.00", "1.00", "2.00"]), "{t}");
+        assert!(t.contains("\ninference: "), "{t}");
+        assert!(t.lines().any(|l| l.split_whitespace().eq(["alice", "nb", "chat", "2", "7", "0.10", "0.00", "14.00", "1.00"])), "{t}");
+        // Other groupings keep their columns; the inference section still says whom workers served.
+        let t = usage_table(&v, "30d", UsageBy::Account);
+        assert!(!t.contains("INF_EQ_H") && t.contains("\ninference: "), "{t}");
+    }
 }

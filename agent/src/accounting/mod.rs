@@ -19,6 +19,8 @@
 //! - [`api`]: control-socket routes `GET /v1/usage/gpu` and `GET /v1/jobs/{id}`; users see
 //!   their own jobs (SO_PEERCRED uid), admins all.
 //! - [`cli`]: `gpuhub usage` and `gpuhub job` output.
+//! - [`inference`]: model worker jobs billed to the users and apps whose calls they served
+//!   (split by the calls' busy time, stored once per job after it ended).
 //! - [`usage_counters`]: the GPU-hours counters on `/metrics`, from the store (exact, monotone
 //!   across restarts), and `gpuhub_store_up`.
 //!
@@ -32,6 +34,7 @@
 pub mod api;
 pub mod cli;
 pub mod db;
+pub mod inference;
 pub mod ingest;
 pub mod job_map;
 pub mod reconcile;
@@ -217,6 +220,18 @@ impl AccountingMetrics {
             "GPU-shard seconds this node's jobs were allocated (from the accounting store), by user and account",
             Unit::Seconds,
             m.usage.shard_seconds.clone(),
+        );
+        r.register_with_unit(
+            "inference_gpu",
+            "Whole-GPU seconds of this node's model worker jobs, split among the users and apps whose calls they served (after each job ended)",
+            Unit::Seconds,
+            m.usage.inference_gpu_seconds.clone(),
+        );
+        r.register_with_unit(
+            "inference_shard",
+            "GPU-shard seconds of this node's model worker jobs, split among the users and apps whose calls they served (after each job ended)",
+            Unit::Seconds,
+            m.usage.inference_shard_seconds.clone(),
         );
         r.register("store_up", "1 when the last query of the store (every usage counter pass) answered", m.usage.store_up.clone());
         r.register("accounting_ingest_errors", "Ingest passes stopped by a store error (retried)", m.ingest_errors.clone());

@@ -18,6 +18,11 @@
 //! one. Only jobs of this node (`telemetry.slurm_node_name`) count, so several agents sharing
 //! one PostgreSQL store each export their own node's.
 //!
+//! Each pass first splits the worker jobs that ended among their callers
+//! ([`super::inference::settle`]), then exports `gpuhub_inference_gpu_seconds_total{user,app,model}`
+//! and `gpuhub_inference_shard_seconds_total{user,app,model}`: this node's stored shares, which
+//! never change once stored, so their sums only grow (restarts included).
+//!
 //! Every pass is also a store health probe: `gpuhub_store_up` is 1 when its queries answered.
 
 use std::collections::BTreeMap;
@@ -31,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use super::db;
 use super::usage::totals_by_user_account;
 use crate::store::Store;
-use crate::telemetry::metrics::UserAccountLabels;
+use crate::telemetry::metrics::{InferenceLabels, UserAccountLabels};
 
 /// Jobs that ended longer ago than this are summed only in the hourly full pass.
 pub const WINDOW: Duration = Duration::from_secs(2 * 24 * 3600);
@@ -51,6 +56,8 @@ type Totals = BTreeMap<Key, (i128, i128)>;
 pub struct UsageCounterMetrics {
     pub gpu_seconds: Family<UserAccountLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     pub shard_seconds: Family<UserAccountLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    pub inference_gpu_seconds: Family<InferenceLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    pub inference_shard_seconds: Family<InferenceLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     pub store_up: Gauge,
 }
 
@@ -113,7 +120,47 @@ impl UsageCounters {
     /// One pass: sum, raise the counters, persist. A store error leaves the counters as they
     /// are and sets `gpuhub_store_up 0`.
     pub async fn pass(&mut self) {
-        let ok = match self.totals().await {
+        let inference_ok = self.inference().await;
+        let ok = self.slurm().await && inference_ok;
+        if ok && self.was_up == Some(false) {
+            tracing::info!("accounting: the store answers again");
+        }
+        self.was_up = Some(ok);
+        self.metrics.store_up.set(i64::from(ok));
+    }
+
+    /// Splits the worker jobs that ended, then raises the inference counters to the stored
+    /// shares' sums. `false` when the store failed.
+    async fn inference(&mut self) -> bool {
+        let pool = self.store.pool();
+        let r = async {
+            super::inference::settle(pool, &self.node, crate::util::now_us()).await?;
+            super::inference::node_totals(pool, &self.node).await
+        }
+        .await;
+        match r {
+            Ok(totals) => {
+                for ((user, app, model), (g, s)) in totals {
+                    let l = InferenceLabels { user, app, model };
+                    raise(&self.metrics.inference_gpu_seconds.get_or_create(&l), i128::from(g));
+                    raise(&self.metrics.inference_shard_seconds.get_or_create(&l), i128::from(s));
+                }
+                true
+            }
+            Err(e) => {
+                if self.was_up != Some(false) {
+                    tracing::error!(
+                        "accounting: cannot split worker jobs among their callers, the store does not answer ({e}); retried next pass"
+                    );
+                }
+                false
+            }
+        }
+    }
+
+    /// The Slurm GPU-hours counters; `false` when the store failed.
+    async fn slurm(&mut self) -> bool {
+        match self.totals().await {
             Ok(totals) => {
                 let mut changed = false;
                 for (k, (g, s)) in totals {
@@ -137,12 +184,7 @@ impl UsageCounters {
                 }
                 false
             }
-        };
-        if ok && self.was_up == Some(false) {
-            tracing::info!("accounting: the store answers again");
         }
-        self.was_up = Some(ok);
-        self.metrics.store_up.set(i64::from(ok));
     }
 
     /// The store's totals per (user, account) now.

@@ -100,7 +100,7 @@ pub struct AccountingConfig {
     /// Where a job's start and end come from (see [`JobBoundaries`]).
     pub job_boundaries: JobBoundaries,
     /// How often the GPU-hours counters (`gpuhub_slurm_gpu_seconds_total`) are summed from
-    /// the store, in milliseconds.
+    /// the store, in milliseconds; each pass also splits ended worker jobs among their callers.
     pub usage_counters_interval_ms: u64,
 }
 

@@ -1108,6 +1108,14 @@ impl Shared {
         if let Err(e) = store.put_worker(&row).await {
             tracing::error!(model, worker = %inst.id, error = %e, "cannot record the worker; after an agent restart it will be cancelled instead of adopted");
         }
+        // A Slurm worker's job is billed to the callers it serves (docs/accounting.md,
+        // "Inference"): accounting knows it by this row, not by the job's name.
+        if inst.launcher == LauncherKind::Slurm
+            && let Ok(job_id) = inst.id.parse::<i64>()
+            && let Err(e) = store.record_worker_job(job_id, model, i64::from(inst.uid), inst.started_us).await
+        {
+            tracing::error!(model, worker = %inst.id, error = %e, "cannot record the worker's Slurm job; its GPU time will be billed to the worker account, not to its callers");
+        }
     }
 
     /// The worker is gone: its key file goes, and the store forgets it.

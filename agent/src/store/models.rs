@@ -39,6 +39,22 @@ impl Store {
         Ok(())
     }
 
+    /// Keeps, for good, that Slurm job `job_id` is `model`'s worker, submitted by this agent as
+    /// the worker account `uid`: accounting bills such a job to the callers it served
+    /// (`accounting::inference`). A second call for the same job changes nothing.
+    pub async fn record_worker_job(&self, job_id: i64, model: &str, uid: i64, submitted_us: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO inference_workers (job_id, model, uid, submitted_us) VALUES ($1, $2, $3, $4) ON CONFLICT (job_id) DO NOTHING",
+        )
+        .bind(job_id)
+        .bind(model)
+        .bind(uid)
+        .bind(submitted_us)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
     /// Forgets `model`'s worker, only if it is still `instance_id` (a newer one stays).
     pub async fn delete_worker(&self, model: &str, instance_id: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM model_workers WHERE model = $1 AND instance_id = $2")

@@ -100,6 +100,14 @@ pub struct SlurmLiveJobLabels {
     pub partition: String,
 }
 
+/// A caller of model workers: `gpuhub_inference_*_seconds_total`.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct InferenceLabels {
+    pub user: String,
+    pub app: String,
+    pub model: String,
+}
+
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct UserAccountLabels {
     pub user: String,
