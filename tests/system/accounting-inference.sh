@@ -77,7 +77,13 @@ for ((i = 0; i < 120; i++)); do
     sleep 1
 done
 wj="$(jq -c --argjson j "$job" '(.inference_jobs // [])[] | select(.job_id == $j)' <<<"$usage")"
-[ "$(jq -r .settled <<<"$wj")" = true ] || models_fail "worker job $job was not split and stored within 120 s: $(jq -c .inference_jobs <<<"$usage")"
+if [ "$(jq -r .settled <<<"$wj")" != true ]; then
+    db="$MT_DIR/state/gpuhub.db"
+    models_fail "worker job $job was not split and stored within 120 s: $(jq -c .inference_jobs <<<"$usage")
+   the store's worker record: $(sqlite3 "$db" "SELECT * FROM inference_workers WHERE job_id = $job" 2>&1)
+   the store's job: $(sqlite3 "$db" "SELECT node, job_id, uid, user_name, start_us, end_us, first_seen_us FROM acct_jobs WHERE job_id = $job" 2>&1)
+   Slurm: $(SLURM_TIME_FORMAT=%s scontrol show job -o "$job" 2>&1 | grep -o 'JobState=[^ ]*\|UserId=[^ ]*\|StartTime=[^ ]*\|EndTime=[^ ]*\|NodeList=[^ ]*' | tr '\n' ' ')"
+fi
 echo "   job $job: $wj"
 share() { jq -r --arg u "$1" --arg k "$2" '[.shares[] | select(.user == $u) | .[$k]] | add // 0' <<<"$wj"; }
 a_shard="$(share root shard_us)" b_shard="$(share "$LAB_USER" shard_us)"
