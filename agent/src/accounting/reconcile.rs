@@ -320,7 +320,10 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
                 continue;
             }
             let Some(start) = j.start_us else { continue };
-            if start < inp.watch_since_us || start >= st.taken_us - inp.grace_us {
+            // Slurm's times are whole seconds: a job that started in the second the agent began
+            // watching has a StartTime before that instant, and it is still this agent's.
+            let watch_since = inp.watch_since_us - inp.watch_since_us.rem_euclid(1_000_000);
+            if start < watch_since || start >= st.taken_us - inp.grace_us {
                 continue;
             }
             if let Some(alloc) = j.alloc_on(inp.nodes) {

@@ -581,6 +581,39 @@ mod reconcile_story {
         running.ctld.get_mut(&7).unwrap().node_list = "gpu02".into();
         assert_eq!(reconcile::plan(&inp, &running).len(), 1);
     }
+
+    #[test]
+    fn a_job_that_started_in_the_second_watching_began_is_created() {
+        let nodes: BTreeSet<String> = ["gpu01".to_string()].into();
+        let now = 1_000_000 * S;
+        let known = BTreeSet::new();
+        let listed = BTreeMap::new();
+        let inp = Inputs {
+            nodes: &nodes,
+            default_node: "gpu01",
+            unverified: &[],
+            open: &[],
+            known: &known,
+            // The agent began watching 330 ms into a second ...
+            watch_since_us: now - 20 * S + 330_000,
+            last_listed: &listed,
+            reconcile: true,
+            grace_us: 5 * S,
+        };
+        let mut st = SlurmState { taken_us: now, ctld_ok: true, acct_ok: true, ..SlurmState::default() };
+        // ... job 9 started 110 ms later, and Slurm's StartTime is that whole second; job 10
+        // started the second before, when nobody watched.
+        st.ctld.insert(9, sj(9, Source::Slurmctld, "COMPLETED", now - 20 * S, Some(now - 10 * S), 0, 2));
+        st.ctld.insert(10, sj(10, Source::Slurmctld, "COMPLETED", now - 21 * S, Some(now - 10 * S), 0, 2));
+        let created: Vec<u32> = reconcile::plan(&inp, &st)
+            .iter()
+            .filter_map(|a| match a {
+                Action::Create { job, .. } => Some(job.job_id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(created, [9]);
+    }
 }
 
 // ---- GPU-hours counters from the store (usage_counters.rs), on every backend.
