@@ -250,16 +250,16 @@ impl ArtifactCache {
         let digest = match result {
             Ok(d) => d,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&partial);
+                let _ = std::fs::remove_dir_all(partial);
                 return Err(e);
             }
         };
         let final_dir = self.dir.join(format!("sha256-{digest}"));
         if final_dir.exists() {
-            let _ = std::fs::remove_dir_all(&partial);
+            let _ = std::fs::remove_dir_all(partial);
         } else {
             self.seal(&partial)?;
-            std::fs::rename(&partial, &final_dir).map_err(io(&final_dir))?;
+            std::fs::rename(partial, &final_dir).map_err(io(&final_dir))?;
         }
         self.write_index(name, version, &digest)?;
         tracing::info!(model = %model, version = %ver, digest = %digest, bytes = need, files = files.len(), "downloaded a model version's artifacts");
@@ -287,7 +287,7 @@ impl ArtifactCache {
         let path = self.index_path(name, version);
         let tmp = path.with_extension(format!("{version}.tmp"));
         std::fs::write(&tmp, digest).map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io(&path))
+        std::fs::rename(tmp, &path).map_err(io(&path))
     }
 
     /// The version's complete directory, when the index knows it and it is still there.
@@ -749,7 +749,7 @@ mod tests {
         let digest = rt.block_on(c.download(&ml, &Source::Local(root.clone()), &files, &partial, "m", "1")).unwrap();
         assert_eq!(digest.len(), 64);
         c.seal(&partial).unwrap();
-        std::fs::rename(&partial, t.path().join(format!("cache/sha256-{digest}"))).unwrap();
+        std::fs::rename(partial, t.path().join(format!("cache/sha256-{digest}"))).unwrap();
         c.write_index("m", "1", &digest).unwrap();
         let w = c.cached("m", "1").unwrap();
         assert_eq!(w.model_file.as_deref(), Some(t.path().join(format!("cache/sha256-{digest}/model.gguf")).as_path()));
