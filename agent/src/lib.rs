@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use config::Config;
-use models::{Catalog, ModelManager};
+use models::{Catalog, LiveCatalog, ModelManager};
 use names::NameRegistry;
 use store::Store;
 
@@ -50,10 +50,13 @@ use store::Store;
 pub struct AppState {
     pub config: Arc<Config>,
     pub store: Store,
-    pub catalog: Arc<Catalog>,
+    /// The catalog served now (`[[models]]` and the MLflow registry's tagged models).
+    pub catalog: Arc<LiveCatalog>,
     pub names: Arc<NameRegistry>,
     pub models: Arc<ModelManager>,
     pub telemetry: Arc<telemetry::Telemetry>,
+    /// Follows agent.toml reloads and the MLflow registry's tagged models.
+    pub catalog_sync: Arc<models::sync::CatalogSync>,
     /// The gateway's metrics, usage log, API keys and upstream client.
     pub gateway: Arc<gateway::Gateway>,
     /// Key that verifies per-job tokens (`None` if it could not be read: job tokens are then
@@ -113,11 +116,16 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     ])));
     let gateway = Arc::new(gateway::Gateway::start(&config, &store, registry.sub_registry_with_prefix("gpuhub")).await?);
 
-    let catalog = Arc::new(Catalog::from_config(&config.file));
+    // The registry's tagged models are in the first catalog when MLflow answers quickly, so
+    // their workers are adopted after a restart.
+    let catalog_sync = Arc::new(models::sync::CatalogSync::new(&config));
+    let first_mlflow = config.file.mlflow.tracking_uri.as_deref().filter(|u| !u.is_empty()).map(models::mlflow::Mlflow::new);
+    let first: Catalog = catalog_sync.initial(first_mlflow.as_ref(), std::time::Duration::from_secs(5)).await;
+    let catalog = Arc::new(LiveCatalog::new(Arc::new(first)));
     let names = Arc::new(NameRegistry::open(catalog.clone(), &config.file.names, &config.file.roles, &store, &mut registry).await?);
     let (shutdown_token, tasks) = (CancellationToken::new(), TaskTracker::new());
     let models = Arc::new(
-        ModelManager::start(
+        ModelManager::start_live(
             catalog.clone(),
             models::ManagerDeps {
                 config: &config,
@@ -149,6 +157,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         config: config.clone(),
         store: store.clone(),
         catalog,
+        catalog_sync,
         names,
         models,
         telemetry,
@@ -202,6 +211,48 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             loop {
                 tokio::select! {
                     _ = tick.tick() => state.gateway.flush_refusals(false),
+                    _ = token.cancelled() => return,
+                }
+            }
+        });
+    }
+    // The MLflow registry, every mlflow.registry_poll_s; agent.toml's catalog on SIGHUP.
+    let poll_s = config.file.mlflow.registry_poll_s;
+    if poll_s > 0 && state.models.mlflow().is_some() {
+        let (state, token) = (state.clone(), token.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(poll_s));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        // Errors are logged by the poll, once per change.
+                        let _ = state.catalog_sync.poll(&state).await;
+                    }
+                    _ = token.cancelled() => return,
+                }
+            }
+        });
+    }
+    {
+        let (state, token) = (state.clone(), token.clone());
+        tokio::spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut hup = match signal(SignalKind::hangup()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot install the SIGHUP handler; reload with `gpuhub models reload`");
+                    return;
+                }
+            };
+            loop {
+                tokio::select! {
+                    _ = hup.recv() => {
+                        tracing::info!("SIGHUP received: reloading the catalog of agent.toml");
+                        if let Err(e) = state.catalog_sync.reload(&state).await {
+                            tracing::error!(error = %e, "reload refused");
+                        }
+                    }
                     _ = token.cancelled() => return,
                 }
             }

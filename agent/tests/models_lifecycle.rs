@@ -575,3 +575,55 @@ async fn a_program_the_worker_account_cannot_run_is_refused_with_the_directory_t
     }
     assert!(std::fs::read_dir(env.dir.path().join("workers/keys")).unwrap().next().is_none(), "no key file left behind");
 }
+
+/// A catalog change with no restart (a registry poll or a reload): a model that left drains
+/// the call in flight and then stops, a changed entry gets a new worker while the old one
+/// drains, an added one serves, and the metrics forget the one that left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catalog_change_drains_models_that_left_and_serves_new_ones_without_a_restart() {
+    let env = Env::new().await;
+    let (m, reg, _t, _tasks) = env.manager("", &format!("{}{}", env.model("a", "", ""), env.model("b", "", ""))).await;
+    let lease_a = m.acquire("a").await.unwrap();
+    let pid_a = m.status("a").unwrap().worker_id.unwrap();
+    let lease_b = m.acquire("b").await.unwrap();
+    let pid_b = m.status("b").unwrap().worker_id.unwrap();
+    drop(lease_b);
+
+    let d = env.dir.path().display();
+    let text = format!(
+        "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{}{}",
+        worker_user(),
+        env.model("b", "--startup-delay-ms 10", ""),
+        env.model("c", "", "")
+    );
+    let new = Config::from_toml(&text).unwrap();
+    let change = m.apply_catalog(Arc::new(Catalog::from_config(&new.file))).await;
+    assert_eq!((change.added, change.removed, change.changed), (vec!["c".to_string()], vec!["a".to_string()], vec!["b".to_string()]));
+
+    assert!(m.status("a").is_none(), "`a` left the catalog");
+    assert!(matches!(m.acquire("a").await, Err(ModelError::NotInCatalog(_))));
+    // The call in flight to `a` is not cut: its worker waits for it.
+    assert_eq!(chat(&lease_a, lease_a.api_key.as_deref()).await.status(), 200);
+    assert!(pid_alive(&pid_a), "`a` stopped with a call in flight");
+    drop(lease_a);
+    let t = Instant::now();
+    while (pid_alive(&pid_a) || pid_alive(&pid_b)) && t.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!pid_alive(&pid_a), "the worker of `a` still runs after its model left and its call ended");
+    assert!(!pid_alive(&pid_b), "the old worker of the changed `b` still runs");
+
+    // The changed and the added model start new workers on their first call.
+    let b = m.acquire("b").await.unwrap();
+    assert_ne!(m.status("b").unwrap().worker_id.unwrap(), pid_b);
+    assert_eq!(chat(&b, b.api_key.as_deref()).await.status(), 200);
+    let c = m.acquire("c").await.unwrap();
+    assert_eq!(chat(&c, c.api_key.as_deref()).await.status(), 200);
+    let text = metrics_text(&reg);
+    assert!(!text.contains(r#"gpuhub_model_state{model="a""#), "series of a model that left remain: {text}");
+    assert!(text.contains(r#"gpuhub_model_state{model="b",state="ready"} 1"#), "{text}");
+    // Applying the same catalog again changes nothing.
+    let again = m.apply_catalog(Arc::new(Catalog::from_config(&new.file))).await;
+    assert!(again.is_empty(), "{again:?}");
+    drop((b, c));
+}

@@ -7,6 +7,10 @@
 #   mlflow_stop [PORT]    stop the server this helper started (pid file), if any; a test that
 #                         starts one stops it at exit (lab_cleanup_add "mlflow_stop PORT")
 #   MLFLOW_URL            http://127.0.0.1:PORT after mlflow_start
+#   MLFLOW_SERVE_ARTIFACTS=1 mlflow_start PORT: the server stores artifacts and serves them
+#                         (runs' artifact URIs are `mlflow-artifacts:/...`, uploaded and
+#                         downloaded through its REST API), instead of clients writing to a
+#                         local artifact root directly (`file:` URIs)
 # State (SQLite store, artifacts, log) lives in /var/tmp/gpuhub-mlflow-PORT; loopback only,
 # because MLflow has no authentication.
 
@@ -25,8 +29,10 @@ mlflow_start() {
     mkdir -p "$dir/artifacts"
     echo "[mlflow] starting mlflow server on $MLFLOW_URL (log $dir/server.log)"
     # --workers 1: the default spawns several gunicorn/uvicorn workers (~1.5 GB) on a 2-core box.
+    local artifacts=(--default-artifact-root "$dir/artifacts")
+    [ "${MLFLOW_SERVE_ARTIFACTS:-0}" = 1 ] && artifacts=(--serve-artifacts --artifacts-destination "$dir/artifacts")
     setsid "$MLFLOW_BIN" server --host 127.0.0.1 --port "$port" --workers 1 \
-        --backend-store-uri "sqlite:///$dir/mlflow.db" --default-artifact-root "$dir/artifacts" \
+        --backend-store-uri "sqlite:///$dir/mlflow.db" "${artifacts[@]}" \
         >>"$dir/server.log" 2>&1 </dev/null &
     pid=$!
     echo "$pid" > "$dir/server.pid"

@@ -25,11 +25,15 @@ pub enum ModelsCmd {
     /// Point MLflow's `@production` alias at VERSION if it passes the catalog's eval gate
     /// (admins). The next worker start serves it. Exit 1 if the gate refuses.
     Promote { model: String, version: String },
-    /// Registered models MLflow says the gateway serves (tag served_by=gateway).
+    /// Registered models MLflow says the gateway serves (tag served_by=gateway), what serves
+    /// each, and why a tagged one is not served.
     Registry {
         #[arg(long)]
         json: bool,
     },
+    /// Read agent.toml's [[models]], [roles] and [templates] again, as SIGHUP does (admins).
+    /// A file that does not validate changes nothing; the error says why (exit 2).
+    Reload,
 }
 
 pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCode> {
@@ -58,6 +62,21 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
             output::line(&crate::util::sanitize(v["message"].as_str().unwrap_or("")));
             Ok(if v["promoted"].as_bool() == Some(true) { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
+        ModelsCmd::Reload => {
+            let v = client::request(socket, "POST", "/v1/models/reload", None).await?;
+            let list = |k: &str| -> String {
+                let names: Vec<String> =
+                    v["change"][k].as_array().into_iter().flatten().filter_map(|x| x.as_str()).map(crate::util::sanitize).collect();
+                if names.is_empty() { "none".into() } else { names.join(", ") }
+            };
+            output::line(&format!("reloaded: added {}; removed {}; changed {}", list("added"), list("removed"), list("changed")));
+            let later: Vec<String> =
+                v["needs_restart"].as_array().into_iter().flatten().filter_map(|x| x.as_str()).map(str::to_string).collect();
+            if !later.is_empty() {
+                output::line(&format!("changed sections that take effect at the next restart: {}", later.join(", ")));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         ModelsCmd::Registry { json } => {
             let v = client::request(socket, "GET", "/v1/models/registry", None).await?;
             if json {
@@ -70,14 +89,23 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
                     .map(|r| {
                         let served: Vec<String> =
                             r["served_as"].as_array().into_iter().flatten().filter_map(|x| x.as_str().map(str::to_string)).collect();
+                        let by = r["served_by"].as_str().filter(|b| !b.is_empty()).map(|b| format!(" (by {b})")).unwrap_or_default();
                         vec![
                             s(&r["name"]),
                             s(&r["production"]),
-                            if served.is_empty() { "(no catalog entry)".into() } else { served.join(",") },
+                            if served.is_empty() { "(not served)".into() } else { format!("{}{by}", served.join(",")) },
                         ]
                     })
                     .collect();
                 output::table(&["REGISTERED MODEL", "@PRODUCTION", "SERVED AS"], &rows);
+                for r in v["registered"].as_array().into_iter().flatten() {
+                    for e in r["errors"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+                        output::line(&format!("not served: {}", crate::util::sanitize(e)));
+                    }
+                }
+                if let Some(e) = v["poll_error"].as_str() {
+                    output::line(&format!("the agent's last registry read failed: {}", crate::util::sanitize(e)));
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -153,5 +181,7 @@ mod tests {
         assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr", "3"]).is_ok());
         assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr"]).is_err(), "promote needs a version");
         assert!(Cli::try_parse_from(["gpuhub", "models", "unload"]).is_err(), "unload needs a model");
+        assert!(Cli::try_parse_from(["gpuhub", "models", "reload"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "models", "reload", "x"]).is_err(), "reload takes no argument");
     }
 }

@@ -206,17 +206,34 @@ impl ModelConfig {
     }
 }
 
+impl ModelConfig {
+    pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
+    pub const DEFAULT_CONCURRENCY: u32 = 16;
+    pub const DEFAULT_QUEUE: u32 = 64;
+    pub const DEFAULT_LOAD_TIMEOUT_S: u64 = 900;
+}
+
 fn default_idle_timeout() -> u64 {
-    600
+    ModelConfig::DEFAULT_IDLE_TIMEOUT_S
 }
 fn default_concurrency() -> u32 {
-    16
+    ModelConfig::DEFAULT_CONCURRENCY
 }
 fn default_queue() -> u32 {
-    64
+    ModelConfig::DEFAULT_QUEUE
 }
 fn default_load_timeout() -> u64 {
-    900
+    ModelConfig::DEFAULT_LOAD_TIMEOUT_S
+}
+
+/// Validates one entry made from MLflow registry tags (models/registry.rs) as a `[[models]]`
+/// entry would be, on its own: names it shares with the catalog are checked by the caller.
+pub fn validate_registry_entry(m: &mut ModelConfig, user_templates: &BTreeMap<String, TemplateConfig>) -> Result<(), (String, String)> {
+    let mut one = [m.clone()];
+    validate(&mut one, user_templates, &BTreeMap::new(), &NamesConfig::default())?;
+    let [done] = one;
+    *m = done;
+    Ok(())
 }
 
 /// Characters allowed in model names (Hugging Face ids included): letters, digits, `.`, `_`,

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig};
+pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig, valid_model_name, validate_registry_entry};
 pub use gateway::{GatewayConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserName, own_addresses};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
@@ -134,13 +134,67 @@ impl Default for AccountingConfig {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MlflowConfig {
     /// Tracking server jobs log to (`MLFLOW_TRACKING_URI`) and the registry the gateway reads.
     pub tracking_uri: Option<String>,
     /// Site default `MLFLOW_EXPERIMENT_NAME` for jobs that did not choose one.
     pub default_experiment: Option<String>,
+    /// How often the registry is read for models tagged `served_by=gateway`, seconds (0: the
+    /// registry adds no models; only `[[models]]` entries are served).
+    pub registry_poll_s: u64,
+    /// How a registry-served model's worker runs (`slurm` or `local`).
+    pub launcher: LauncherKind,
+    /// Where `@production` versions' artifacts are kept, one directory per content digest
+    /// (default `<state_dir>/mlflow-cache`).
+    pub cache_dir: Option<PathBuf>,
+    /// Most GiB the artifact cache holds; versions no worker uses are removed, least recently
+    /// used first, to make room.
+    pub cache_max_gib: f64,
+    /// Directories a `file:` artifact source may be under (default: none, so `file:` sources
+    /// are refused: anyone can register a version whose source names any file on the node).
+    pub file_roots: Vec<PathBuf>,
+}
+
+impl Default for MlflowConfig {
+    fn default() -> Self {
+        Self {
+            tracking_uri: None,
+            default_experiment: None,
+            registry_poll_s: 30,
+            launcher: LauncherKind::Slurm,
+            cache_dir: None,
+            cache_max_gib: 100.0,
+            file_roots: Vec::new(),
+        }
+    }
+}
+
+impl MlflowConfig {
+    fn validate(&self) -> Result<(), (String, String)> {
+        if self.launcher == LauncherKind::Static {
+            return Err((
+                "mlflow.launcher".into(),
+                "registry-served models start workers: use \"slurm\" or \"local\" (a static server is a [[models]] entry)".into(),
+            ));
+        }
+        if !(self.cache_max_gib.is_finite() && self.cache_max_gib > 0.0) {
+            return Err(("mlflow.cache_max_gib".into(), format!("{} is not a positive number of GiB", self.cache_max_gib)));
+        }
+        if self.registry_poll_s > 86_400 {
+            return Err((
+                "mlflow.registry_poll_s".into(),
+                format!("{} is over a day; use 1..=86400, or 0 to turn it off", self.registry_poll_s),
+            ));
+        }
+        for (i, r) in self.file_roots.iter().enumerate() {
+            if !r.is_absolute() {
+                return Err((format!("mlflow.file_roots[{i}]"), format!("`{}` must be an absolute directory", r.display())));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -212,6 +266,11 @@ impl Config {
         self.file.paths.state_dir.join(name)
     }
 
+    /// The artifact cache of registry-served versions (`mlflow.cache_dir`).
+    pub fn mlflow_cache_dir(&self) -> PathBuf {
+        self.file.mlflow.cache_dir.clone().unwrap_or_else(|| self.file.paths.state_dir.join("mlflow-cache"))
+    }
+
     /// The directory of worker scripts, logs, address and key files.
     pub fn workers_dir(&self) -> PathBuf {
         let f = &self.file;
@@ -239,7 +298,18 @@ impl Config {
                     .replace("{port}", "\u{0}PORT\u{0}")
                     .replace("{api_key_file}", "\u{0}KEYFILE\u{0}")
                     .replace("{version}", "\u{0}VERSION\u{0}"),
-                &[("model", &m.name), ("model_path", m.model_path.as_deref().unwrap_or("")), ("host", &self.file.workers.host)],
+                &[
+                    ("model", &m.name),
+                    (
+                        "model_path",
+                        m.model_path.as_deref().unwrap_or(if m.mlflow_model.is_some() { "<artifacts of @production>" } else { "" }),
+                    ),
+                    (
+                        "model_file",
+                        m.model_path.as_deref().unwrap_or(if m.mlflow_model.is_some() { "<weights file of @production>" } else { "" }),
+                    ),
+                    ("host", &self.file.workers.host),
+                ],
             )
             .replace("\u{0}PORT\u{0}", port)
             .replace("\u{0}KEYFILE\u{0}", &key_file)
@@ -381,6 +451,7 @@ impl ConfigFile {
                 format!("{} is out of range; use 1000..=3600000 (default 30000)", self.accounting.usage_counters_interval_ms),
             ));
         }
+        self.mlflow.validate().map_err(|(k, m)| invalid(&k, m))?;
         catalog::validate(&mut self.models, &self.templates, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
         let known: std::collections::BTreeSet<&str> =
             self.models.iter().flat_map(|m| std::iter::once(m.name.as_str()).chain(m.aliases.iter().map(String::as_str))).collect();

@@ -45,9 +45,11 @@ routes = ["chat", "completions", "responses", "embeddings", "rerank"]
 stream_usage = true
 
 # llama.cpp's C++ server (read from llama.cpp common/arg.cpp): --api-key-file FNAME, one key
-# per line; --alias is the served name; the final stream chunk carries usage.
+# per line; --alias is the served name; the final stream chunk carries usage. GGUF servers
+# load one file: {model_file} (model_path itself, or the single weights file of an MLflow
+# version's artifacts).
 [llama-cpp]
-command = "llama-server --model {model_path} --alias {model} --host {host} --port {port} --api-key-file {api_key_file}"
+command = "llama-server --model {model_file} --alias {model} --host {host} --port {port} --api-key-file {api_key_file}"
 health_path = "/health"
 routes = ["chat", "completions", "embeddings", "rerank"]
 stream_usage = true
@@ -57,7 +59,7 @@ stream_usage = true
 # tests/system/models-llama-key.sh). With a key every route needs it, /v1/models included, and
 # it has no /health. Its streams carry no usage.
 [llama-cpp-python]
-command = "python3 -m llama_cpp.server --model {model_path} --model_alias {model} --host {host} --port {port}"
+command = "python3 -m llama_cpp.server --model {model_file} --model_alias {model} --host {host} --port {port}"
 health_path = "/v1/models"
 api_key_env = "API_KEY"
 routes = ["chat", "completions", "embeddings"]
@@ -110,8 +112,8 @@ env = { ENABLE_UI = "false" }
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TemplateConfig {
-    /// Command line with placeholders: `{model}` `{model_path}` `{version}` `{host}` `{port}`
-    /// `{api_key_file}`.
+    /// Command line with placeholders: `{model}` `{model_path}` `{model_file}` `{version}`
+    /// `{host}` `{port}` `{api_key_file}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
     /// Polled with the worker's key while it loads (default `/health`).
@@ -388,7 +390,10 @@ pub fn resolve(i: usize, m: &ModelConfig, user: &BTreeMap<String, TemplateConfig
             ),
         ));
     }
-    if spec.template.is_some() && spec.command.contains("{model_path}") && m.model_path.as_deref().is_none_or(str::is_empty) {
+    // With `mlflow_model` and no model_path, {model_path} is the directory the `@production`
+    // version's artifacts are downloaded to (models/artifacts.rs).
+    let weights_in = |p: &str| spec.command.contains(p) && m.model_path.as_deref().is_none_or(str::is_empty) && m.mlflow_model.is_none();
+    if spec.template.is_some() && (weights_in("{model_path}") || weights_in("{model_file}")) {
         return Err((
             format!("{key}.model_path"),
             format!(

@@ -70,9 +70,10 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
     admin(&caller, "creating API keys")?;
     check_label("user", &req.user).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
     check_label("app", &req.app).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
+    let catalog = state.catalog.load();
     for m in &req.models {
-        if state.catalog.get(m).is_none() {
-            let known = state.catalog.models().map(|c| c.name.clone()).collect::<Vec<_>>().join(", ");
+        if catalog.get(m).is_none() {
+            let known = catalog.models().map(|c| c.name.clone()).collect::<Vec<_>>().join(", ");
             return Err(err(
                 StatusCode::BAD_REQUEST,
                 format!("--models: `{}` is not in the catalog; known models: {known}", crate::util::sanitize(m)),

@@ -153,7 +153,7 @@ async fn prepare(state: &AppState, call: &mut Call, id: &Identity, req: Request)
     };
     call.row.resolved_model = model.to_string();
     id.check_model(&parsed.model, Some(model))?;
-    if let Some(entry) = state.catalog.get(model)
+    if let Some(entry) = state.catalog.load().get(model).cloned()
         && !entry.worker.routes.contains(&route)
     {
         return Err(GatewayError::RouteNotServed {

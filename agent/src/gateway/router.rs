@@ -86,7 +86,7 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
         );
     }
     match state.store.ping().await {
-        Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready", "models": state.catalog.models().count()}))),
+        Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready", "models": state.catalog.load().models().count()}))),
         Err(e) => {
             tracing::warn!(error = %e, "readyz: store unreachable");
             (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "store unreachable"})))

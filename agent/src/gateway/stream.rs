@@ -205,7 +205,7 @@ impl Driver {
     /// A stream that ended without usage: counts the prompt with the worker's tokenize
     /// endpoint, if the model has one (`tokenize_path`). Bounded by [`TOKENIZE_TIMEOUT`].
     async fn tokenize_prompt(&mut self, lease: &crate::models::Lease, out: &Outgoing) {
-        let Some(path) = self.state.catalog.get(&lease.model).and_then(|m| m.tokenize_path.clone()) else { return };
+        let Some(path) = self.state.catalog.load().get(&lease.model).and_then(|m| m.tokenize_path.clone()) else { return };
         let Some(text) = prompt_text(&out.body) else { return };
         let upstream_name = serde_json::from_slice::<serde_json::Value>(&out.body)
             .ok()

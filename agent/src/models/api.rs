@@ -22,6 +22,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/models/load", post(load))
         .route("/v1/models/unload", post(unload))
         .route("/v1/models/promote", post(promote))
+        .route("/v1/models/reload", post(reload))
 }
 
 fn err(status: StatusCode, msg: impl Into<String>) -> (StatusCode, Json<Value>) {
@@ -56,16 +57,42 @@ async fn registry(State(state): State<AppState>) -> ApiResult {
     let Some(mlflow) = state.models.mlflow() else {
         return Err(err(StatusCode::CONFLICT, "no MLflow registry configured; set mlflow.tracking_uri in agent.toml"));
     };
+    let catalog = state.catalog.load();
     let found = mlflow.discover().await.map_err(|e| err(StatusCode::BAD_GATEWAY, e.to_string()))?;
+    let view = state.catalog_sync.view();
     let rows: Vec<Value> = found
         .into_iter()
         .map(|r| {
             let served_as: Vec<String> =
-                state.catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(r.name.as_str())).map(|m| m.name.clone()).collect();
-            json!({"name": r.name, "production": r.production, "served_as": served_as})
+                catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(r.name.as_str())).map(|m| m.name.clone()).collect();
+            let by = if served_as.iter().any(|n| catalog.is_from_registry(n)) {
+                "tags"
+            } else if served_as.is_empty() {
+                ""
+            } else {
+                "agent.toml"
+            };
+            let errors: Vec<String> =
+                view.errors.iter().filter(|e| e.model == crate::util::sanitize(&r.name)).map(ToString::to_string).collect();
+            json!({"name": r.name, "production": r.production, "served_as": served_as, "served_by": by, "tags": r.tags, "errors": errors})
         })
         .collect();
-    Ok(Json(json!({"registered": rows})))
+    Ok(Json(json!({"registered": rows, "polled_us": view.polled_us, "poll_error": view.error})))
+}
+
+/// `gpuhub models reload` (admins): agent.toml's catalog again, as SIGHUP does.
+async fn reload(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    admin(&caller, "reloading the catalog")?;
+    match state.catalog_sync.reload(&state).await {
+        Ok(r) => {
+            tracing::info!(by = %caller.user, "catalog reloaded on request");
+            Ok(Json(json!(r)))
+        }
+        Err(e) => {
+            tracing::error!(by = %caller.user, error = %e, "reload refused");
+            Err(err(StatusCode::UNPROCESSABLE_ENTITY, e))
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -98,11 +125,11 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
     let Some(mlflow) = state.models.mlflow() else {
         return Err(err(StatusCode::CONFLICT, "no MLflow registry configured; set mlflow.tracking_uri in agent.toml"));
     };
-    let entry = state
-        .catalog
+    let catalog = state.catalog.load();
+    let entry = catalog
         .get(&req.model)
         .cloned()
-        .or_else(|| state.catalog.models().find(|m| m.mlflow_model.as_deref() == Some(req.model.as_str())).cloned());
+        .or_else(|| catalog.models().find(|m| m.mlflow_model.as_deref() == Some(req.model.as_str())).cloned());
     let Some(entry) = entry else {
         return Err(err(
             StatusCode::NOT_FOUND,

@@ -1,7 +1,11 @@
-//! The runtime catalog: model names, aliases and roles, as loaded from `[[models]]`/`[roles]`.
+//! The runtime catalog: model names, aliases and roles, as loaded from `[[models]]`/`[roles]`
+//! and the MLflow registry's tagged models ([`super::registry`]).
+//!
+//! [`LiveCatalog`] is the one the agent serves: swapped whole when the registry's tagged
+//! models change or agent.toml is reloaded, so a reader always sees one consistent catalog.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, RwLock};
 
 use crate::config::{ConfigFile, ModelConfig};
 
@@ -16,11 +20,23 @@ pub struct Catalog {
     adapters: BTreeMap<String, String>,
     /// role -> model name (`None`: role exists, no model assigned).
     roles: BTreeMap<String, Option<String>>,
+    /// Names served because of MLflow registry tags (not `[[models]]` entries).
+    from_registry: BTreeSet<String>,
 }
 
 impl Catalog {
     pub fn from_config(file: &ConfigFile) -> Catalog {
+        Catalog::build(file, &[])
+    }
+
+    /// `[[models]]` of `file` and the registry's entries (validated by
+    /// [`super::registry::build`] against `file`, so no name is used twice).
+    pub fn build(file: &ConfigFile, registry: &[ModelConfig]) -> Catalog {
         let mut c = Catalog::default();
+        for m in registry {
+            c.from_registry.insert(m.name.clone());
+            c.models.insert(m.name.clone(), Arc::new(m.clone()));
+        }
         for m in &file.models {
             for a in &m.aliases {
                 c.aliases.insert(a.clone(), m.name.clone());
@@ -48,6 +64,11 @@ impl Catalog {
             .or_else(|| self.adapters.get(name).and_then(|m| self.models.get(m)))
     }
 
+    /// The entry of a canonical name (not an alias or adapter).
+    pub fn model(&self, name: &str) -> Option<&Arc<ModelConfig>> {
+        self.models.get(name)
+    }
+
     /// Whether `name` is a LoRA adapter (served by its base model's worker under its own name).
     pub fn is_adapter(&self, name: &str) -> bool {
         self.adapters.contains_key(name)
@@ -72,5 +93,43 @@ impl Catalog {
     /// Every name the catalog serves (canonical names, aliases, adapters).
     pub fn all_names(&self) -> impl Iterator<Item = &String> {
         self.models.keys().chain(self.aliases.keys()).chain(self.adapters.keys())
+    }
+
+    /// Whether `name` is served because of MLflow registry tags.
+    pub fn is_from_registry(&self, name: &str) -> bool {
+        self.from_registry.contains(name)
+    }
+
+    /// The names served because of MLflow registry tags.
+    pub fn registry_names(&self) -> &BTreeSet<String> {
+        &self.from_registry
+    }
+}
+
+/// The catalog being served now. Readers take a cheap snapshot ([`LiveCatalog::load`]) and
+/// use it for one decision; [`super::ModelManager::apply_catalog`] swaps it.
+#[derive(Debug, Default)]
+pub struct LiveCatalog {
+    current: RwLock<Arc<Catalog>>,
+}
+
+impl LiveCatalog {
+    pub fn new(catalog: Arc<Catalog>) -> LiveCatalog {
+        LiveCatalog { current: RwLock::new(catalog) }
+    }
+
+    /// The catalog as it is now.
+    pub fn load(&self) -> Arc<Catalog> {
+        match self.current.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    pub(crate) fn store(&self, catalog: Arc<Catalog>) {
+        match self.current.write() {
+            Ok(mut g) => *g = catalog,
+            Err(p) => *p.into_inner() = catalog,
+        }
     }
 }

@@ -17,8 +17,8 @@
 //! - Workers' jobs are recorded in the store and adopted after an agent restart.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -27,13 +27,14 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::Catalog;
+use super::artifacts::{ArtifactCache, Weights};
 use super::launcher::account::WorkerUser;
 use super::launcher::proof::{self, PortOwner};
 use super::launcher::secret::KeyFiles;
 use super::launcher::{self, Instance, LaunchSpec, Launchers, RunState};
 use super::metrics::ModelMetrics;
 use super::mlflow::Mlflow;
+use super::{Catalog, LiveCatalog};
 use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
 use crate::store::{Store, WorkerRow};
 use crate::telemetry::{GpuInfo, GpuJob};
@@ -166,6 +167,8 @@ struct WState {
     retry_at: Option<Instant>,
     detail: Option<String>,
     log_tail: Vec<String>,
+    /// The MLflow version's weights the current instance runs on (kept from eviction).
+    weights: Option<Weights>,
 }
 
 #[derive(Debug)]
@@ -178,6 +181,8 @@ pub(crate) struct Worker {
     /// Calls waiting for a load.
     waiting: AtomicU32,
     permits: Arc<Semaphore>,
+    /// Left the catalog (or was replaced by a changed entry): draining out, no metrics.
+    leaving: AtomicBool,
 }
 
 impl Worker {
@@ -195,10 +200,12 @@ impl Worker {
                 retry_at: None,
                 detail: None,
                 log_tail: Vec::new(),
+                weights: None,
             }),
             changed: watch::channel(0).0,
             in_flight: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
+            leaving: AtomicBool::new(false),
         }
     }
 
@@ -230,6 +237,8 @@ struct Runtime {
     agent_exe: std::path::PathBuf,
     gpus: Box<dyn Fn() -> Vec<GpuInfo> + Send + Sync>,
     mlflow: Option<Mlflow>,
+    /// Where MLflow versions' weights are downloaded (the error when it cannot be used).
+    artifacts: Result<ArtifactCache, String>,
     /// Last `@production` version seen per MLflow model (fallback when MLflow is down).
     versions: Mutex<BTreeMap<String, String>>,
     tasks: TaskTracker,
@@ -239,9 +248,37 @@ struct Runtime {
 }
 
 struct Shared {
-    catalog: Arc<Catalog>,
-    workers: BTreeMap<String, Arc<Worker>>,
+    catalog: Arc<LiveCatalog>,
+    /// One worker per catalog model, by canonical name.
+    workers: RwLock<BTreeMap<String, Arc<Worker>>>,
+    /// Workers whose model left the catalog or changed: draining, then dropped. Placement
+    /// still counts their GPU memory.
+    leaving: Mutex<Vec<Arc<Worker>>>,
+    /// One catalog change at a time.
+    applying: tokio::sync::Mutex<()>,
+    /// `mlflow.launcher` when registry-tagged models may be added (polling is on).
+    registry_launcher: Option<LauncherKind>,
     rt: Option<Runtime>,
+}
+
+/// What a catalog change did to the models.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CatalogChange {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Entries that changed: their running worker drains and the next call starts a new one.
+    pub changed: Vec<String>,
+}
+
+impl CatalogChange {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty() && self.changed.is_empty()
+    }
+}
+
+/// Whether two entries start the same worker (a changed entry restarts its model).
+fn same_entry(a: &ModelConfig, b: &ModelConfig) -> bool {
+    serde_json::to_value(a).ok() == serde_json::to_value(b).ok() && format!("{:?}", a.worker) == format!("{:?}", b.worker)
 }
 
 /// The models of this agent and their workers.
@@ -263,6 +300,13 @@ impl ModelManager {
     /// The full manager: launchers, metrics, MLflow, and adoption of the workers a previous
     /// agent left running (done before this returns, so no call can start a duplicate).
     pub async fn start(catalog: Arc<Catalog>, deps: ManagerDeps<'_>) -> ModelManager {
+        ModelManager::start_live(Arc::new(LiveCatalog::new(catalog)), deps).await
+    }
+
+    /// [`ModelManager::start`] on the agent's live catalog (swapped by
+    /// [`ModelManager::apply_catalog`]).
+    pub async fn start_live(live: Arc<LiveCatalog>, deps: ManagerDeps<'_>) -> ModelManager {
+        let catalog = live.load();
         let workers: BTreeMap<String, Arc<Worker>> = catalog.models().map(|m| (m.name.clone(), Arc::new(Worker::new(m.clone())))).collect();
         let f = &deps.config.file;
         let dir = deps.config.workers_dir();
@@ -270,7 +314,9 @@ impl ModelManager {
         for name in workers.keys() {
             metrics.set_state(name, None, State::Unloaded);
         }
-        let on_demand = workers.values().any(|w| matches!(w.cfg.launcher, LauncherKind::Local | LauncherKind::Slurm));
+        // Models tagged in the MLflow registry may come at any poll.
+        let registry = f.mlflow.tracking_uri.as_deref().is_some_and(|u| !u.is_empty()) && f.mlflow.registry_poll_s > 0;
+        let on_demand = registry || workers.values().any(|w| matches!(w.cfg.launcher, LauncherKind::Local | LauncherKind::Slurm));
         let user = if on_demand {
             WorkerUser::lookup(&f.workers.user).and_then(|u| launcher::account::prepare_dir(&dir, &u).map(|()| u))
         } else {
@@ -282,6 +328,7 @@ impl ModelManager {
         let agent_exe = std::env::current_exe()
             .map(|p| std::path::PathBuf::from(p.display().to_string().trim_end_matches(" (deleted)")))
             .unwrap_or_else(|_| std::path::PathBuf::from("/usr/bin/gpuhub-agent"));
+        let worker_gid = user.as_ref().ok().filter(|u| !u.is_self).map(|u| u.gid);
         let rt = Runtime {
             launchers: Launchers {
                 local: launcher::local::Local,
@@ -294,13 +341,34 @@ impl ModelManager {
             user,
             agent_exe,
             gpus: deps.gpus,
+            artifacts: if f.mlflow.tracking_uri.as_deref().is_some_and(|u| !u.is_empty()) {
+                ArtifactCache::open(
+                    deps.config.mlflow_cache_dir(),
+                    f.mlflow.cache_max_gib,
+                    f.mlflow.file_roots.clone(),
+                    worker_gid,
+                )
+                .map_err(|e| {
+                    tracing::error!(error = %e, "the MLflow artifact cache cannot be used; models whose weights come from MLflow cannot start");
+                    e.to_string()
+                })
+            } else {
+                Err("mlflow.tracking_uri is not set".to_string())
+            },
             mlflow: f.mlflow.tracking_uri.as_deref().filter(|u| !u.is_empty()).map(Mlflow::new),
             versions: Mutex::new(BTreeMap::new()),
             tasks: deps.tasks,
             shutdown: deps.shutdown,
             placement: tokio::sync::Mutex::new(()),
         };
-        let shared = Arc::new(Shared { catalog, workers, rt: Some(rt) });
+        let shared = Arc::new(Shared {
+            catalog: live,
+            workers: RwLock::new(workers),
+            leaving: Mutex::new(Vec::new()),
+            applying: tokio::sync::Mutex::new(()),
+            registry_launcher: registry.then_some(f.mlflow.launcher),
+            rt: Some(rt),
+        });
         shared.heartbeat();
         shared.adopt_all().await;
         ModelManager { shared }
@@ -308,18 +376,18 @@ impl ModelManager {
 
     /// Waits until `model` can take a call and returns the lease for it.
     pub async fn acquire(&self, model: &str) -> Result<Lease, ModelError> {
-        let entry = self.shared.catalog.get(model).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
-        let w = self.shared.workers.get(&entry.name).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?.clone();
+        let entry = self.shared.catalog.load().get(model).cloned().ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
+        let w = self.shared.worker(&entry.name).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
         self.shared.acquire(w).await
     }
 
     pub fn statuses(&self) -> Vec<ModelStatus> {
-        self.shared.workers.values().map(|w| self.shared.status(w)).collect()
+        self.shared.current_workers().iter().map(|w| self.shared.status(w)).collect()
     }
 
     pub fn status(&self, model: &str) -> Option<ModelStatus> {
-        let name = &self.shared.catalog.get(model)?.name;
-        self.shared.workers.get(name).map(|w| self.shared.status(w))
+        let name = self.shared.catalog.load().get(model)?.name.clone();
+        self.shared.worker(&name).map(|w| self.shared.status(&w))
     }
 
     /// Loads `model` now (as a first call would) and waits until it is ready.
@@ -331,9 +399,9 @@ impl ModelManager {
 
     /// Drains and stops `model`'s worker. Returns false if it was not ready.
     pub async fn unload(&self, model: &str, reason: &str) -> Result<bool, ModelError> {
-        let entry = self.shared.catalog.get(model).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
-        let Some(w) = self.shared.workers.get(&entry.name) else { return Err(ModelError::NotInCatalog(model.to_string())) };
-        Ok(self.shared.unload(w, reason).await)
+        let entry = self.shared.catalog.load().get(model).cloned().ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
+        let Some(w) = self.shared.worker(&entry.name) else { return Err(ModelError::NotInCatalog(model.to_string())) };
+        Ok(self.shared.unload(&w, reason).await)
     }
 
     pub fn mlflow(&self) -> Option<&Mlflow> {
@@ -350,21 +418,135 @@ impl ModelManager {
     /// A receiver that changes whenever `model`'s state or in-flight count changes (for SSE
     /// keep-alive comments while a load is under way).
     pub fn watch(&self, model: &str) -> Option<watch::Receiver<u64>> {
-        let name = &self.shared.catalog.get(model)?.name;
-        self.shared.workers.get(name).map(|w| w.changed.subscribe())
+        let name = self.shared.catalog.load().get(model)?.name.clone();
+        self.shared.worker(&name).map(|w| w.changed.subscribe())
+    }
+
+    /// The catalog being served now.
+    pub fn catalog(&self) -> Arc<Catalog> {
+        self.shared.catalog.load()
+    }
+
+    /// Serves `new` from now on: new models get a worker (started on their first call);
+    /// models that left drain their calls and stop; a changed entry's running worker drains
+    /// while the next call starts the new one. The catalog is swapped after the workers, so a
+    /// call never finds a name without its worker.
+    pub async fn apply_catalog(&self, new: Arc<Catalog>) -> CatalogChange {
+        let sh = &self.shared;
+        let _one = sh.applying.lock().await;
+        let mut change = CatalogChange::default();
+        let mut leaving = Vec::new();
+        {
+            let mut map = sh.workers.write().unwrap_or_else(|p| p.into_inner());
+            for m in new.models() {
+                match map.get(&m.name) {
+                    Some(w) if same_entry(&w.cfg, m) => {}
+                    Some(_) => {
+                        change.changed.push(m.name.clone());
+                        leaving.extend(map.insert(m.name.clone(), Arc::new(Worker::new(m.clone()))));
+                    }
+                    None => {
+                        change.added.push(m.name.clone());
+                        map.insert(m.name.clone(), Arc::new(Worker::new(m.clone())));
+                    }
+                }
+            }
+            let gone: Vec<String> = map.keys().filter(|n| new.model(n).is_none()).cloned().collect();
+            for n in gone {
+                leaving.extend(map.remove(&n));
+                change.removed.push(n);
+            }
+        }
+        sh.catalog.store(new);
+        if let Some(rt) = &sh.rt {
+            for n in change.added.iter().chain(&change.changed) {
+                rt.metrics.set_state(n, None, State::Unloaded);
+            }
+        }
+        for w in leaving {
+            w.leaving.store(true, Ordering::Release);
+            sh.leaving.lock().unwrap_or_else(|p| p.into_inner()).push(w.clone());
+            let removed = change.removed.contains(&w.cfg.name);
+            let why = if removed { "its model left the catalog" } else { "its catalog entry changed" };
+            let me = sh.clone();
+            let task = async move {
+                me.retire(&w, why).await;
+                me.leaving.lock().unwrap_or_else(|p| p.into_inner()).retain(|o| !Arc::ptr_eq(o, &w));
+                if removed && let Some(rt) = &me.rt {
+                    rt.metrics.remove(&w.cfg.name);
+                }
+            };
+            match &sh.rt {
+                Some(rt) => {
+                    rt.tasks.spawn(task);
+                }
+                None => {
+                    tokio::spawn(task);
+                }
+            }
+        }
+        if !change.is_empty() {
+            tracing::info!(added = ?change.added, removed = ?change.removed, changed = ?change.changed, "catalog changed");
+        }
+        change
     }
 }
 
 impl Shared {
+    /// The worker of a canonical catalog name.
+    fn worker(&self, name: &str) -> Option<Arc<Worker>> {
+        self.workers.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+    }
+
+    /// The workers of the catalog's models.
+    fn current_workers(&self) -> Vec<Arc<Worker>> {
+        self.workers.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+
+    /// Every worker that may hold GPU memory: the catalog's and those draining out of it.
+    fn all_workers(&self) -> Vec<Arc<Worker>> {
+        let mut all = self.current_workers();
+        all.extend(self.leaving.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned());
+        all
+    }
+
+    /// A worker that left the catalog: waits for a load under way to end, then drains and
+    /// stops it.
+    async fn retire(&self, w: &Arc<Worker>, why: &str) {
+        let mut rx = w.changed.subscribe();
+        loop {
+            let state = w.lock().state;
+            match state {
+                State::Ready => {
+                    self.unload(w, why).await;
+                    return;
+                }
+                State::Unloaded | State::Failed => return,
+                State::Pending | State::Starting | State::Draining => {}
+            }
+            let shutdown = async {
+                match &self.rt {
+                    Some(rt) => rt.shutdown.cancelled().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                () = shutdown => return,
+            }
+        }
+    }
+
     fn status(&self, w: &Worker) -> ModelStatus {
         let m = &w.cfg;
         let s = w.lock();
+        let catalog = self.catalog.load();
         ModelStatus {
             name: m.name.clone(),
             state: if m.launcher == LauncherKind::Static { "ready" } else { s.state.as_str() },
-            role: self.catalog.roles().iter().find(|(_, v)| v.as_deref() == Some(m.name.as_str())).map(|(r, _)| r.clone()),
-            aliases: self.catalog.aliases_of(&m.name),
-            adapters: self.catalog.adapters_of(&m.name),
+            role: catalog.roles().iter().find(|(_, v)| v.as_deref() == Some(m.name.as_str())).map(|(r, _)| r.clone()),
+            aliases: catalog.aliases_of(&m.name),
+            adapters: catalog.adapters_of(&m.name),
             in_flight: w.in_flight.load(Ordering::Relaxed),
             detail: s.detail.clone(),
             launcher: m.launcher,
@@ -392,7 +574,9 @@ impl Shared {
                     tracing::info!(model = %w.cfg.name, from = from.as_str(), to = to.as_str(), detail = s.detail.as_deref().unwrap_or(""), "model state")
                 }
             }
-            if let Some(rt) = &self.rt {
+            if let Some(rt) = &self.rt
+                && !w.leaving.load(Ordering::Acquire)
+            {
                 rt.metrics.set_state(&w.cfg.name, Some(from), to);
             }
         }
@@ -517,11 +701,12 @@ impl Shared {
         let started = Instant::now();
         let result = self.load_inner(rt, &w).await;
         match result {
-            Ok(inst) => {
+            Ok((inst, weights)) => {
                 let inst = Arc::new(inst);
                 {
                     let mut s = w.lock();
                     s.instance = Some(inst.clone());
+                    s.weights = weights;
                     s.last_used = Instant::now();
                     s.log_tail.clear();
                     let detail = inst.version.as_ref().map(|v| format!("version {v}"));
@@ -537,6 +722,7 @@ impl Shared {
                 }
                 let mut s = w.lock();
                 s.instance = None;
+                s.weights = None;
                 s.log_tail = tail;
                 // Waiters get the reason in one line; the log tail stays with admins.
                 s.outcome = Some((attempt, message.clone()));
@@ -552,12 +738,20 @@ impl Shared {
         }
     }
 
-    async fn load_inner(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<Instance, LoadFailure> {
+    async fn load_inner(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<(Instance, Option<Weights>), LoadFailure> {
         let m = &w.cfg;
         let user = rt.user.clone().map_err(|e| LoadFailure::new(format!("workers.user: {e}")))?;
         let evicted =
             self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
         let version = self.resolve_version(rt, m).await;
+        if let (Some(reg), Some(v)) = (weights_from_mlflow(m), version.as_deref()) {
+            let mut s = w.lock();
+            let now = s.state;
+            let detail =
+                format!("fetching the weights of `{}` version {v} from MLflow (or the artifact cache)", crate::util::sanitize(reg));
+            self.transition(w, &mut s, now, Some(detail));
+        }
+        let weights = self.weights(rt, m, version.as_deref()).await.map_err(LoadFailure::new)?;
         let port = match m.launcher {
             // A Slurm job picks its port when it starts: one picked now could be taken by
             // anyone while the job pends.
@@ -572,7 +766,13 @@ impl Shared {
         key_files
             .write(&api_key, &m.worker.key, &user)
             .map_err(|e| LoadFailure::new(format!("cannot write the worker's key file {}: {e}", key_files.file.display())))?;
-        let model_path = m.model_path.clone().unwrap_or_default().replace("{version}", version.as_deref().unwrap_or(""));
+        let (model_path, model_file) = match &weights {
+            Some(wt) => (wt.dir.display().to_string(), wt.model_file.as_ref().map(|f| f.display().to_string()).unwrap_or_default()),
+            None => {
+                let p = m.model_path.clone().unwrap_or_default().replace("{version}", version.as_deref().unwrap_or(""));
+                (p.clone(), p)
+            }
+        };
         let port_s = port.map(|p| p.to_string()).unwrap_or_default();
         let key_file_s = key_files.file.display().to_string();
         let template = match port {
@@ -584,6 +784,7 @@ impl Shared {
             &[
                 ("model", &m.name),
                 ("model_path", &model_path),
+                ("model_file", &model_file),
                 ("version", version.as_deref().unwrap_or("")),
                 ("port", &port_s),
                 ("host", &rt.cfg.host),
@@ -637,7 +838,7 @@ impl Shared {
             Ok(()) => {
                 // The address is known now (a Slurm job's .addr file): remember it for adoption.
                 self.remember(rt, &m.name, &inst).await;
-                Ok(inst)
+                Ok((inst, weights))
             }
             Err((message, counts)) => Err(LoadFailure {
                 message: launcher::secret::redact(&message, &inst.api_key),
@@ -806,6 +1007,7 @@ impl Shared {
                 }
                 s.failures += 1;
                 s.instance = None;
+                s.weights = None;
                 s.log_tail = tail;
                 if s.failures >= rt.cfg.max_restarts.max(1) {
                     let backoff = rt.cfg.backoff_s.saturating_mul(1 << s.failures.saturating_sub(1).min(7)).min(600);
@@ -853,6 +1055,7 @@ impl Shared {
         let mut s = w.lock();
         if s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) {
             s.instance = None;
+            s.weights = None;
             s.failures = 0;
             self.transition(w, &mut s, State::Unloaded, Some(reason.to_string()));
         }
@@ -883,8 +1086,8 @@ impl Shared {
                 return Err(message);
             }
             let victim = self
-                .workers
-                .values()
+                .all_workers()
+                .into_iter()
                 .filter(|o| o.cfg.name != w.cfg.name && o.cfg.resources.vram_gib > 0.0 && !o.busy())
                 .filter_map(|o| {
                     let s = o.lock();
@@ -910,7 +1113,12 @@ impl Shared {
     /// `evicted` still hold, which NVML's last sample may not have seen leave).
     fn room(&self, rt: &Runtime, except: &str, evicted: &[String]) -> Room {
         let others = |pred: fn(State) -> bool| -> f64 {
-            self.workers.values().filter(|o| o.cfg.name != except).filter(|o| pred(o.lock().state)).map(|o| o.cfg.resources.vram_gib).sum()
+            self.all_workers()
+                .iter()
+                .filter(|o| o.cfg.name != except)
+                .filter(|o| pred(o.lock().state))
+                .map(|o| o.cfg.resources.vram_gib)
+                .sum()
         };
         let budget_gib = rt.cfg.vram_gib.map(|b| b - others(State::holds_gpu));
         let mut gpus: Vec<GpuRoom> = (rt.gpus)()
@@ -932,7 +1140,7 @@ impl Shared {
         // Workers still loading are not in NVML's numbers yet: each takes its share on the
         // GPUs with the most room (where Slurm's first fit is likely to put it).
         if !gpus.is_empty() {
-            for o in self.workers.values().filter(|o| o.cfg.name != except && o.cfg.resources.vram_gib > 0.0) {
+            for o in self.all_workers().iter().filter(|o| o.cfg.name != except && o.cfg.resources.vram_gib > 0.0) {
                 if !matches!(o.lock().state, State::Pending | State::Starting) {
                     continue;
                 }
@@ -981,8 +1189,8 @@ impl Shared {
     /// running Slurm jobs that hold GPUs or shards.
     async fn holders(&self, rt: &Runtime, except: &str, room: &Room) -> String {
         let mine: Vec<(Arc<Worker>, Arc<Instance>)> = self
-            .workers
-            .values()
+            .all_workers()
+            .into_iter()
             .filter(|o| o.cfg.name != except)
             .filter_map(|o| {
                 let s = o.lock();
@@ -990,7 +1198,7 @@ impl Shared {
             })
             .collect();
         let on_gpus: Vec<String> = room.gpus.iter().flat_map(|g| g.jobs.iter().map(|j| j.job_id.to_string())).collect();
-        let uses_slurm = self.workers.values().any(|o| o.cfg.launcher == LauncherKind::Slurm);
+        let uses_slurm = self.all_workers().iter().any(|o| o.cfg.launcher == LauncherKind::Slurm);
         let slurm = if !on_gpus.is_empty() {
             let mut ids = on_gpus.clone();
             ids.sort();
@@ -1069,6 +1277,35 @@ impl Shared {
         if parts.is_empty() { "nothing gpuhub can see holds the GPUs".to_string() } else { parts.join("; ") }
     }
 
+    /// The weights of the version about to start, when they come from MLflow: an entry with
+    /// `mlflow_model` and no `model_path` whose command starts on `{model_path}` or
+    /// `{model_file}` (every registry-tagged model). `None`: the entry names its own weights.
+    async fn weights(&self, rt: &Runtime, m: &ModelConfig, version: Option<&str>) -> Result<Option<Weights>, String> {
+        let cmd = &m.worker.command;
+        let Some(registered) = weights_from_mlflow(m) else { return Ok(None) };
+        let reg = crate::util::sanitize(registered);
+        let Some(mlflow) = &rt.mlflow else {
+            return Err(format!("its weights come from MLflow (`{reg}`) and mlflow.tracking_uri is not set"));
+        };
+        let Some(version) = version else {
+            return Err(format!(
+                "MLflow registered model `{reg}` has no @production version to serve; set one (`gpuhub models promote {} VERSION`)",
+                m.name
+            ));
+        };
+        let cache =
+            rt.artifacts.as_ref().map_err(|e| format!("its weights come from MLflow and the artifact cache cannot be used: {e}"))?;
+        let w = cache.fetch(mlflow, registered, version).await.map_err(|e| e.to_string())?;
+        if cmd.contains("{model_file}") && w.model_file.is_none() {
+            let found = if w.weight_files.is_empty() { "none".to_string() } else { w.weight_files.join(", ") };
+            return Err(format!(
+                "its command starts on {{model_file}}, one weights file, and version {version} of `{reg}` has {} ({found}); log exactly one weights file (.gguf, .safetensors, ...) with the version",
+                w.weight_files.len()
+            ));
+        }
+        Ok(Some(w))
+    }
+
     /// `@production` for the worker about to start; the last known version when MLflow is down.
     async fn resolve_version(&self, rt: &Runtime, m: &ModelConfig) -> Option<String> {
         let name = m.mlflow_model.as_deref()?;
@@ -1133,7 +1370,8 @@ impl Shared {
     /// jobs stop themselves when it goes stale (an agent that never came back).
     fn heartbeat(&self) {
         let Some(rt) = &self.rt else { return };
-        if !self.workers.values().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
+        let registry_slurm = self.registry_launcher == Some(LauncherKind::Slurm);
+        if !registry_slurm && !self.current_workers().iter().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
             return;
         }
         let path = rt.dir.join(launcher::slurm::HEARTBEAT_FILE);
@@ -1171,7 +1409,7 @@ impl Shared {
         let mut kept_keys = Vec::new();
         let uid = rt.user.as_ref().map(|u| u.uid).ok();
         for row in rows {
-            let w = self.workers.get(&row.model).filter(|w| launcher_name(w.cfg.launcher) == row.launcher).cloned();
+            let w = self.worker(&row.model).filter(|w| launcher_name(w.cfg.launcher) == row.launcher);
             let kind = if row.launcher == "slurm" { LauncherKind::Slurm } else { LauncherKind::Local };
             let mut inst =
                 Instance::new(kind, row.instance_id.clone(), row.api_key.clone(), uid.unwrap_or(u32::MAX), row.log_path.clone().into());
@@ -1220,7 +1458,9 @@ impl Shared {
             rt.tasks.spawn(async move { me.finish_adoption(w, inst, attempt).await });
         }
         remove_stale_keys(&rt.dir.join("keys"), &kept_keys);
-        if self.workers.values().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
+        if self.registry_launcher == Some(LauncherKind::Slurm)
+            || self.current_workers().iter().any(|w| w.cfg.launcher == LauncherKind::Slurm)
+        {
             match rt.launchers.slurm.own_jobs().await {
                 Ok(jobs) => {
                     for j in jobs.into_iter().filter(|j| !adopted_jobs.contains(&j.id)) {
@@ -1386,6 +1626,15 @@ impl Room {
         }
         s
     }
+}
+
+/// The registered model whose `@production` artifacts an entry starts on: it has
+/// `mlflow_model` and no `model_path`, and its command takes `{model_path}` or `{model_file}`.
+fn weights_from_mlflow(m: &ModelConfig) -> Option<&str> {
+    let cmd = &m.worker.command;
+    m.mlflow_model
+        .as_deref()
+        .filter(|_| m.model_path.as_deref().is_none_or(str::is_empty) && (cmd.contains("{model_path}") || cmd.contains("{model_file}")))
 }
 
 pub fn launcher_name(k: LauncherKind) -> &'static str {

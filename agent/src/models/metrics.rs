@@ -77,6 +77,15 @@ impl ModelMetrics {
         }
     }
 
+    /// Forgets a model that left the catalog (no ghost series on dashboards).
+    pub fn remove(&self, model: &str) {
+        for s in State::ALL {
+            self.state.remove(&StateLabels { model: model.to_string(), state: s.as_str() });
+        }
+        self.evictions.remove(&ModelLabel { model: model.to_string() });
+        self.load.remove(&ModelLabel { model: model.to_string() });
+    }
+
     pub fn load_seconds(&self, model: &str, secs: f64) {
         self.load.get_or_create(&ModelLabel { model: model.to_string() }).observe(secs);
     }

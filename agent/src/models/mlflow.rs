@@ -26,6 +26,28 @@ pub enum MlflowError {
 pub struct RegisteredModel {
     pub name: String,
     pub production: Option<String>,
+    /// The registered model's tags (`served_by`, `gpuhub.*`, ...).
+    pub tags: std::collections::BTreeMap<String, String>,
+}
+
+impl RegisteredModel {
+    /// From one entry of `registered-models/search`.
+    fn from_json(m: &Value) -> RegisteredModel {
+        RegisteredModel {
+            name: m["name"].as_str().unwrap_or("").to_string(),
+            production: m["aliases"]
+                .as_array()
+                .and_then(|a| a.iter().find(|x| x["alias"] == ALIAS))
+                .and_then(|x| x["version"].as_str())
+                .map(str::to_string),
+            tags: m["tags"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| Some((t["key"].as_str()?.to_string(), t["value"].as_str().unwrap_or("").to_string())))
+                .collect(),
+        }
+    }
 }
 
 /// Why a promotion happened or not.
@@ -67,25 +89,49 @@ impl Mlflow {
         Ok(body["model_version"]["version"].as_str().map(str::to_string))
     }
 
-    /// Registered models tagged `served_by=gateway`, with their `@production` version.
+    /// Registered models tagged `served_by=gateway`, with their `@production` version and
+    /// tags (every page of the search).
     pub async fn discover(&self) -> Result<Vec<RegisteredModel>, MlflowError> {
-        let req = self
-            .http
-            .get(format!("{}/registered-models/search", self.base))
-            .query(&[("filter", "tags.served_by = 'gateway'"), ("max_results", "1000")]);
-        let (_, body) = self.call("a registry search", req).await?;
-        let models = body["registered_models"].as_array().cloned().unwrap_or_default();
-        Ok(models
-            .iter()
-            .map(|m| RegisteredModel {
-                name: m["name"].as_str().unwrap_or("").to_string(),
-                production: m["aliases"]
-                    .as_array()
-                    .and_then(|a| a.iter().find(|x| x["alias"] == ALIAS))
-                    .and_then(|x| x["version"].as_str())
-                    .map(str::to_string),
-            })
-            .collect())
+        let mut out = Vec::new();
+        let mut token = String::new();
+        // At most 100 pages of 1000: a registry larger than that is not a node's.
+        for _ in 0..100 {
+            let mut q = vec![("filter", "tags.served_by = 'gateway'"), ("max_results", "1000")];
+            if !token.is_empty() {
+                q.push(("page_token", token.as_str()));
+            }
+            let req = self.http.get(format!("{}/registered-models/search", self.base)).query(&q);
+            let (status, body) = self.call("a registry search", req).await?;
+            if status >= 400 {
+                return Err(MlflowError::Api {
+                    what: "a registry search".into(),
+                    status,
+                    message: body["message"].as_str().unwrap_or("").to_string(),
+                });
+            }
+            out.extend(body["registered_models"].as_array().into_iter().flatten().map(RegisteredModel::from_json));
+            match body["next_page_token"].as_str().filter(|t| !t.is_empty()) {
+                Some(t) => token = t.to_string(),
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Where version `version` of `name` keeps its artifacts (`model-versions/get-download-uri`:
+    /// `mlflow-artifacts:/...`, `file:///...`, ...).
+    pub async fn download_uri(&self, name: &str, version: &str) -> Result<String, MlflowError> {
+        let req = self.http.get(format!("{}/model-versions/get-download-uri", self.base)).query(&[("name", name), ("version", version)]);
+        let (status, body) = self.call("a download-URI lookup", req).await?;
+        match body["artifact_uri"].as_str().filter(|u| status < 400 && !u.is_empty()) {
+            Some(u) => Ok(u.to_string()),
+            None => Err(MlflowError::NoSuchVersion(name.into(), version.into())),
+        }
+    }
+
+    /// The tracking server's base URL (`mlflow.tracking_uri`, no trailing /).
+    pub fn tracking_uri(&self) -> &str {
+        self.base.trim_end_matches("/api/2.0/mlflow")
     }
 
     /// Moves `@production` to `version` when its run's `metric` passes `threshold`.

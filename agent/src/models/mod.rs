@@ -6,17 +6,23 @@
 //!   crash restart, adoption, VRAM-aware placement with LRU eviction).
 //! - [`launcher`]: `local` (child process) and `slurm` (sbatch/squeue/scancel) workers.
 //! - [`mlflow`]: `@production` resolution, discovery, eval-gated promotion.
+//! - [`registry`]: catalog entries from registry tags (`served_by=gateway`, `gpuhub.*`).
+//! - [`artifacts`]: a version's weights, downloaded into a bounded content-addressed cache.
 //! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
 //! - [`metrics`]: `gpuhub_model_*` series.
+//! - [`sync`]: the catalog follows agent.toml reloads and registry polls.
 //! - [`api`]: the control-socket routes behind `gpuhub models`.
 
 pub mod api;
+pub mod artifacts;
 pub mod catalog;
 pub mod launcher;
 pub mod lifecycle;
 pub mod metrics;
 pub mod mlflow;
+pub mod registry;
 pub mod routes;
+pub mod sync;
 
-pub use catalog::Catalog;
-pub use lifecycle::{Lease, ManagerDeps, ModelError, ModelManager, ModelStatus, State};
+pub use catalog::{Catalog, LiveCatalog};
+pub use lifecycle::{CatalogChange, Lease, ManagerDeps, ModelError, ModelManager, ModelStatus, State};

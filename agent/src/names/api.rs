@@ -192,8 +192,9 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
         },
     };
     let today = super::today();
+    let catalog = names.catalog();
     let ctx = Ctx {
-        catalog: names.catalog(),
+        catalog: &catalog,
         inner: &inner,
         today: &today,
         actor: &caller.user,

@@ -33,7 +33,7 @@ use std::sync::{Arc, RwLock};
 use prometheus_client::registry::Registry;
 
 use crate::config::NamesConfig;
-use crate::models::Catalog;
+use crate::models::{Catalog, LiveCatalog};
 use crate::store::names::{NameOp, NameRow, NewHistory};
 use crate::store::{Store, StoreError};
 
@@ -197,7 +197,7 @@ pub struct NameEntry {
 /// access on the request path); changes go to the store first, then [`NameRegistry::reload`]
 /// rebuilds the view.
 pub struct NameRegistry {
-    catalog: Arc<Catalog>,
+    catalog: Arc<LiveCatalog>,
     retired_status: u16,
     recent_caller_days: u32,
     inner: RwLock<Inner>,
@@ -219,6 +219,12 @@ impl NameRegistry {
     /// A registry from the config alone (no store, metrics not exported): tests and tools.
     /// The agent uses [`NameRegistry::open`].
     pub fn new(catalog: Arc<Catalog>, cfg: &NamesConfig) -> NameRegistry {
+        NameRegistry::on(Arc::new(LiveCatalog::new(catalog)), cfg)
+    }
+
+    /// A registry that reads the catalog the agent serves now (swapped on registry polls and
+    /// reloads).
+    fn on(catalog: Arc<LiveCatalog>, cfg: &NamesConfig) -> NameRegistry {
         let names = cfg
             .history
             .iter()
@@ -235,7 +241,7 @@ impl NameRegistry {
                 (h.name.clone(), rec)
             })
             .collect();
-        let roles = catalog.roles().clone();
+        let roles = catalog.load().roles().clone();
         NameRegistry {
             catalog,
             retired_status: cfg.retired_status.into(),
@@ -249,13 +255,13 @@ impl NameRegistry {
     /// The agent's registry: registers its metrics, applies the config seeds to the store
     /// (once each) and loads the store's state.
     pub async fn open(
-        catalog: Arc<Catalog>,
+        catalog: Arc<LiveCatalog>,
         cfg: &NamesConfig,
         roles: &BTreeMap<String, String>,
         store: &Store,
         registry: &mut Registry,
     ) -> Result<NameRegistry, StoreError> {
-        let mut reg = NameRegistry::new(catalog, cfg);
+        let mut reg = NameRegistry::on(catalog, cfg);
         reg.metrics = metrics::NameMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
         reg.seed(store, cfg, roles).await?;
         reg.reload(store).await?;
@@ -290,8 +296,9 @@ impl NameRegistry {
         }
     }
 
-    pub fn catalog(&self) -> &Arc<Catalog> {
-        &self.catalog
+    /// The catalog as served now.
+    pub fn catalog(&self) -> Arc<Catalog> {
+        self.catalog.load()
     }
 
     pub fn retired_status(&self) -> u16 {
@@ -412,7 +419,7 @@ impl NameRegistry {
                 },
             );
         }
-        let mut roles = self.catalog.roles().clone();
+        let mut roles = self.catalog.load().roles().clone();
         for (role, model) in role_rows {
             roles.insert(role, if model.is_empty() { None } else { Some(model) });
         }
@@ -431,7 +438,7 @@ impl NameRegistry {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
         };
-        resolve_in(&self.catalog, &inner, asked)
+        resolve_in(&self.catalog.load(), &inner, asked)
     }
 
     /// The LoRA adapter a served name ends at (directly, or through a deprecated name or a
@@ -442,13 +449,77 @@ impl NameRegistry {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
         };
-        adapter_in(&self.catalog, &inner, asked)
+        adapter_in(&self.catalog.load(), &inner, asked)
     }
 
     /// What the gateway answers when `asked` is not served (`None`: it is served).
     /// Retired names get `names.retired_status` (404 or 410).
     pub fn refusal(&self, asked: &str, r: &Resolution) -> Option<Refusal> {
-        refusal_for(asked, r, self.retired_status)
+        let mut refusal = refusal_for(asked, r, self.retired_status)?;
+        // A name retired because its MLflow registered model lost its tag says so.
+        let by_registry =
+            matches!(r, Resolution::Retired { .. }) && self.view().names.get(asked).is_some_and(|rec| rec.updated_by == REGISTRY_ACTOR);
+        if by_registry && let Some(i) = refusal.message.find("; ") {
+            refusal.message.insert_str(i, ": its MLflow registered model is no longer tagged served_by=gateway");
+        }
+        Some(refusal)
+    }
+
+    /// Follows the MLflow registry: `gone` (served name, registered model) were served because
+    /// of registry tags and no longer are: each is retired (callers get the names
+    /// lifecycle's answer, never a silent 404); `back` are served by the registry again: a
+    /// retirement the registry made is undone. Names an admin changed are left alone.
+    pub async fn follow_registry(&self, store: &Store, gone: &[(String, String)], back: &[String]) -> Result<(), StoreError> {
+        let _guard = self.change_lock.lock().await;
+        let inner = self.view();
+        let today = today();
+        let mut ops = Vec::new();
+        let mut history = Vec::new();
+        for (name, registered) in gone {
+            if inner.names.contains_key(name) {
+                continue; // the registry already knows it (retired, renamed, restored by an admin)
+            }
+            ops.push(NameOp::Put(NameRow {
+                name: name.clone(),
+                state: "retired".into(),
+                replacement: None,
+                since_date: Some(today.clone()),
+                sunset_date: None,
+                updated_us: crate::util::now_us(),
+                updated_by: REGISTRY_ACTOR.into(),
+            }));
+            history.push(NewHistory {
+                actor: REGISTRY_ACTOR.into(),
+                action: "retire".into(),
+                subject: name.clone(),
+                from_state: Some("active".into()),
+                to_state: Some("retired".into()),
+                note: format!("MLflow registered model `{}` is no longer tagged served_by=gateway", crate::util::sanitize(registered)),
+                ..Default::default()
+            });
+        }
+        for name in back {
+            if inner.names.get(name).is_some_and(|r| r.updated_by == REGISTRY_ACTOR && r.state == NameState::Retired) {
+                ops.push(NameOp::Delete { name: name.clone() });
+                history.push(NewHistory {
+                    actor: REGISTRY_ACTOR.into(),
+                    action: "restore".into(),
+                    subject: name.clone(),
+                    from_state: Some("retired".into()),
+                    to_state: Some("active".into()),
+                    note: "tagged served_by=gateway in MLflow again".into(),
+                    ..Default::default()
+                });
+            }
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        store.apply_name_changes(&ops, &history).await?;
+        for h in &history {
+            tracing::info!(name = %crate::util::sanitize(&h.subject), action = %h.action, note = %h.note, "name registry follows the MLflow registry");
+        }
+        self.reload(store).await
     }
 
     /// Headers for a call to a deprecated name: `Deprecation` (RFC 9745), `Sunset` (RFC 8594)
@@ -492,9 +563,12 @@ impl NameRegistry {
     /// Every name: catalog models and aliases, registry names and roles, sorted by name.
     pub fn entries(&self) -> Vec<NameEntry> {
         let inner = self.view();
-        entries_in(&self.catalog, &inner)
+        entries_in(&self.catalog.load(), &inner)
     }
 }
+
+/// The actor of name changes made because MLflow registry tags changed.
+pub const REGISTRY_ACTOR: &str = "mlflow-registry";
 
 /// The refusal for a name that is not served, with `retired_status` for retired names.
 pub fn refusal_for(asked: &str, r: &Resolution, retired_status: u16) -> Option<Refusal> {
@@ -743,6 +817,71 @@ sunset = "2026-12-31"
         let refusal = r.refusal("svc-ocr", &res).unwrap();
         assert_eq!(refusal.message, "model `svc-ocr` was renamed to `dots.ocr` on 2026-06-17; set OCR_MODEL or use `dots.ocr`");
         assert_eq!((refusal.status, refusal.code), (404, "model_not_found"));
+    }
+
+    /// A model served because of MLflow tags whose tag is removed: its name is retired with a
+    /// message that says why (not a bare 404), restored when the tag comes back, and a
+    /// retirement an admin made is not undone by the registry.
+    #[tokio::test]
+    async fn untagged_registry_models_are_retired_and_restored_through_the_lifecycle() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            let cfg = Config::from_toml(LAB).unwrap();
+            let tags: BTreeMap<String, String> =
+                [("gpuhub.template", "vllm"), ("gpuhub.resources", "gpus=1,vram_gib=2"), ("gpuhub.name", "smol")]
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+            let entry = crate::models::registry::entry_from_tags("smol-reg", &tags, &cfg.file).unwrap();
+            let tagged = Arc::new(Catalog::build(&cfg.file, &[entry]));
+            let r = NameRegistry::new(tagged.clone(), &cfg.file.names);
+            r.reload(&store).await.unwrap();
+            assert_eq!(r.resolve("smol"), Resolution::Active { model: "smol".into() });
+
+            // The tag is removed: retired first, then the catalog loses it.
+            r.follow_registry(&store, &[("smol".into(), "smol-reg".into())], &[]).await.unwrap();
+            r.catalog.store(Arc::new(Catalog::from_config(&cfg.file)));
+            let res = r.resolve("smol");
+            assert!(matches!(res, Resolution::Retired { .. }), "{res:?}");
+            let refusal = r.refusal("smol", &res).unwrap();
+            assert_eq!(
+                refusal.message,
+                format!(
+                    "model `smol` was retired on {}: its MLflow registered model is no longer tagged served_by=gateway; see `GET /v1/models` for the models served here",
+                    today()
+                )
+            );
+            assert_eq!(r.view().names["smol"].updated_by, REGISTRY_ACTOR);
+            // Following again changes nothing (one retirement, not one per poll).
+            r.follow_registry(&store, &[("smol".into(), "smol-reg".into())], &[]).await.unwrap();
+            assert_eq!(store.name_rows().await.unwrap().iter().filter(|n| n.name == "smol").count(), 1);
+
+            // Tagged again: restored after the catalog has it.
+            r.catalog.store(tagged.clone());
+            r.follow_registry(&store, &[], &["smol".into()]).await.unwrap();
+            assert_eq!(r.resolve("smol"), Resolution::Active { model: "smol".into() });
+
+            // An admin's retirement stays.
+            store
+                .apply_name_changes(
+                    &[NameOp::Put(NameRow {
+                        name: "smol".into(),
+                        state: "retired".into(),
+                        replacement: None,
+                        since_date: None,
+                        sunset_date: None,
+                        updated_us: 1,
+                        updated_by: "alice".into(),
+                    })],
+                    &[],
+                )
+                .await
+                .unwrap();
+            r.reload(&store).await.unwrap();
+            r.follow_registry(&store, &[], &["smol".into()]).await.unwrap();
+            assert!(matches!(r.resolve("smol"), Resolution::Retired { .. }), "the registry undid an admin's retirement");
+            let plain = r.refusal("smol", &r.resolve("smol")).unwrap();
+            assert!(!plain.message.contains("MLflow"), "{}", plain.message);
+        }
     }
 
     #[test]

@@ -1,0 +1,233 @@
+//! Keeps the served catalog in step with its two sources, with no agent restart:
+//! - `agent.toml`'s `[[models]]`, `[roles]` and `[templates]`, read again on SIGHUP and
+//!   `gpuhub models reload`; a file that does not validate changes nothing and says why;
+//! - the MLflow registry's models tagged `served_by=gateway` ([`super::registry`]), read every
+//!   `mlflow.registry_poll_s`. A model whose tag is removed leaves the catalog through the
+//!   names lifecycle: its name is retired (callers are told what happened), and restored if
+//!   the tag comes back.
+//!
+//! Each change builds a whole new catalog and hands it to
+//! [`super::ModelManager::apply_catalog`]; changes are serialised by one lock.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+
+use super::mlflow::{Mlflow, RegisteredModel};
+use super::registry::{self, TagError};
+use super::{Catalog, CatalogChange};
+use crate::AppState;
+use crate::config::{Config, ConfigFile};
+
+/// The sections a reload applies; a change anywhere else needs a restart.
+const RELOADED: [&str; 3] = ["models", "roles", "templates"];
+
+/// What the last registry poll found (for `gpuhub models registry`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RegistryView {
+    /// When the registry was last read (µs), successfully or not.
+    pub polled_us: Option<i64>,
+    /// Why the last read failed (the catalog keeps the models of the last good one).
+    pub error: Option<String>,
+    /// Names served because of registry tags.
+    pub served: Vec<String>,
+    /// Tagged models that are not served, each with its tag and fix.
+    pub errors: Vec<TagError>,
+}
+
+/// The outcome of a reload.
+#[derive(Debug, Clone, Serialize)]
+pub struct Reloaded {
+    pub change: CatalogChange,
+    /// Sections that changed in the file but only take effect at a restart.
+    pub needs_restart: Vec<String>,
+}
+
+pub struct CatalogSync {
+    /// The file reloads read (`None`: the agent runs on embedded defaults).
+    path: Option<PathBuf>,
+    /// The configuration whose catalog is served.
+    file: Mutex<ConfigFile>,
+    /// Tagged models as of the last good poll (`None`: never read).
+    found: Mutex<Option<Vec<RegisteredModel>>>,
+    view: Mutex<RegistryView>,
+    /// One change at a time (poll, reload).
+    changing: tokio::sync::Mutex<()>,
+}
+
+impl CatalogSync {
+    pub fn new(config: &Config) -> CatalogSync {
+        CatalogSync {
+            path: config.source.clone().filter(|p| p.as_os_str() != "<inline>"),
+            file: Mutex::new(config.file.clone()),
+            found: Mutex::new(None),
+            view: Mutex::new(RegistryView::default()),
+            changing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn view(&self) -> RegistryView {
+        self.view.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The catalog to start with: `[[models]]` and, when the registry answers within
+    /// `timeout`, its tagged models (so workers of those models are adopted after a restart).
+    pub async fn initial(&self, mlflow: Option<&Mlflow>, timeout: std::time::Duration) -> Catalog {
+        let file = self.file.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let polling = file.mlflow.registry_poll_s > 0;
+        if let Some(mlflow) = mlflow.filter(|_| polling) {
+            match tokio::time::timeout(timeout, mlflow.discover()).await {
+                Ok(Ok(found)) => {
+                    let built = self.record(&file, Ok(&found));
+                    *self.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
+                    return Catalog::build(&file, &built);
+                }
+                Ok(Err(e)) => {
+                    self.record(&file, Err(e.to_string()));
+                }
+                Err(_) => {
+                    self.record(&file, Err(format!("MLflow did not answer within {}s", timeout.as_secs())));
+                }
+            }
+        }
+        Catalog::from_config(&file)
+    }
+
+    /// Reads the registry and serves what it tags. A failed read keeps the catalog.
+    pub async fn poll(&self, state: &AppState) -> Result<CatalogChange, String> {
+        let Some(mlflow) = state.models.mlflow() else { return Ok(CatalogChange::default()) };
+        let found = mlflow.discover().await;
+        let _one = self.changing.lock().await;
+        let file = self.file.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        match found {
+            Ok(found) => {
+                *self.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(found.clone());
+                let entries = self.record(&file, Ok(&found));
+                Ok(self.apply(state, &file, entries).await)
+            }
+            Err(e) => {
+                let message = e.to_string();
+                self.record(&file, Err(message.clone()));
+                Err(message)
+            }
+        }
+    }
+
+    /// Reads agent.toml again. A file that does not validate changes nothing: the error says
+    /// what is wrong, and the running catalog stays.
+    pub async fn reload(&self, state: &AppState) -> Result<Reloaded, String> {
+        let Some(path) = self.path.clone() else {
+            return Err("the agent runs on its embedded defaults (no agent.toml was read at start), so there is nothing to reload; restart it with --config PATH".into());
+        };
+        let _one = self.changing.lock().await;
+        let config = Config::load(&path, false).map_err(|e| format!("{e}; the running catalog is unchanged"))?;
+        let old = self.file.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let needs_restart = changed_sections(&old, &config.file);
+        let mut file = old.clone();
+        file.models = config.file.models.clone();
+        file.roles = config.file.roles.clone();
+        file.templates = config.file.templates.clone();
+        *self.file.lock().unwrap_or_else(|p| p.into_inner()) = file.clone();
+        let found = self.found.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let entries = match &found {
+            Some(found) => self.record(&file, Ok(found)),
+            None => Vec::new(),
+        };
+        let change = self.apply(state, &file, entries).await;
+        if let Err(e) = crate::snapshot::write(state) {
+            tracing::error!(error = %e, "cannot rewrite the snapshot after a reload; new jobs get the old roles until it is");
+        }
+        if !needs_restart.is_empty() {
+            tracing::warn!(sections = %needs_restart.join(", "), "agent.toml reloaded: these sections changed and take effect at the next restart");
+        }
+        tracing::info!(path = %path.display(), added = ?change.added, removed = ?change.removed, changed = ?change.changed, "agent.toml reloaded");
+        Ok(Reloaded { change, needs_restart })
+    }
+
+    /// Builds the registry's entries for `file` and remembers the outcome; tag errors are
+    /// logged once each (again only after they were fixed and came back).
+    fn record(&self, file: &ConfigFile, found: Result<&Vec<RegisteredModel>, String>) -> Vec<crate::config::ModelConfig> {
+        let mut view = self.view.lock().unwrap_or_else(|p| p.into_inner());
+        view.polled_us = Some(crate::util::now_us());
+        match found {
+            Ok(found) => {
+                if let Some(e) = view.error.take() {
+                    tracing::info!(was = %e, "the MLflow registry answers again");
+                }
+                let built = registry::build(found, file);
+                for e in &built.errors {
+                    if !view.errors.contains(e) {
+                        tracing::error!(model = %e.model, tag = %e.tag, error = %e, "a registry-tagged model is not served");
+                    }
+                }
+                view.errors = built.errors;
+                view.served = built.entries.iter().map(|m| m.name.clone()).collect();
+                built.entries
+            }
+            Err(message) => {
+                if view.error.as_deref() != Some(message.as_str()) {
+                    tracing::warn!(error = %message, "cannot read the MLflow registry; serving the tagged models of the last good read");
+                }
+                view.error = Some(message);
+                Vec::new()
+            }
+        }
+    }
+
+    /// Serves `file`'s catalog with `entries` from the registry. Names the registry stops
+    /// serving are retired before the swap (so no call sees them unknown), names it serves
+    /// again are restored after it.
+    async fn apply(&self, state: &AppState, file: &ConfigFile, entries: Vec<crate::config::ModelConfig>) -> CatalogChange {
+        let new = Arc::new(Catalog::build(file, &entries));
+        let old = state.catalog.load();
+        let gone: Vec<(String, String)> = old
+            .registry_names()
+            .iter()
+            .filter(|n| new.model(n).is_none())
+            .map(|n| (n.clone(), old.model(n).and_then(|m| m.mlflow_model.clone()).unwrap_or_default()))
+            .collect();
+        let back: Vec<String> = new.registry_names().iter().cloned().collect();
+        if !gone.is_empty()
+            && let Err(e) = state.names.follow_registry(&state.store, &gone, &[]).await
+        {
+            tracing::error!(error = %e, "cannot retire the names of models untagged in MLflow; their callers get 404s until the next poll");
+        }
+        let change = state.models.apply_catalog(new).await;
+        if let Err(e) = state.names.follow_registry(&state.store, &[], &back).await {
+            tracing::error!(error = %e, "cannot restore the names of models tagged again in MLflow");
+        }
+        if let Err(e) = state.names.reload(&state.store).await {
+            tracing::error!(error = %e, "cannot reload the name registry after a catalog change");
+        }
+        change
+    }
+}
+
+/// Top-level sections of agent.toml that differ, other than the ones a reload applies.
+fn changed_sections(old: &ConfigFile, new: &ConfigFile) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (serde_json::to_value(old), serde_json::to_value(new))
+    else {
+        return Vec::new();
+    };
+    let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter().filter(|k| !RELOADED.contains(&k.as_str()) && a.get(*k) != b.get(*k)).cloned().collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reload_names_the_sections_that_need_a_restart() {
+        let a = Config::from_toml("[gateway]\nlisten = \"127.0.0.1:8400\"\n").unwrap();
+        let b = Config::from_toml(
+            "[gateway]\nlisten = \"127.0.0.1:8401\"\n[roles]\nchat = \"\"\n[[models]]\nname = \"m\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9\"\n",
+        )
+        .unwrap();
+        assert_eq!(changed_sections(&a.file, &b.file), ["gateway"]);
+        assert!(changed_sections(&a.file, &a.file).is_empty());
+    }
+}
