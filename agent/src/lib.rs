@@ -118,7 +118,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
 
     // The registry's tagged models are in the first catalog when MLflow answers quickly, so
     // their workers are adopted after a restart.
-    let catalog_sync = Arc::new(models::sync::CatalogSync::new(&config));
+    let catalog_sync = Arc::new(models::sync::CatalogSync::new(&config, &mut registry));
     let first_mlflow = config.file.mlflow.tracking_uri.as_deref().filter(|u| !u.is_empty()).map(models::mlflow::Mlflow::new);
     let first: Catalog = catalog_sync.initial(first_mlflow.as_ref(), std::time::Duration::from_secs(5)).await;
     let catalog = Arc::new(LiveCatalog::new(Arc::new(first)));

@@ -8,11 +8,20 @@
 //!
 //! Each change builds a whole new catalog and hands it to
 //! [`super::ModelManager::apply_catalog`]; changes are serialised by one lock.
+//!
+//! Metrics: `gpuhub_mlflow_registry_up{registry="mlflow"}` (1 when the last read succeeded;
+//! no series while the agent does not poll), `gpuhub_mlflow_registry_poll_errors_total` and
+//! `gpuhub_mlflow_registry_unservable_models` (tagged models refused for a bad tag).
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use serde::Serialize;
 
 use super::mlflow::{Mlflow, RegisteredModel};
@@ -45,6 +54,36 @@ pub struct Reloaded {
     pub needs_restart: Vec<String>,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RegistryLabel {
+    registry: &'static str,
+}
+
+const MLFLOW: RegistryLabel = RegistryLabel { registry: "mlflow" };
+
+/// The registry poll's health, for dashboards and the `GpuhubMlflowRegistry*` alerts.
+#[derive(Clone, Debug, Default)]
+struct RegistryMetrics {
+    up: Family<RegistryLabel, Gauge>,
+    errors: Family<RegistryLabel, Counter>,
+    unservable: Family<RegistryLabel, Gauge>,
+}
+
+impl RegistryMetrics {
+    fn register(registry: &mut Registry) -> RegistryMetrics {
+        let m = RegistryMetrics::default();
+        let r = registry.sub_registry_with_prefix("gpuhub");
+        r.register("mlflow_registry_up", "1 when the last read of the MLflow registry succeeded, 0 when it failed", m.up.clone());
+        r.register("mlflow_registry_poll_errors", "Reads of the MLflow registry that failed", m.errors.clone());
+        r.register(
+            "mlflow_registry_unservable_models",
+            "Models tagged served_by=gateway that are not served because of a bad tag (gpuhub models registry says which)",
+            m.unservable.clone(),
+        );
+        m
+    }
+}
+
 pub struct CatalogSync {
     /// The file reloads read (`None`: the agent runs on embedded defaults).
     path: Option<PathBuf>,
@@ -55,16 +94,18 @@ pub struct CatalogSync {
     view: Mutex<RegistryView>,
     /// One change at a time (poll, reload).
     changing: tokio::sync::Mutex<()>,
+    metrics: RegistryMetrics,
 }
 
 impl CatalogSync {
-    pub fn new(config: &Config) -> CatalogSync {
+    pub fn new(config: &Config, registry: &mut Registry) -> CatalogSync {
         CatalogSync {
             path: config.source.clone().filter(|p| p.as_os_str() != "<inline>"),
             file: Mutex::new(config.file.clone()),
             found: Mutex::new(None),
             view: Mutex::new(RegistryView::default()),
             changing: tokio::sync::Mutex::new(()),
+            metrics: RegistryMetrics::register(registry),
         }
     }
 
@@ -162,11 +203,15 @@ impl CatalogSync {
                         tracing::error!(model = %e.model, tag = %e.tag, error = %e, "a registry-tagged model is not served");
                     }
                 }
+                self.metrics.up.get_or_create(&MLFLOW).set(1);
+                self.metrics.unservable.get_or_create(&MLFLOW).set(i64::try_from(built.errors.len()).unwrap_or(i64::MAX));
                 view.errors = built.errors;
                 view.served = built.entries.iter().map(|m| m.name.clone()).collect();
                 built.entries
             }
             Err(message) => {
+                self.metrics.up.get_or_create(&MLFLOW).set(0);
+                self.metrics.errors.get_or_create(&MLFLOW).inc();
                 if view.error.as_deref() != Some(message.as_str()) {
                     tracing::warn!(error = %message, "cannot read the MLflow registry; serving the tagged models of the last good read");
                 }
@@ -229,5 +274,27 @@ mod tests {
         .unwrap();
         assert_eq!(changed_sections(&a.file, &b.file), ["gateway"]);
         assert!(changed_sections(&a.file, &a.file).is_empty());
+    }
+
+    #[test]
+    fn a_failed_registry_read_shows_in_the_metrics_until_a_good_one() {
+        let config = Config::from_toml("[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\n").unwrap();
+        let mut registry = Registry::default();
+        let sync = CatalogSync::new(&config, &mut registry);
+        let text = |registry: &Registry| {
+            let mut out = String::new();
+            prometheus_client::encoding::text::encode(&mut out, registry).unwrap();
+            out
+        };
+        assert!(!text(&registry).contains("gpuhub_mlflow_registry_up{"), "no series before the first read");
+        sync.record(&config.file, Err("connection refused".into()));
+        let t = text(&registry);
+        assert!(t.contains("gpuhub_mlflow_registry_up{registry=\"mlflow\"} 0"), "{t}");
+        assert!(t.contains("gpuhub_mlflow_registry_poll_errors_total{registry=\"mlflow\"} 1"), "{t}");
+        sync.record(&config.file, Ok(&Vec::new()));
+        let t = text(&registry);
+        assert!(t.contains("gpuhub_mlflow_registry_up{registry=\"mlflow\"} 1"), "{t}");
+        assert!(t.contains("gpuhub_mlflow_registry_unservable_models{registry=\"mlflow\"} 0"), "{t}");
+        assert_eq!(sync.view().error, None);
     }
 }
