@@ -91,7 +91,7 @@ echo "answered: $(echo "$MC_BODY" | jq -c '.choices[0].message.content')"
 
 # Served from the downloaded artifacts: the cache holds the same bytes, and the worker's
 # command line names the cached file.
-cached="$(find "$MT_DIR/state/mlflow-cache" -path '*/sha256-*/model/SmolLM2-135M-Instruct.Q4_1.gguf' | head -n1)"
+cached="$(find "$MT_DIR/state/mlflow-cache" -path '*/sha256-*/SmolLM2-135M-Instruct.Q4_1.gguf' | head -n1)"
 [ -n "$cached" ] || models_fail "no downloaded copy of the GGUF under $MT_DIR/state/mlflow-cache"
 [ "$(sha256sum < "$cached")" = "$(sha256sum < "$GGUF")" ] || models_fail "the cached copy $cached differs from the original"
 [ -z "$(find "$MT_DIR/state/mlflow-cache/partial" -mindepth 1 2>/dev/null)" ] || models_fail "a partial download was left in the cache"
