@@ -183,6 +183,6 @@ lab_run "${CLI[@]}" models promote "$SERVED" 5
 [ "$(models_field "$SERVED" version)" = 5 ] || models_fail "after the adoption $SERVED serves version '$(models_field "$SERVED" version)', expected 5"
 [ "$(models_field "$SERVED" alias_mismatch)" = false ] || models_fail "the mismatch did not clear after the adoption"
 [ "$(mismatch_metric)" = 0 ] || models_fail "gpuhub_model_alias_mismatch is '$(mismatch_metric)' after the adoption, expected 0"
-models_call "$SERVED" "Say hi."
+MC_TIMEOUT=180 models_call "$SERVED" "Say hi."
 [ "$MC_STATUS" = 200 ] || models_fail "calling $SERVED after the adoption: expected 200, got $MC_STATUS: $MC_BODY"
 echo "PASS: models-mlflow-promote"
