@@ -216,18 +216,22 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             }
         });
     }
-    // The MLflow registry, every mlflow.registry_poll_s; agent.toml's catalog on SIGHUP.
+    // The MLflow registry, every mlflow.registry_poll_s, and `@production` against what gpuhub
+    // promoted (every 30 s when the registry is not polled); agent.toml's catalog on SIGHUP.
     let poll_s = config.file.mlflow.registry_poll_s;
-    if poll_s > 0 && state.models.mlflow().is_some() {
+    if state.models.mlflow().is_some() {
         let (state, token) = (state.clone(), token.clone());
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_secs(poll_s));
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(if poll_s > 0 { poll_s } else { 30 }));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     _ = tick.tick() => {
-                        // Errors are logged by the poll, once per change.
-                        let _ = state.catalog_sync.poll(&state).await;
+                        if poll_s > 0 {
+                            // Errors are logged by the poll, once per change.
+                            let _ = state.catalog_sync.poll(&state).await;
+                        }
+                        models::gate::check_aliases(&state.models).await;
                     }
                     _ = token.cancelled() => return,
                 }

@@ -3,8 +3,10 @@
 #   - the worker serves the version `@production` points at when it starts;
 #   - `gpuhub models promote` is eval-gated: a version below the catalog's threshold is refused
 #     with the reason (exit 1), a passing one moves the alias (exit 0);
-#   - the running worker keeps its version; the next start serves the promoted one, with no
-#     agent restart, also when the alias is moved in MLflow directly;
+#   - the running worker is switched to the promoted version (a second worker, the old one
+#     drained), and the next start serves it too, with no agent restart;
+#   - an alias moved in MLflow directly does not change what gpuhub serves (its promotion);
+#     `gpuhub models --json` shows the mismatch (tests/system/models-mlflow-promote.sh has more);
 #   - registered models tagged served_by=gateway are discovered (`gpuhub models registry`).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -75,15 +77,21 @@ echo "== promote a version that passes"
 lab_run "${CLI[@]}" models promote mt-reg 3
 [ "$LAB_RC" = 0 ] || models_fail "promoting v3 (accuracy 0.95) should succeed, got exit $LAB_RC"
 [ "$(alias_version)" = 3 ] || models_fail "the alias should point at 3, points at $(alias_version)"
-expect_version 1 "the running worker keeps its version"
+echo "$LAB_OUT" | grep -q 'switched:' || models_fail "the running worker should be switched to version 3: $LAB_OUT"
+expect_version 3 "the running worker was switched"
 lab_run "${CLI[@]}" models unload mt-reg
 expect_version 3 "the next start"
 
-echo "== the alias moved in MLflow directly is picked up at the next start too"
+echo "== the alias moved in MLflow directly does not change what gpuhub serves"
 curl -sf --max-time 5 -X POST -H 'content-type: application/json' \
     -d "{\"name\": \"$NAME\", \"alias\": \"production\", \"version\": \"1\"}" "$MLFLOW_URL/api/2.0/mlflow/registered-models/alias" >/dev/null
 lab_run "${CLI[@]}" models unload mt-reg
-expect_version 1 "a start after the alias moved back"
+expect_version 3 "a start after the alias moved behind gpuhub's back"
+for ((i = 0; i < 70; i++)); do
+    [ "$(models_field mt-reg alias_mismatch)" = true ] && break
+    sleep 0.5
+done
+[ "$(models_field mt-reg alias_mismatch)" = true ] || models_fail "gpuhub models --json does not show the alias mismatch"
 
 echo "== discovery: served_by=gateway"
 lab_run "${CLI[@]}" models registry --json

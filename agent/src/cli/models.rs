@@ -22,9 +22,18 @@ pub enum ModelsCmd {
     Load { model: String },
     /// Drain and stop a model's worker (admins).
     Unload { model: String },
-    /// Point MLflow's `@production` alias at VERSION if it passes the catalog's eval gate
-    /// (admins). The next worker start serves it. Exit 1 if the gate refuses.
-    Promote { model: String, version: String },
+    /// Serve VERSION if it passes gpuhub's gate (admins): its eval metric against the threshold
+    /// and no regression against the version served now. Recorded, then MLflow's `@production`
+    /// is moved; a running worker is replaced with no failed call when the GPUs have room for a
+    /// second one, else the next start serves it (the output says which). Exit 1 if the gate
+    /// refuses.
+    Promote {
+        model: String,
+        version: String,
+        /// Promote past a failed gate (logged and recorded with your uid).
+        #[arg(long)]
+        force: bool,
+    },
     /// Registered models MLflow says the gateway serves (tag served_by=gateway), what serves
     /// each, and why a tagged one is not served.
     Registry {
@@ -57,8 +66,10 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
             }
             Ok(ExitCode::SUCCESS)
         }
-        ModelsCmd::Promote { model, version } => {
-            let v = client::request(socket, "POST", "/v1/models/promote", Some(json!({"model": model, "version": version}))).await?;
+        ModelsCmd::Promote { model, version, force } => {
+            let v =
+                client::request(socket, "POST", "/v1/models/promote", Some(json!({"model": model, "version": version, "force": force})))
+                    .await?;
             output::line(&crate::util::sanitize(v["message"].as_str().unwrap_or("")));
             Ok(if v["promoted"].as_bool() == Some(true) { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
@@ -154,6 +165,16 @@ async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
         })
         .collect();
     output::table(&["MODEL", "STATE", "LAUNCHER", "WORKER", "VERSION", "IN FLIGHT", "IDLE", "DETAIL"], &rows);
+    for m in models.iter().filter(|m| m["alias_mismatch"] == true) {
+        output::line(&format!(
+            "\n{}: MISMATCH: gpuhub serves version {} (promoted through its gate) but MLflow's @production points at version {} (moved outside gpuhub); `gpuhub models promote {} {}` adopts it through the gate",
+            s(&m["name"]),
+            s(&m["promoted_version"]),
+            s(&m["production_alias"]),
+            s(&m["name"]),
+            s(&m["production_alias"])
+        ));
+    }
     for m in &models {
         let tail: Vec<&str> = m["log_tail"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
         if m["state"] == "failed" && !tail.is_empty() {
@@ -180,6 +201,7 @@ mod tests {
         assert!(Cli::try_parse_from(["gpuhub", "models", "list", "--json"]).is_ok());
         assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr", "3"]).is_ok());
         assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr"]).is_err(), "promote needs a version");
+        assert!(Cli::try_parse_from(["gpuhub", "models", "promote", "dots.ocr", "3", "--force"]).is_ok());
         assert!(Cli::try_parse_from(["gpuhub", "models", "unload"]).is_err(), "unload needs a model");
         assert!(Cli::try_parse_from(["gpuhub", "models", "reload"]).is_ok());
         assert!(Cli::try_parse_from(["gpuhub", "models", "reload", "x"]).is_err(), "reload takes no argument");

@@ -155,6 +155,22 @@ pub struct MlflowConfig {
     /// Directories a `file:` artifact source may be under (default: none, so `file:` sources
     /// are refused: anyone can register a version whose source names any file on the node).
     pub file_roots: Vec<PathBuf>,
+    /// The promotion gate of registry-tagged models, by MLflow registered model name (an
+    /// `[[models]]` entry has its own eval_metric/eval_threshold). Never read from MLflow tags:
+    /// MLflow has no login, anyone can edit them.
+    pub gates: std::collections::BTreeMap<String, EvalGate>,
+}
+
+/// `gpuhub models promote`'s gate for one registered model.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EvalGate {
+    /// The metric the version's run must have logged.
+    pub metric: String,
+    /// Its threshold (higher is better unless `lower_is_better`).
+    pub threshold: f64,
+    #[serde(default)]
+    pub lower_is_better: bool,
 }
 
 impl Default for MlflowConfig {
@@ -167,6 +183,7 @@ impl Default for MlflowConfig {
             cache_dir: None,
             cache_max_gib: 100.0,
             file_roots: Vec::new(),
+            gates: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -187,6 +204,14 @@ impl MlflowConfig {
                 "mlflow.registry_poll_s".into(),
                 format!("{} is over a day; use 1..=86400, or 0 to turn it off", self.registry_poll_s),
             ));
+        }
+        for (name, g) in &self.gates {
+            if g.metric.trim().is_empty() || !g.threshold.is_finite() {
+                return Err((
+                    format!("mlflow.gates.{name}"),
+                    "needs a metric name and a finite threshold, e.g. { metric = \"eval_accuracy\", threshold = 0.7 }".into(),
+                ));
+            }
         }
         for (i, r) in self.file_roots.iter().enumerate() {
             if !r.is_absolute() {

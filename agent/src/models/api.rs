@@ -10,6 +10,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::ModelError;
+use super::gate::{self, Gate, Outcome};
+use super::mlflow::{ALIAS, MlflowError};
 use crate::AppState;
 use crate::control::Caller;
 
@@ -50,7 +52,20 @@ async fn list(State(state): State<AppState>, caller: Caller) -> Json<Value> {
             m.log_tail.clear();
         }
     }
-    Json(json!({"models": models, "log_tail_visible": caller.admin}))
+    let catalog = state.catalog.load();
+    let promoted = state.models.promoted();
+    let rows: Vec<Value> = models
+        .into_iter()
+        .map(|m| {
+            let served = catalog.model(&m.name).and_then(|c| c.mlflow_model.as_deref()).map(|r| promoted.get(r)).unwrap_or_default();
+            let mut v = json!(m);
+            v["promoted_version"] = json!(served.promoted);
+            v["production_alias"] = json!(served.production);
+            v["alias_mismatch"] = json!(served.mismatch());
+            v
+        })
+        .collect();
+    Json(json!({"models": rows, "log_tail_visible": caller.admin}))
 }
 
 async fn registry(State(state): State<AppState>) -> ApiResult {
@@ -116,10 +131,16 @@ async fn unload(State(state): State<AppState>, caller: Caller, Json(req): Json<M
 struct PromoteReq {
     model: String,
     version: String,
+    /// Promote past a failed gate (logged and recorded).
+    #[serde(default)]
+    force: bool,
 }
 
 /// `model` is a catalog name (its `mlflow_model` is promoted) or an MLflow registered model
-/// name used by a catalog entry.
+/// name used by a catalog entry. The gate ([`super::gate`]) checks the threshold and that the
+/// version does not regress against the one served now; the promotion is recorded in the
+/// store (who: the control socket's peer), then MLflow's `@production` is moved, then a
+/// running worker switches over ([`super::Switch`]).
 async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<PromoteReq>) -> ApiResult {
     admin(&caller, "promoting a model version")?;
     let Some(mlflow) = state.models.mlflow() else {
@@ -142,15 +163,71 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
             format!("model `{}` has no mlflow_model in the catalog, so it has no versions to promote", entry.name),
         ));
     };
-    let outcome = mlflow
-        .promote(&registered, &req.version, entry.eval_metric.as_deref(), entry.eval_threshold, entry.eval_lower_is_better)
-        .await
-        .map_err(|e| err(StatusCode::BAD_GATEWAY, e.to_string()))?;
-    if outcome.promoted {
-        state.models.note_version(&registered, &req.version);
-        tracing::info!(model = %entry.name, registered = %registered, version = %req.version, by = %caller.user, "promoted");
+    let store = &state.store;
+    let gate = Gate::of(&entry);
+    let gate_source = if catalog.is_from_registry(&entry.name) {
+        format!("mlflow.gates.{registered} in agent.toml")
     } else {
-        tracing::info!(model = %entry.name, registered = %registered, version = %req.version, by = %caller.user, reason = %outcome.message, "promotion refused");
+        format!("eval_metric/eval_threshold of [[models]] `{}` in agent.toml", entry.name)
+    };
+    let promoted = state.models.promoted();
+    let previous = match promoted.version(&registered) {
+        Some(v) => Some(v),
+        None => mlflow.production_version(&registered).await.map_err(|e| err(StatusCode::BAD_GATEWAY, e.to_string()))?,
+    };
+    let verdict = gate::evaluate(mlflow, &entry.name, &registered, &req.version, previous.as_deref(), gate.as_ref(), &gate_source)
+        .await
+        .map_err(|e| match e {
+            MlflowError::NoSuchVersion(..) => err(StatusCode::NOT_FOUND, e.to_string()),
+            e => err(StatusCode::BAD_GATEWAY, e.to_string()),
+        })?;
+    let who = format!("{} (uid {})", caller.user, caller.uid);
+    if !verdict.refusals.is_empty() && !req.force {
+        let message =
+            format!("not promoted: {}; an admin may promote past the gate with --force (logged and recorded)", verdict.refusals.join("; "));
+        tracing::info!(model = %entry.name, registered = %registered, version = %req.version, by = %who, reason = %message, "promotion refused by the gate");
+        return Ok(Json(json!(Outcome { promoted: false, forced: false, message, verdict, switch: None, previous_version: previous })));
     }
-    Ok(Json(json!(outcome)))
+    let forced = !verdict.refusals.is_empty();
+    if forced {
+        tracing::warn!(model = %entry.name, registered = %registered, version = %req.version, by = %who, gate = %verdict.refusals.join("; "), "promotion forced past the gate");
+    }
+    let row = gate::record(&registered, &req.version, previous.clone(), gate.as_ref(), &verdict, forced, &caller);
+    store.record_promotion(&row).await.map_err(|e| {
+        err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not promoted: the promotion cannot be recorded in the store ({e}); retry when it answers"),
+        )
+    })?;
+    promoted.set_promoted(&registered, &req.version);
+    state.models.note_version(&registered, &req.version);
+    tracing::info!(model = %entry.name, registered = %registered, version = %req.version, previous = previous.as_deref().unwrap_or(""), forced, by = %who, "promoted");
+    let alias = match mlflow.set_production(&registered, &req.version).await {
+        Ok(()) => {
+            promoted.set_production(&registered, Some(req.version.clone()));
+            format!("`{registered}@{ALIAS}` now points at version {}", req.version)
+        }
+        Err(e) => {
+            tracing::error!(registered = %registered, version = %req.version, error = %e, "promotion recorded but MLflow's alias was not moved");
+            format!(
+                "recorded; gpuhub serves version {}, but MLflow's @{ALIAS} was not moved ({e}): `gpuhub models` shows the mismatch until it is",
+                req.version
+            )
+        }
+    };
+    for n in catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(registered.as_str())).map(|m| m.name.clone()) {
+        state.models.set_alias_mismatch(&n, promoted.get(&registered).mismatch());
+    }
+    let switch = state.models.switch_to_promoted(&entry.name).await;
+    let checks = if verdict.checks.is_empty() { String::new() } else { format!(" ({})", verdict.checks.join("; ")) };
+    let forced_note = if forced { format!("; FORCED past the gate: {}", verdict.refusals.join("; ")) } else { String::new() };
+    let message = format!("promoted{checks}{forced_note}; {alias}; {}: {}", switch.kind().replace('_', " "), switch.detail());
+    Ok(Json(json!(Outcome {
+        promoted: true,
+        forced,
+        message,
+        verdict,
+        switch: Some(switch.kind().to_string()),
+        previous_version: previous
+    })))
 }

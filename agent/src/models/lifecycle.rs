@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::artifacts::{ArtifactCache, Weights};
+use super::gate::Promoted;
 use super::launcher::account::WorkerUser;
 use super::launcher::proof::{self, PortOwner};
 use super::launcher::secret::KeyFiles;
@@ -38,6 +39,9 @@ use super::{Catalog, LiveCatalog};
 use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
 use crate::store::{Store, WorkerRow};
 use crate::telemetry::{GpuInfo, GpuJob};
+
+mod switchover;
+pub use switchover::Switch;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 const LOG_TAIL_LINES: usize = 10;
@@ -104,6 +108,9 @@ pub struct Lease {
 struct InFlightGuard {
     worker: Arc<Worker>,
     _permit: Option<OwnedSemaphorePermit>,
+    /// The instance the call goes to: a worker replaced by a promotion drains until no lease
+    /// holds its instance ([`switchover`]).
+    _instance: Option<Arc<Instance>>,
 }
 
 impl Drop for InFlightGuard {
@@ -259,6 +266,8 @@ struct Shared {
     /// `mlflow.launcher` when registry-tagged models may be added (polling is on).
     registry_launcher: Option<LauncherKind>,
     rt: Option<Runtime>,
+    /// The versions gpuhub promoted (served instead of `@production`).
+    promoted: Arc<Promoted>,
 }
 
 /// What a catalog change did to the models.
@@ -329,6 +338,7 @@ impl ModelManager {
             .map(|p| std::path::PathBuf::from(p.display().to_string().trim_end_matches(" (deleted)")))
             .unwrap_or_else(|_| std::path::PathBuf::from("/usr/bin/gpuhub-agent"));
         let worker_gid = user.as_ref().ok().filter(|u| !u.is_self).map(|u| u.gid);
+        let promoted = Arc::new(Promoted::load(deps.store.as_ref()).await);
         let rt = Runtime {
             launchers: Launchers {
                 local: launcher::local::Local,
@@ -368,6 +378,7 @@ impl ModelManager {
             applying: tokio::sync::Mutex::new(()),
             registry_launcher: registry.then_some(f.mlflow.launcher),
             rt: Some(rt),
+            promoted,
         });
         shared.heartbeat();
         shared.adopt_all().await;
@@ -413,6 +424,25 @@ impl ModelManager {
         if let Some(rt) = &self.shared.rt {
             rt.versions.lock().unwrap_or_else(|p| p.into_inner()).insert(mlflow_model.to_string(), version.to_string());
         }
+    }
+
+    /// The versions gpuhub promoted, and `@production` as last read.
+    pub fn promoted(&self) -> &Promoted {
+        &self.shared.promoted
+    }
+
+    /// Sets `gpuhub_model_alias_mismatch` of catalog model `name`.
+    pub fn set_alias_mismatch(&self, name: &str, mismatch: bool) {
+        if let Some(rt) = &self.shared.rt {
+            rt.metrics.alias_mismatch(name, mismatch);
+        }
+    }
+
+    /// After a promotion of `model`'s version: a ready worker on another version is replaced
+    /// with no failed call when there is room for a second one ([`switchover`]).
+    pub async fn switch_to_promoted(&self, model: &str) -> Switch {
+        let Some(w) = self.shared.worker(model) else { return Switch::NextStart("it is not in the catalog".into()) };
+        self.shared.switch(w).await
     }
 
     /// A receiver that changes whenever `model`'s state or in-flight count changes (for SSE
@@ -605,7 +635,7 @@ impl Shared {
                 base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
                 api_key: m.api_key.clone(),
                 version: None,
-                _guard: InFlightGuard { worker: w, _permit: permit },
+                _guard: InFlightGuard { worker: w, _permit: permit, _instance: None },
             });
         }
         let Some(rt) = &self.rt else {
@@ -691,7 +721,7 @@ impl Shared {
             base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
-            _guard: InFlightGuard { worker: w, _permit: permit },
+            _guard: InFlightGuard { worker: w, _permit: permit, _instance: Some(instance) },
         })
     }
 
@@ -744,6 +774,19 @@ impl Shared {
         let evicted =
             self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
         let version = self.resolve_version(rt, m).await;
+        self.launch(rt, w, user, evicted, version).await
+    }
+
+    /// Starts `w`'s worker on `version` (placed already) and waits until it is ready.
+    async fn launch(
+        &self,
+        rt: &Runtime,
+        w: &Arc<Worker>,
+        user: WorkerUser,
+        evicted: Vec<String>,
+        version: Option<String>,
+    ) -> Result<(Instance, Option<Weights>), LoadFailure> {
+        let m = &w.cfg;
         if let (Some(reg), Some(v)) = (weights_from_mlflow(m), version.as_deref()) {
             let mut s = w.lock();
             let now = s.state;
@@ -1306,9 +1349,14 @@ impl Shared {
         Ok(Some(w))
     }
 
-    /// `@production` for the worker about to start; the last known version when MLflow is down.
+    /// The version gpuhub promoted; before any promotion, `@production` for the worker about to
+    /// start (the last known version when MLflow is down).
     async fn resolve_version(&self, rt: &Runtime, m: &ModelConfig) -> Option<String> {
         let name = m.mlflow_model.as_deref()?;
+        // The version gpuhub promoted wins over whatever the alias says now.
+        if let Some(v) = self.promoted.version(name) {
+            return Some(v);
+        }
         let Some(mlflow) = &rt.mlflow else {
             tracing::warn!(model = %m.name, "mlflow_model is set but mlflow.tracking_uri is not; starting without a version");
             return None;

@@ -1,7 +1,8 @@
 //! Model lifecycle metrics, registered once under the `gpuhub` prefix:
 //! `gpuhub_model_state{model,state}` (1 for the current state, 0 for the others),
 //! `gpuhub_model_transitions_total{model,from,to}`, `gpuhub_model_load_duration_seconds{model}`
-//! (first call to ready) and `gpuhub_model_evictions_total{model}`.
+//! (first call to ready), `gpuhub_model_evictions_total{model}` and
+//! `gpuhub_model_alias_mismatch{model}` (MLflow's @production moved outside gpuhub's gate).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -38,6 +39,7 @@ pub struct ModelMetrics {
     transitions: Family<TransitionLabels, Counter>,
     load: LoadHistograms,
     evictions: Family<ModelLabel, Counter>,
+    alias_mismatch: Family<ModelLabel, Gauge>,
 }
 
 fn load_buckets() -> Histogram {
@@ -52,6 +54,7 @@ impl ModelMetrics {
             transitions: Family::default(),
             load: Family::new_with_constructor(load_buckets as fn() -> Histogram),
             evictions: Family::default(),
+            alias_mismatch: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuhub");
         r.register(
@@ -62,7 +65,16 @@ impl ModelMetrics {
         r.register("model_transitions", "Model worker state transitions", m.transitions.clone());
         r.register_with_unit("model_load_duration", "Time from the first call to a ready worker", Unit::Seconds, m.load.clone());
         r.register("model_evictions", "Idle workers unloaded to make room for another model", m.evictions.clone());
+        r.register(
+            "model_alias_mismatch",
+            "1 when MLflow's @production points elsewhere than the version gpuhub promoted (moved outside gpuhub's gate); gpuhub keeps serving its promoted version",
+            m.alias_mismatch.clone(),
+        );
         m
+    }
+
+    pub fn alias_mismatch(&self, model: &str, mismatch: bool) {
+        self.alias_mismatch.get_or_create(&ModelLabel { model: model.to_string() }).set(i64::from(mismatch));
     }
 
     pub fn set_state(&self, model: &str, from: Option<State>, to: State) {
@@ -84,6 +96,7 @@ impl ModelMetrics {
         }
         self.evictions.remove(&ModelLabel { model: model.to_string() });
         self.load.remove(&ModelLabel { model: model.to_string() });
+        self.alias_mismatch.remove(&ModelLabel { model: model.to_string() });
     }
 
     pub fn load_seconds(&self, model: &str, secs: f64) {

@@ -50,13 +50,6 @@ impl RegisteredModel {
     }
 }
 
-/// Why a promotion happened or not.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Promotion {
-    pub promoted: bool,
-    pub message: String,
-}
-
 #[derive(Debug, Clone)]
 pub struct Mlflow {
     base: String,
@@ -134,55 +127,38 @@ impl Mlflow {
         self.base.trim_end_matches("/api/2.0/mlflow")
     }
 
-    /// Moves `@production` to `version` when its run's `metric` passes `threshold`.
-    pub async fn promote(
-        &self,
-        name: &str,
-        version: &str,
-        metric: Option<&str>,
-        threshold: Option<f64>,
-        lower_is_better: bool,
-    ) -> Result<Promotion, MlflowError> {
+    /// What version `version` of `name` logged as `metric` in its run.
+    pub async fn version_metric(&self, name: &str, version: &str, metric: &str) -> Result<VersionMetric, MlflowError> {
         let req = self.http.get(format!("{}/model-versions/get", self.base)).query(&[("name", name), ("version", version)]);
         let (status, body) = self.call("a model-version lookup", req).await?;
         if status >= 400 {
             return Err(MlflowError::NoSuchVersion(name.into(), version.into()));
         }
-        if let (Some(metric), Some(threshold)) = (metric, threshold) {
-            let run_id = body["model_version"]["run_id"].as_str().unwrap_or("");
-            if run_id.is_empty() {
-                return Ok(Promotion {
-                    promoted: false,
-                    message: format!(
-                        "not promoted: version {version} of `{name}` has no run, so its `{metric}` cannot be checked; log the model from a run that logs `{metric}`"
-                    ),
-                });
-            }
-            let req = self.http.get(format!("{}/runs/get", self.base)).query(&[("run_id", run_id)]);
-            let (_, run) = self.call("a run lookup", req).await?;
-            let value = run["run"]["data"]["metrics"]
-                .as_array()
-                .and_then(|ms| ms.iter().find(|m| m["key"] == metric))
-                .and_then(|m| m["value"].as_f64());
-            let Some(value) = value else {
-                return Ok(Promotion {
-                    promoted: false,
-                    message: format!(
-                        "not promoted: run {run_id} of version {version} did not log `{metric}` (the catalog's eval_metric for `{name}`)"
-                    ),
-                });
-            };
-            let passes = if lower_is_better { value <= threshold } else { value >= threshold };
-            if !passes {
-                let cmp = if lower_is_better { "above" } else { "below" };
-                return Ok(Promotion {
-                    promoted: false,
-                    message: format!(
-                        "not promoted: version {version} of `{name}` has {metric} = {value}, {cmp} the threshold {threshold} (eval_threshold in the catalog)"
-                    ),
-                });
-            }
+        let run_id = body["model_version"]["run_id"].as_str().unwrap_or("").to_string();
+        if run_id.is_empty() {
+            return Ok(VersionMetric::NoRun);
         }
+        let req = self.http.get(format!("{}/runs/get", self.base)).query(&[("run_id", run_id.as_str())]);
+        let (_, run) = self.call("a run lookup", req).await?;
+        let value = run["run"]["data"]["metrics"]
+            .as_array()
+            .and_then(|ms| ms.iter().find(|m| m["key"] == metric))
+            .and_then(|m| m["value"].as_f64());
+        Ok(match value {
+            Some(v) => VersionMetric::Value(v),
+            None => VersionMetric::NotLogged(run_id),
+        })
+    }
+
+    /// Whether version `version` of `name` exists.
+    pub async fn version_exists(&self, name: &str, version: &str) -> Result<bool, MlflowError> {
+        let req = self.http.get(format!("{}/model-versions/get", self.base)).query(&[("name", name), ("version", version)]);
+        let (status, _) = self.call("a model-version lookup", req).await?;
+        Ok(status < 400)
+    }
+
+    /// Points `name@production` at `version`.
+    pub async fn set_production(&self, name: &str, version: &str) -> Result<(), MlflowError> {
         let req = self
             .http
             .post(format!("{}/registered-models/alias", self.base))
@@ -195,13 +171,16 @@ impl Mlflow {
                 message: body["message"].as_str().unwrap_or("").to_string(),
             });
         }
-        let why = match (metric, threshold) {
-            (Some(m), Some(t)) => format!(" ({m} passes the threshold {t})"),
-            _ => " (no eval gate configured for it)".to_string(),
-        };
-        Ok(Promotion {
-            promoted: true,
-            message: format!("`{name}@{ALIAS}` now points at version {version}{why}; the next worker start serves it"),
-        })
+        Ok(())
     }
+}
+
+/// A version's eval metric, as its run logged it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum VersionMetric {
+    Value(f64),
+    /// The version was not logged from a run.
+    NoRun,
+    /// Its run (this id) did not log the metric.
+    NotLogged(String),
 }

@@ -6,6 +6,7 @@
 //!   crash restart, adoption, VRAM-aware placement with LRU eviction).
 //! - [`launcher`]: `local` (child process) and `slurm` (sbatch/squeue/scancel) workers.
 //! - [`mlflow`]: `@production` resolution, discovery, eval-gated promotion.
+//! - [`gate`]: gpuhub's promotion gate and the versions it promoted (served over `@production`).
 //! - [`registry`]: catalog entries from registry tags (`served_by=gateway`, `gpuhub.*`).
 //! - [`artifacts`]: a version's weights, downloaded into a bounded content-addressed cache.
 //! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
@@ -16,6 +17,7 @@
 pub mod api;
 pub mod artifacts;
 pub mod catalog;
+pub mod gate;
 pub mod launcher;
 pub mod lifecycle;
 pub mod metrics;
@@ -25,4 +27,4 @@ pub mod routes;
 pub mod sync;
 
 pub use catalog::{Catalog, LiveCatalog};
-pub use lifecycle::{CatalogChange, Lease, ManagerDeps, ModelError, ModelManager, ModelStatus, State};
+pub use lifecycle::{CatalogChange, Lease, ManagerDeps, ModelError, ModelManager, ModelStatus, State, Switch};

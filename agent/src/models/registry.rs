@@ -188,9 +188,10 @@ pub fn entry_from_tags(model: &str, tags: &BTreeMap<String, String>, cfg: &Confi
         stream_usage: None,
         model_path: None,
         mlflow_model: Some(model.to_string()),
-        eval_metric: None,
-        eval_threshold: None,
-        eval_lower_is_better: false,
+        // The gate comes from agent.toml (mlflow.gates), never from tags anyone can edit.
+        eval_metric: cfg.mlflow.gates.get(model).map(|g| g.metric.clone()),
+        eval_threshold: cfg.mlflow.gates.get(model).map(|g| g.threshold),
+        eval_lower_is_better: cfg.mlflow.gates.get(model).is_some_and(|g| g.lower_is_better),
         resources,
         idle_timeout_s: ModelConfig::DEFAULT_IDLE_TIMEOUT_S,
         max_concurrency: ModelConfig::DEFAULT_CONCURRENCY,

@@ -26,7 +26,9 @@ pub mod gateway;
 mod jobs;
 mod models;
 pub mod names;
+mod promotions;
 pub use models::WorkerRow;
+pub use promotions::PromotionRow;
 
 /// Which database the URL selected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
