@@ -31,6 +31,7 @@ GGUF=/opt/gpuhub-lab/models/SmolLM2-135M-Instruct.Q4_1.gguf
     { prereq_missing "llama.cpp's server or the lab's SmolLM2 model is missing under /opt/gpuhub-lab" "run tests/setup/llama.sh" || exit 0; }
 
 PORT="${GPUHUB_TEST_MLFLOW_PORT:-5080}"
+rm -rf "/var/tmp/gpuhub-mlflow-$PORT" # a fresh store: no models (or GGUF copies) of earlier runs
 MLFLOW_SERVE_ARTIFACTS=1 mlflow_start "$PORT" || lab_fail "mlflow server did not start"
 lab_cleanup_add "mlflow_stop $PORT"
 STAMP="$(date +%s)-$$"
