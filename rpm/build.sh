@@ -256,6 +256,8 @@ if command -v systemd-analyze >/dev/null; then
     rm -rf "$vroot"; mkdir -p "$vroot/usr/lib/systemd/system"
     cp -a /usr/lib/systemd/system/. "$vroot/usr/lib/systemd/system/" 2>/dev/null || true
     for p in "$OUT"/gpuhub-agent-*.rpm; do (cd "$vroot" && rpm2cpio "$p" | cpio -idm --quiet); done
+    # ExecReload's /usr/bin/kill comes from the base system (util-linux on RHEL), not from us.
+    mkdir -p "$vroot/usr/bin" && cp /usr/bin/kill "$vroot/usr/bin/kill"
     units=(/usr/lib/systemd/system/gpuhub-agent.service /usr/lib/systemd/system/gpuhub-backup.service /usr/lib/systemd/system/gpuhub-backup.timer)
     verify_out="$(systemd-analyze verify --man=no --root="$vroot" "${units[@]}" 2>&1)" ||
         die "systemd-analyze verify failed: $verify_out"
