@@ -114,6 +114,15 @@ configure() {
     echo 'include /etc/slurm/plugstack.conf.d/*.conf' > "$ROOT/etc/slurm/plugstack.conf"
     sed "s|@PLUGIN@|$PLUGINDIR/spank_gpuhub.so|" "$HERE/plugstack-gpuhub.conf" > "$ROOT/etc/slurm/plugstack.conf.d/gpuhub.conf"
 
+    # The lab's unprivileged account, with the host's uid and gid, so jobs can run as it here too.
+    local pw gr
+    if pw="$(getent passwd gpuhublab)" && ! grep -q '^gpuhublab:' "$ROOT/etc/passwd"; then
+        gr="$(getent group "$(cut -d: -f4 <<<"$pw")")" || die "no group for gpuhublab's gid"
+        grep -q "^${gr%%:*}:" "$ROOT/etc/group" || echo "$gr" >> "$ROOT/etc/group"
+        echo "$pw" | awk -F: -v OFS=: '{$6="/tmp"; print}' >> "$ROOT/etc/passwd"
+        echo "gpuhublab:!:20000::::::" >> "$ROOT/etc/shadow"
+    fi
+
     local spare=(/dev/null /dev/zero) i
     for i in 0 1; do
         [ -e "/dev/nvidia$i" ] || mknod -m 666 "/dev/nvidia$i" c 195 "$i" 2>/dev/null || ln -s "${spare[$i]}" "/dev/nvidia$i" \

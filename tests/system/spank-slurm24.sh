@@ -11,7 +11,8 @@
 # - with 24.11's munged, slurmctld, slurmd running chrooted on ports 6917/6918 (tests/lab/slurm24.sh):
 #   a --gres=gpu:1 job gets CUDA_VISIBLE_DEVICES and GPUHUB_URL, a --gres=shard:7
 #   --mlflow-experiment job gets MLFLOW_EXPERIMENT_NAME and SLURM_SHARDS_ON_NODE=7, and the
-#   plugin writes the step's start and end records with the job id and uid Slurm gave it.
+#   plugin writes the step's start and end records with the job id, uid and user Slurm gave it
+#   (a job of root and one of the unprivileged gpuhublab, whose account up copies into the root).
 # The 24.11 daemons are stopped at exit. Not yet on 24.11: slurmdbd/sacct, the agent, the
 # other system tests (docs/spank.md, "Build and version").
 set -euo pipefail
@@ -71,6 +72,9 @@ grep -q "Incompatible Slurm plugin .*spank_gpuhub.so version ($mm22" <<<"$help22
     fail "24.11's srun did not refuse the $mm22 plugin with 'Incompatible Slurm plugin'"
 grep -q '\[gpuhub\]' <<<"$help22" && fail "24.11's srun listed [gpuhub] options from a $mm22 plugin"
 
+LAB_USER="$(unprivileged_user)"
+LAB_UID="$(id -u "$LAB_USER")"
+
 echo "== munged, slurmctld, slurmd 24.11 (ports 6917/6918) with the plugin"
 t0=$SECONDS
 GPUHUB_LAB_BUILD=0 "$LAB24" up || fail "tests/lab/slurm24.sh up failed"
@@ -92,8 +96,14 @@ grep -E '^(JOB|MLFLOW_EXPERIMENT_NAME|SLURM_SHARDS_ON_NODE|CUDA_VISIBLE_DEVICES)
 [ "$(val SLURM_SHARDS_ON_NODE)" = 7 ] || fail "SLURM_SHARDS_ON_NODE='$(val SLURM_SHARDS_ON_NODE)', expected 7"
 job2="$(val JOB)"
 
-echo "== the plugin's records for both jobs (the root's /var/spool/gpuhub/records)"
-for job in "$job1" "$job2"; do
+echo "== a job of the unprivileged $LAB_USER: its records carry its uid and name (spank_get_item)"
+out="$(run24 "timeout 60 runuser -u $LAB_USER -- srun -N1 -t 1 --gres=gpu:1 sh -c 'echo JOB=\$SLURM_JOB_ID; echo ME=\$(id -un)'")" || fail "srun as $LAB_USER failed: $out"
+sed 's/^/  | /' <<<"$out"
+[ "$(val ME)" = "$LAB_USER" ] || fail "the job did not run as $LAB_USER: $out"
+job3="$(val JOB)"
+
+echo "== the plugin's records for the three jobs (the root's /var/spool/gpuhub/records)"
+for job in "$job1" "$job2" "$job3"; do
     recs=""
     for _ in $(seq 40); do
         recs="$(cat "$ROOT"/var/spool/gpuhub/records/*.json 2>/dev/null | jq -c --argjson j "$job" 'select(.job_id == $j)' 2>/dev/null || true)"
@@ -103,7 +113,9 @@ for job in "$job1" "$job2"; do
     sed 's/^/  | /' <<<"$recs"
     grep -q '"kind":"step_start"' <<<"$recs" || fail "no step_start record for job $job in $ROOT/var/spool/gpuhub/records"
     grep -q '"kind":"step_end"' <<<"$recs" || fail "no step_end record for job $job in $ROOT/var/spool/gpuhub/records"
-    jq -e 'select(.uid != 0)' <<<"$recs" >/dev/null && fail "a record of job $job has a uid other than root's (the job ran as root)"
+    if [ "$job" = "$job3" ]; then want_uid="$LAB_UID" want_user="$LAB_USER"; else want_uid=0 want_user=root; fi
+    jq -e --argjson u "$want_uid" --arg n "$want_user" 'select(.uid != $u or .user != $n)' <<<"$recs" >/dev/null &&
+        fail "a record of job $job does not carry uid $want_uid ($want_user), who ran it"
 done
 start1="$(cat "$ROOT"/var/spool/gpuhub/records/*.json | jq -c --argjson j "$job1" 'select(.job_id == $j and .kind == "step_start")')"
 jq -e '(.gpus | length) == 1 and (.gpus[0].index == 0 or .gpus[0].index == 1)' <<<"$start1" >/dev/null ||
