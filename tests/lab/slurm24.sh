@@ -110,9 +110,14 @@ configure() {
       sed 's|^Include /etc/slurm/lab-accounting.conf|Include /etc/slurm/lab-accounting.conf\nSlurmctldPort=6917\nSlurmdPort=6918|' "$HERE/slurm.conf"
     } > "$ROOT/etc/slurm/slurm.conf"
     cp "$HERE/gres.conf" "$HERE/cgroup.conf" "$ROOT/etc/slurm/"
-    cp "$HERE/accounting-none.conf" "$ROOT/etc/slurm/lab-accounting.conf"
+    # No slurmdbd yet; the job TRES the 22.05 lab records (gres/gpu, gres/shard in AllocTRES).
+    { cat "$HERE/accounting-none.conf"; grep '^AccountingStorageTRES=' "$HERE/accounting-slurmdbd.conf"; } > "$ROOT/etc/slurm/lab-accounting.conf"
     echo 'include /etc/slurm/plugstack.conf.d/*.conf' > "$ROOT/etc/slurm/plugstack.conf"
     sed "s|@PLUGIN@|$PLUGINDIR/spank_gpuhub.so|" "$HERE/plugstack-gpuhub.conf" > "$ROOT/etc/slurm/plugstack.conf.d/gpuhub.conf"
+
+    # The host's names: slurmctld resolves the submitting host (srun's address is `hostname`), and
+    # a name missing here costs 10 s of retries per job and leaves it COMPLETING.
+    cp /etc/hosts "$ROOT/etc/hosts"
 
     # The lab's unprivileged account, with the host's uid and gid, so jobs can run as it here too.
     local pw gr
