@@ -110,8 +110,10 @@ configure() {
       sed 's|^Include /etc/slurm/lab-accounting.conf|Include /etc/slurm/lab-accounting.conf\nSlurmctldPort=6917\nSlurmdPort=6918|' "$HERE/slurm.conf"
     } > "$ROOT/etc/slurm/slurm.conf"
     cp "$HERE/gres.conf" "$HERE/cgroup.conf" "$ROOT/etc/slurm/"
-    # No slurmdbd yet; the job TRES the 22.05 lab records (gres/gpu, gres/shard in AllocTRES).
-    { cat "$HERE/accounting-none.conf"; grep '^AccountingStorageTRES=' "$HERE/accounting-slurmdbd.conf"; } > "$ROOT/etc/slurm/lab-accounting.conf"
+    # No slurmdbd yet, so no AccountingStorageTRES either: 24.11's slurmctld refuses to start with
+    # gres/gpu in it without slurmdbd ("slurmdbd is required to run with TRES gres/gpu"), so
+    # AllocTRES carries no gres on this leg.
+    cp "$HERE/accounting-none.conf" "$ROOT/etc/slurm/lab-accounting.conf"
     echo 'include /etc/slurm/plugstack.conf.d/*.conf' > "$ROOT/etc/slurm/plugstack.conf"
     sed "s|@PLUGIN@|$PLUGINDIR/spank_gpuhub.so|" "$HERE/plugstack-gpuhub.conf" > "$ROOT/etc/slurm/plugstack.conf.d/gpuhub.conf"
 
