@@ -13,6 +13,13 @@
 #   GPUHUB_RPM_PREBUILT_DIR=DIR         with PREBUILT=1: take the artifacts from DIR as they are
 #                                       (no cargo build here; default: target/release, built)
 #   GPUHUB_RPM_LINT=0                   skip rpmlint (not recommended)
+#   GPUHUB_SLURM_INCLUDE=DIR            build the plugin against the Slurm headers in DIR/slurm/
+#                                       (spank.h, slurm_version.h) instead of the installed ones:
+#                                       gpuhub-spank then Requires that Slurm's major.minor, and
+#                                       the RPMs go to target/rpm-slurm-MM.mm/ (with PREBUILT=1 the
+#                                       plugin is built into target/slurm-MM.mm/, the agent is
+#                                       target/release's). E.g. the lab's Slurm 24.11 root:
+#                                       GPUHUB_SLURM_INCLUDE=/var/lib/gpuhub-lab/slurm24-root/usr/include
 #
 # On Debian (the lab) the RHEL BuildRequires (rust-toolset, slurm-devel, clang-devel,
 # systemd-rpm-macros) are not in the rpm database, so rpmbuild runs with --nodeps; the systemd
@@ -31,6 +38,7 @@ CACHE="$REPO/target/rpm-cache"
 PREBUILT="${GPUHUB_RPM_PREBUILT:-0}"
 LINT="${GPUHUB_RPM_LINT:-1}"
 SPEC="$REPO/rpm/gpuhub.spec"
+SLURM_INCLUDE="${GPUHUB_SLURM_INCLUDE:-}"
 
 log() { echo "[rpm] $*"; }
 die() { echo "[rpm] ERROR: $*" >&2; exit 1; }
@@ -53,6 +61,24 @@ spec_version="$(awk '$1=="Version:"{print $2; exit}' "$SPEC")"
     die "rpm/gpuhub.spec has Version: $spec_version but Cargo.toml says $cargo_version; make them equal"
 VERSION="$cargo_version"
 NV="gpuhub-$VERSION"
+
+# ------------------------------------------------------------------ Slurm headers: which major.minor
+# slurm_mm "DIR": the major.minor (YY.MM) of the slurm_version.h under DIR/slurm/.
+slurm_mm() {
+    local n
+    n="$(sed -n 's/^#define[[:space:]]\+SLURM_VERSION_NUMBER[[:space:]]\+\(0x[0-9a-fA-F]\+\).*/\1/p' "$1/slurm/slurm_version.h" 2>/dev/null | head -n1)"
+    [ -n "$n" ] || return 1
+    printf '%02d.%02d\n' $(( (n >> 16) & 0xff )) $(( (n >> 8) & 0xff ))
+}
+if [ -n "$SLURM_INCLUDE" ]; then
+    SLURM_INCLUDE="$(cd "$SLURM_INCLUDE" 2>/dev/null && pwd)" || die "GPUHUB_SLURM_INCLUDE=${GPUHUB_SLURM_INCLUDE} is not a directory"
+    [ -f "$SLURM_INCLUDE/slurm/spank.h" ] ||
+        die "GPUHUB_SLURM_INCLUDE=$SLURM_INCLUDE holds no slurm/spank.h; point it at the include directory that contains slurm/"
+    SLURM_MM="$(slurm_mm "$SLURM_INCLUDE")" ||
+        die "no SLURM_VERSION_NUMBER in $SLURM_INCLUDE/slurm/slurm_version.h"
+    OUT="$REPO/target/rpm-slurm-$SLURM_MM"
+    log "building the plugin for Slurm $SLURM_MM (headers in $SLURM_INCLUDE); RPMs in $OUT"
+fi
 
 # ------------------------------------------------------------------ crates: every platform's
 # licenses.sh (cargo tree), cargo vendor and cargo metadata below run --offline. cargo fetch
@@ -167,6 +193,9 @@ if [ -z "$(rpm --eval '%{?_unitdir}')" ]; then
     # Debian: no systemd-rpm-macros, and the RHEL BuildRequires are not in the rpm database.
     args+=(--load "$REPO/rpm/macros.debian" --nodeps)
 fi
+if [ -n "$SLURM_INCLUDE" ]; then
+    args+=(--define "slurm_includedir $SLURM_INCLUDE")
+fi
 if [ "$PREBUILT" = 1 ]; then
     if [ -n "${GPUHUB_RPM_PREBUILT_DIR:-}" ]; then
         prebuilt_dir="$(cd "$GPUHUB_RPM_PREBUILT_DIR" && pwd)"
@@ -175,9 +204,30 @@ if [ "$PREBUILT" = 1 ]; then
         prebuilt_dir="$REPO/target/release"
         log "GPUHUB_RPM_PREBUILT=1: cargo build --release here, rpmbuild packages target/release"
         (cd "$REPO" && cargo build --release --locked --workspace)
+        if [ -n "$SLURM_INCLUDE" ]; then
+            # The plugin for the other Slurm, in its own target directory (the headers are an input
+            # of spank/build.rs: sharing target/ would rebuild it back and forth); the agent and the
+            # CLI do not depend on Slurm's headers.
+            plugin_target="$REPO/target/slurm-$SLURM_MM"
+            log "cargo build --release of the plugin against $SLURM_INCLUDE into $plugin_target"
+            (cd "$REPO" && GPUHUB_SLURM_INCLUDE="$SLURM_INCLUDE" CARGO_TARGET_DIR="$plugin_target" \
+                cargo build --release --locked -p gpuhub-spank -p gpuhub-spank-prolog)
+            prebuilt_dir="$CACHE/prebuilt-slurm-$SLURM_MM"
+            rm -rf "$prebuilt_dir"; mkdir -p "$prebuilt_dir"
+            cp "$REPO/target/release/gpuhub-agent" "$REPO/target/release/gpuhub" "$prebuilt_dir/"
+            cp "$plugin_target/release/libgpuhub_spank.so" "$plugin_target/release/libgpuhub_spank_prolog.so" "$prebuilt_dir/"
+        fi
     fi
     for f in gpuhub-agent gpuhub libgpuhub_spank.so libgpuhub_spank_prolog.so; do
         [ -f "$prebuilt_dir/$f" ] || die "GPUHUB_RPM_PREBUILT=1 but $prebuilt_dir/$f does not exist; run cargo build --release"
+    done
+    # The spec pins Requires to the headers' major.minor: the prebuilt plugins must be built for it.
+    want_mm="$(slurm_mm "${SLURM_INCLUDE:-/usr/include}")" ||
+        die "no SLURM_VERSION_NUMBER in ${SLURM_INCLUDE:-/usr/include}/slurm/slurm_version.h; install libslurm-dev/slurm-devel or set GPUHUB_SLURM_INCLUDE"
+    for f in libgpuhub_spank.so libgpuhub_spank_prolog.so; do
+        have_mm="$(python3 "$REPO/rpm/plugin-slurm-version.py" "$prebuilt_dir/$f")" || die "cannot read plugin_version of $prebuilt_dir/$f"
+        [ "$have_mm" = "$want_mm" ] ||
+            die "$prebuilt_dir/$f was built for Slurm $have_mm, but the headers (${SLURM_INCLUDE:-/usr/include}) are $want_mm and the package would require $want_mm; rebuild it against those headers (GPUHUB_SLURM_INCLUDE, see docs/spank.md)"
     done
     args+=(--define "gpuhub_prebuilt_dir $prebuilt_dir")
 fi

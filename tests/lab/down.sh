@@ -6,6 +6,14 @@
 #             created, and the lab's gpuhub spool/runtime dirs (configs stay in /etc/slurm)
 set -uo pipefail
 
+# GPUHUB_LAB_SLURM=24.11: the lab's second Slurm (Debian 13's 24.11, chrooted beside this one on
+# ports 6917/6918; plugin only so far): tests/lab/slurm24.sh. Unset or 22.05: this lab.
+case "${GPUHUB_LAB_SLURM:-22.05}" in
+    22.05) ;;
+    24.11) exec "$(dirname "${BASH_SOURCE[0]}")/slurm24.sh" down "$@" ;;
+    *) echo "[lab] ERROR: GPUHUB_LAB_SLURM=$GPUHUB_LAB_SLURM: the lab has Slurm 22.05 (default) and 24.11" >&2; exit 1 ;;
+esac
+
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PURGE=0
 [ "${1:-}" = "--purge" ] && PURGE=1

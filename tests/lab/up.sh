@@ -17,7 +17,16 @@
 #                            slurmdbd, registers the cluster, waits until sacct lists a job
 #   GPUHUB_LAB_SMOKE=0       skip the final srun smoke test
 #   GPUHUB_DEPS_PYTHON=0     (tests/setup/deps.sh) skip the Python venv with mlflow/openai
+#   GPUHUB_LAB_SLURM=24.11   instead: Slurm 24.11 from a Debian 13 root (tests/lab/slurm24.sh)
 set -euo pipefail
+
+# GPUHUB_LAB_SLURM=24.11: the lab's second Slurm (Debian 13's 24.11, chrooted beside this one on
+# ports 6917/6918; plugin only so far): tests/lab/slurm24.sh. Unset or 22.05: this lab.
+case "${GPUHUB_LAB_SLURM:-22.05}" in
+    22.05) ;;
+    24.11) exec "$(dirname "${BASH_SOURCE[0]}")/slurm24.sh" up "$@" ;;
+    *) echo "[lab] ERROR: GPUHUB_LAB_SLURM=$GPUHUB_LAB_SLURM: the lab has Slurm 22.05 (default) and 24.11" >&2; exit 1 ;;
+esac
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 HERE="$REPO/tests/lab"

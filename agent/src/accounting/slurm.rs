@@ -5,7 +5,8 @@
 //! - `scontrol show job -d -o` (all jobs slurmctld knows, one line each; running jobs carry one
 //!   `Nodes=... GRES=gpu:h200:2(IDX:0-1)` section per node group, shard jobs
 //!   `GRES=shard:h200:7(IDX:0)` on 22.05 or `shard:h200:7(7/14,0/14)` on later releases;
-//!   finished jobs still listed (`MinJobAge`) keep only the job-wide `TRES=...,gres/gpu=2`).
+//!   finished jobs still listed (`MinJobAge`) keep only the job-wide `TRES=...,gres/gpu=2`, which
+//!   23.02 and later print as `AllocTRES=` beside `ReqTRES=`).
 //! - `sacct -n -P -X -o JobID,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID`
 //!   for jobs slurmctld no longer knows: counts, no GPU indices.
 //!
@@ -305,20 +306,22 @@ pub fn parse_scontrol(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
 }
 
 /// Fields read from a line; each must occur once, before the per-node sections' end.
-const ONCE: &[&str] = &[
-    "JobId",
-    "UserId",
-    "Account",
-    "JobState",
-    "Reason",
-    "StartTime",
-    "EndTime",
-    "Partition",
-    "NodeList",
-    "NumCPUs",
-    "TRES",
-    "MinCPUsNode",
-];
+const ONCE: &[&str] =
+    &["JobId", "UserId", "Account", "JobState", "Reason", "StartTime", "EndTime", "Partition", "NodeList", "NumCPUs", "MinCPUsNode"];
+
+/// The job-wide allocation's key: `TRES=` up to Slurm 22.05, `AllocTRES=` (beside `ReqTRES=`)
+/// since 23.02 (24.11 prints no `TRES=`). Exactly one of the two must occur, once: a line with
+/// both (free text that imitates the other release's field) is as ambiguous as a doubled field.
+fn tres_key(fields: &[(&str, String)]) -> Result<&'static str, String> {
+    let count = |k: &str| fields.iter().filter(|f| f.0 == k).count();
+    match (count("TRES"), count("AllocTRES")) {
+        (1, 0) => Ok("TRES"),
+        (0, 1) => Ok("AllocTRES"),
+        (t, a) => Err(format!(
+            "TRES= occurs {t} times and AllocTRES= {a} times, expected exactly one of them once (TRES= up to Slurm 22.05, AllocTRES= since 23.02; free text that imitates scontrol's fields?); looked up in sacct"
+        )),
+    }
+}
 
 fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
     // key=value tokens; a token without `=` continues the previous value (a name with spaces).
@@ -344,14 +347,15 @@ fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
             return Err(format!("{k}= occurs {n} times (free text that imitates scontrol's fields?); looked up in sacct"));
         }
     }
+    let tres = tres_key(&fields)?;
     let get = |k: &str| pos(k).map(|p| fields[p].1.as_str()).unwrap_or("");
-    let (tres_at, min_at) = (pos("TRES").unwrap_or(0), pos("MinCPUsNode").unwrap_or(0));
+    let (tres_at, min_at) = (pos(tres).unwrap_or(0), pos("MinCPUsNode").unwrap_or(0));
     let job_id: u32 = get("JobId").trim().parse().map_err(|_| format!("JobId={} is not a number", get("JobId")))?;
     let (user, uid) = match get("UserId").split_once('(') {
         Some((name, rest)) => (name.to_string(), rest.trim_end_matches(')').parse::<u32>().ok()),
         None => (get("UserId").to_string(), None),
     };
-    let (gpus, shards) = parse_tres(get("TRES"));
+    let (gpus, shards) = parse_tres(get(tres));
     let mut per_node = BTreeMap::new();
     let mut current: Option<String> = None;
     for (i, (k, v)) in fields.iter().enumerate() {
@@ -392,7 +396,7 @@ fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
         gpus,
         shards,
         cpus: get("NumCPUs").trim().parse().unwrap_or(0),
-        mem_bytes: parse_tres_mem(get("TRES")),
+        mem_bytes: parse_tres_mem(get(tres)),
         reason: null(get("Reason")),
         per_node,
     })
@@ -541,6 +545,12 @@ mod tests {
 
     const RUNNING_GPU2: &str = "JobId=77 JobName=acct-gpu2 UserId=gpuhublab(1001) GroupId=gpuhublab(1001) MCS_label=N/A Priority=4294901683 Nice=0 Account=(null) QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:00 TimeLimit=00:02:00 TimeMin=N/A SubmitTime=1796121759 EligibleTime=1796121759 AccrueTime=1796121759 StartTime=1796121759 EndTime=1796121879 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796121759 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:1132 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=500M,node=1,billing=1,gres/gpu=2 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:h200:2   Nodes=gpu01 CPU_IDs=0 Mem=500 GRES=gpu:h200:2(IDX:0-1) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sh WorkDir=/tmp Power= TresPerNode=gres:gpu:2";
 
+    // Captured on the lab's Slurm 24.11 leg (tests/lab/slurm24.sh: Debian 13's 24.11.5, no
+    // AccountingStorageTRES then, so AllocTRES carries no gres): no `TRES=`, but `ReqTRES=` and
+    // `AllocTRES=`; shards per GPU as held/configured.
+    const RUNNING_SHARD7_2411: &str = "JobId=5 JobName=acct-shard7 UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:04 TimeLimit=00:01:00 TimeMin=N/A SubmitTime=1796158847 EligibleTime=1796158847 AccrueTime=Unknown StartTime=1796158847 EndTime=1796158907 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796158847 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:26710 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=500M,node=1,billing=1 AllocTRES=cpu=1,mem=500M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=shard:h200:7   Nodes=gpu01 CPU_IDs=0 Mem=500 GRES=shard:h200:7(7/14,0/14) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sleep WorkDir=/tmp TresPerNode=gres/shard:7";
+    const RUNNING_GPU1_2411: &str = "JobId=6 JobName=acct-gpu1 UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:04 TimeLimit=00:01:00 TimeMin=N/A SubmitTime=1796158847 EligibleTime=1796158847 AccrueTime=Unknown StartTime=1796158847 EndTime=1796158907 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796158847 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:26710 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=500M,node=1,billing=1 AllocTRES=cpu=1,mem=500M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:h200:1   Nodes=gpu01 CPU_IDs=1 Mem=500 GRES=gpu:h200:1(IDX:1) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sleep WorkDir=/tmp TresPerNode=gres/gpu:1";
+
     fn nodes(n: &[&str]) -> BTreeSet<String> {
         n.iter().map(|s| s.to_string()).collect()
     }
@@ -563,6 +573,36 @@ mod tests {
         assert_eq!((d.end_us, d.gpus, d.state.as_str()), (Some(1_796_120_412_000_000), 2, "COMPLETED"));
         let a = d.alloc_on(&nodes(&["gpu01"])).unwrap();
         assert_eq!((a.gpus, a.shards, a.indices), (2, 0, None), "a finished job keeps counts, not indices");
+    }
+
+    #[test]
+    fn scontrol_24_11_lines_without_tres() {
+        let (jobs, errs) = parse_scontrol(&format!("{RUNNING_SHARD7_2411}\n{RUNNING_GPU1_2411}\n"));
+        assert!(errs.is_empty(), "{errs:?}");
+        let s = &jobs[&5];
+        assert_eq!((s.user.as_str(), s.uid, s.state.as_str(), s.partition.as_deref()), ("root", Some(0), "RUNNING", Some("gpu")));
+        assert_eq!((s.start_us, s.cpus, s.mem_bytes), (Some(1_796_158_847_000_000), 1, 500 << 20), "memory from AllocTRES");
+        let a = s.alloc_on(&nodes(&["gpu01"])).unwrap();
+        assert_eq!((a.gpus, a.shards), (0, 7));
+        assert_eq!(a.indices.unwrap().shards, BTreeMap::from([(0, 7)]));
+        let g = &jobs[&6];
+        let a = g.alloc_on(&nodes(&["gpu01"])).unwrap();
+        assert_eq!((a.gpus, a.shards), (1, 0));
+        assert_eq!(a.indices.unwrap().gpus, BTreeSet::from([1]));
+    }
+
+    #[test]
+    fn scontrol_tres_and_alloc_tres_together_are_refused() {
+        // A job name that imitates the other release's field on either release: ambiguous.
+        let fake_old = RUNNING_GPU1_2411.replace("JobName=acct-gpu1", "JobName=x TRES=cpu=1,gres/gpu=0");
+        let fake_new = RUNNING_GPU2.replace("JobName=acct-gpu2", "JobName=x AllocTRES=cpu=1,gres/gpu=0");
+        for line in [fake_old, fake_new] {
+            let (jobs, errs) = parse_scontrol(&line);
+            assert!(jobs.is_empty(), "{jobs:?}");
+            assert!(errs[0].problem.contains("TRES= occurs 1 times and AllocTRES= 1 times"), "{errs:?}");
+        }
+        let (jobs, errs) = parse_scontrol(&RUNNING_GPU2.replace("TRES=", "XTRES="));
+        assert!(jobs.is_empty() && errs[0].problem.contains("TRES= occurs 0 times and AllocTRES= 0 times"), "{errs:?}");
     }
 
     #[test]
