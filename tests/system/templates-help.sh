@@ -9,7 +9,8 @@
 # and subcommand the command itself names), and the way it hands over the key (the environment
 # variable, or the flag that takes the key file) one the server's `--help` names.
 # Then the check must fail: the same entry with a flag the server does not have
-# (`--served-model`, args of the entry) is refused, naming that flag.
+# (`--served-model`, args of the entry) is refused, naming that flag; for a key passed by
+# environment, so is the entry with `api_key_env` set to a variable the server does not read.
 # llama-cpp-python is checked by tests/system/models-llama-key.sh; vLLM, SGLang, TGI and
 # speaches (whisper, tts) are not installable here (docs/models.md says why).
 set -euo pipefail
@@ -33,7 +34,7 @@ TEMPLATES=(
 )
 WRONG_FLAG="--served-model"
 
-# check TEMPLATE VENV MODEL_PATH ARGS: writes what is wrong to $work/problems (empty when all is
+# check TEMPLATE VENV MODEL_PATH ARGS [KEY_ENV]: writes what is wrong to $work/problems (empty when all is
 # right), what it checked to stdout.
 check() {
     local tpl="$1" venv="$2" path="$3" args="$4"
@@ -41,7 +42,7 @@ check() {
     _check "$@" 2>&1 >>"$work/problems"
 }
 _check() {
-    local tpl="$1" venv="$2" path="$3" args="$4"
+    local tpl="$1" venv="$2" path="$3" args="$4" key_env="${5:-}"
     cat >"$work/agent.toml" <<EOF
 [[models]]
 name = "m-$tpl"
@@ -50,6 +51,7 @@ template = "$tpl"
 model_path = "$path"
 args = "$args"
 resources = { shards = 1, vram_gib = 0.5 }
+${key_env:+api_key_env = \"$key_env\"}
 EOF
     local out cmd key
     out="$(env -u GPUHUB_STORE_URL "$AGENT" check-config --config "$work/agent.toml")" ||
@@ -104,13 +106,15 @@ EOF
     esac
 }
 
+skipped=()
 for entry in "${TEMPLATES[@]}"; do
     read -r tpl venv path <<<"$entry"
     echo "== $tpl: its final command against the server's own --help"
     if [ ! -x "$venv/bin/python" ]; then
-        prereq_missing "the server of template $tpl is not installed ($venv)" "run tests/setup/servers.sh (tests/setup/deps.sh runs it)" || continue
+        prereq_missing "the server of template $tpl is not installed ($venv)" "run tests/setup/servers.sh (tests/setup/deps.sh runs it)" ||
+            { skipped+=("$tpl"); continue; }
     fi
-    check "$tpl" "$venv" "$path" "" 2>&1
+    check "$tpl" "$venv" "$path" "" 2>&1 | tee "$work/last"
     problems="$(cat "$work/problems")"
     [ -z "$problems" ] || fail "template $tpl: $problems"
     echo "   ok"
@@ -122,5 +126,16 @@ for entry in "${TEMPLATES[@]}"; do
         fail "template $tpl with $WRONG_FLAG: expected the check to name it, it said: ${problems:-nothing}"
     [ "$(wc -l <<<"$problems")" = 1 ] || fail "template $tpl with $WRONG_FLAG: expected one problem, got: $problems"
     echo "   refused: $problems"
+
+    if grep -q '^   [0-9]* flags; key by environment ' "$work/last"; then
+        var="$(sed -n 's/^   [0-9]* flags; key by environment //p' "$work/last")"
+        echo "== $tpl: a key variable the server does not read (${var}_WRONG) must be refused"
+        check "$tpl" "$venv" "$path" "" "${var}_WRONG" >/dev/null 2>&1
+        problems="$(cat "$work/problems")"
+        grep -q -- "environment variable ${var}_WRONG, which" <<<"$problems" ||
+            fail "template $tpl with api_key_env = ${var}_WRONG: expected the check to name it, it said: ${problems:-nothing}"
+        echo "   refused: $problems"
+    fi
 done
+[ "${#skipped[@]}" = 0 ] || { echo "SKIP templates-help: ${skipped[*]} not checked (not installed)"; exit 0; }
 echo "PASS templates-help"
