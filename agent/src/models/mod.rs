@@ -7,6 +7,7 @@
 //! - [`launcher`]: `local` (child process) and `slurm` (sbatch/squeue/scancel) workers.
 //! - [`mlflow`]: `@production` resolution, discovery, eval-gated promotion.
 //! - [`registry`]: catalog entries from registry tags (`served_by=gateway`, `gpuhub.*`).
+//! - [`inventory`]: every registered model (served or not) for `gpuhub models registry`.
 //! - [`artifacts`]: a version's weights, downloaded into a bounded content-addressed cache.
 //! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
 //! - [`metrics`]: `gpuhub_model_*` series.
@@ -16,6 +17,7 @@
 pub mod api;
 pub mod artifacts;
 pub mod catalog;
+pub mod inventory;
 pub mod launcher;
 pub mod lifecycle;
 pub mod metrics;
