@@ -138,8 +138,8 @@ async fn due_jobs_are_ended_measured_and_not_yet_reported_on_both_backends() {
         let j1 = job(1, 99_000, Some(99_900));
         let failed = Outcome::Failed("cannot reach MLflow".into());
         assert_eq!(record_outcome(pool, &j1, &failed, now).await.unwrap(), "pending");
-        assert_eq!(ids(due_jobs(pool, now + S).await.unwrap()), Vec::<(i64, usize)>::new());
-        assert_eq!(ids(due_jobs(pool, now + 5 * S).await.unwrap()), [(1, 1)]);
+        assert_eq!(ids(due_jobs(pool, now + S).await.unwrap()), [(5, 1)], "job 1 waits its delay");
+        assert_eq!(ids(due_jobs(pool, now + 5 * S).await.unwrap()), [(1, 1), (5, 1)]);
         for _ in 1..MAX_ATTEMPTS - 1 {
             assert_eq!(record_outcome(pool, &j1, &failed, now).await.unwrap(), "pending");
         }

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::*;
 
-const BODY: &[u8; 100] = b"GGUF0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789abcdefghijklmnopqrstuvw";
+const BODY: &[u8; 100] = b"GGUF0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789abcdefghijklmnopqrstuvwx";
 
 /// How the server answers a file download.
 #[derive(Clone, Copy, PartialEq)]
