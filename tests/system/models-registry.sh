@@ -49,7 +49,7 @@ PYEOF
 
 models_setup "" "[mlflow]
 tracking_uri = \"$MLFLOW_URL\"
-registry_poll_s = 0"
+registry_poll_s = 5"
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 
 echo "== gpuhub models registry --json"
