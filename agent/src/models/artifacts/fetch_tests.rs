@@ -29,6 +29,9 @@ enum Mode {
     BreakOff,
 }
 
+/// The test's signal that the first half arrived, and its go to break off.
+type Stall = (oneshot::Sender<()>, oneshot::Receiver<()>);
+
 #[derive(Clone)]
 struct Fake {
     uri: Arc<Mutex<String>>,
@@ -36,7 +39,7 @@ struct Fake {
     downloads: Arc<AtomicUsize>,
     uri_lookups: Arc<AtomicUsize>,
     /// BreakOff: the test's signal that the first half arrived, and its go to break.
-    stalled: Arc<Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>>,
+    stalled: Arc<Mutex<Option<Stall>>>,
 }
 
 async fn download_uri(State(f): State<Fake>) -> axum::Json<serde_json::Value> {
