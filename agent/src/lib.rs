@@ -10,6 +10,7 @@
 //! - [`telemetry`]: NVML + Slurm sampling threads, dcgm-exporter-compatible metrics.
 //! - [`gateway`]: the OpenAI-compatible HTTP API (`router.rs` has the route table).
 //! - [`models`]: the catalog and the worker lifecycle behind each model name.
+//! - [`mlflow_runs`]: ended jobs' measured GPU use logged on their MLflow runs (the run page).
 //! - [`names`]: name states (active, deprecated, retired), resolution, "did you mean".
 //! - [`snapshot`]: the file the plugin reads to inject `<ROLE>_MODEL` and URLs into jobs.
 //! - [`control`]: the Unix-socket API the `gpuhub` CLI talks to (callers identified by
@@ -24,6 +25,7 @@ pub mod config;
 pub mod control;
 pub mod gateway;
 pub mod metrics_http;
+pub mod mlflow_runs;
 pub mod models;
 pub mod names;
 pub mod snapshot;
@@ -299,6 +301,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let usage_task = tokio::spawn(
         usage_counters.run(std::time::Duration::from_millis(config.file.accounting.usage_counters_interval_ms), token.clone()),
     );
+    // GPU use on the MLflow run page: ended jobs' measured figures onto their runs.
+    let run_page = config
+        .file
+        .mlflow
+        .tracking_uri
+        .as_deref()
+        .filter(|u| !u.is_empty())
+        .map(|uri| tokio::spawn(mlflow_runs::Reporter::new(store.clone(), uri).run(std::time::Duration::from_secs(5), token.clone())));
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
     let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, exposition, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
@@ -308,6 +318,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     token.cancel();
     if ingest.await.is_err() {
         tracing::error!("accounting: the ingest task failed");
+    }
+    if let Some(t) = run_page
+        && t.await.is_err()
+    {
+        tracing::error!("mlflow run page: the reporter task failed");
     }
     if usage_task.await.is_err() {
         tracing::error!("accounting: the usage counter task failed");

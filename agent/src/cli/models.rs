@@ -34,8 +34,8 @@ pub enum ModelsCmd {
         #[arg(long)]
         force: bool,
     },
-    /// Registered models MLflow says the gateway serves (tag served_by=gateway), what serves
-    /// each, and why a tagged one is not served.
+    /// Every registered model in MLflow, served or not: latest version, aliases, tags, what
+    /// serves it, and why a model tagged served_by=gateway is not served.
     Registry {
         #[arg(long)]
         json: bool,
@@ -101,14 +101,26 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
                         let served: Vec<String> =
                             r["served_as"].as_array().into_iter().flatten().filter_map(|x| x.as_str().map(str::to_string)).collect();
                         let by = r["served_by"].as_str().filter(|b| !b.is_empty()).map(|b| format!(" (by {b})")).unwrap_or_default();
+                        let pairs = |k: &str, pre: &str| -> String {
+                            let v: Vec<String> = r[k]
+                                .as_object()
+                                .into_iter()
+                                .flatten()
+                                .map(|(k, v)| crate::util::sanitize(&format!("{pre}{k}={}", v.as_str().unwrap_or(""))))
+                                .collect();
+                            if v.is_empty() { "-".into() } else { v.join(",") }
+                        };
                         vec![
-                            s(&r["name"]),
-                            s(&r["production"]),
+                            crate::util::sanitize(&s(&r["name"])),
+                            s(&r["latest_version"]),
+                            pairs("aliases", "@"),
                             if served.is_empty() { "(not served)".into() } else { format!("{}{by}", served.join(",")) },
+                            pairs("tags", ""),
                         ]
                     })
                     .collect();
-                output::table(&["REGISTERED MODEL", "@PRODUCTION", "SERVED AS"], &rows);
+                output::table(&["REGISTERED MODEL", "LATEST", "ALIASES", "SERVED AS", "TAGS"], &rows);
+                output::line(&format!("{} registered models", rows.len()));
                 for r in v["registered"].as_array().into_iter().flatten() {
                     for e in r["errors"].as_array().into_iter().flatten().filter_map(Value::as_str) {
                         output::line(&format!("not served: {}", crate::util::sanitize(e)));

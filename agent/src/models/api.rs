@@ -68,12 +68,14 @@ async fn list(State(state): State<AppState>, caller: Caller) -> Json<Value> {
     Json(json!({"models": rows, "log_tail_visible": caller.admin}))
 }
 
+/// Every registered model in MLflow (all pages), served or not: latest version, aliases, tags,
+/// and which catalog entry serves it or why a tagged one is not served.
 async fn registry(State(state): State<AppState>) -> ApiResult {
     let Some(mlflow) = state.models.mlflow() else {
         return Err(err(StatusCode::CONFLICT, "no MLflow registry configured; set mlflow.tracking_uri in agent.toml"));
     };
     let catalog = state.catalog.load();
-    let found = mlflow.discover().await.map_err(|e| err(StatusCode::BAD_GATEWAY, e.to_string()))?;
+    let found = super::inventory::list_all(mlflow.tracking_uri()).await.map_err(|e| err(StatusCode::BAD_GATEWAY, e.to_string()))?;
     let view = state.catalog_sync.view();
     let rows: Vec<Value> = found
         .into_iter()
@@ -89,7 +91,18 @@ async fn registry(State(state): State<AppState>) -> ApiResult {
             };
             let errors: Vec<String> =
                 view.errors.iter().filter(|e| e.model == crate::util::sanitize(&r.name)).map(ToString::to_string).collect();
-            json!({"name": r.name, "production": r.production, "served_as": served_as, "served_by": by, "tags": r.tags, "errors": errors})
+            json!({
+                "name": r.name,
+                "latest_version": r.latest_version,
+                "production": r.aliases.get(super::mlflow::ALIAS),
+                "aliases": r.aliases,
+                "gateway_tagged": super::registry::is_served(&r.tags),
+                "served_as": served_as,
+                "served_by": by,
+                "tags": r.tags,
+                "description": r.description,
+                "errors": errors,
+            })
         })
         .collect();
     Ok(Json(json!({"registered": rows, "polled_us": view.polled_us, "poll_error": view.error})))

@@ -787,3 +787,6 @@ mod tests {
         assert!(e.contains("link.gguf") && e.contains("symlink"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod fetch_tests;

@@ -8,6 +8,7 @@
 //! - [`mlflow`]: `@production` resolution, discovery, eval-gated promotion.
 //! - [`gate`]: gpuhub's promotion gate and the versions it promoted (served over `@production`).
 //! - [`registry`]: catalog entries from registry tags (`served_by=gateway`, `gpuhub.*`).
+//! - [`inventory`]: every registered model (served or not) for `gpuhub models registry`.
 //! - [`artifacts`]: a version's weights, downloaded into a bounded content-addressed cache.
 //! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
 //! - [`metrics`]: `gpuhub_model_*` series.
@@ -18,6 +19,7 @@ pub mod api;
 pub mod artifacts;
 pub mod catalog;
 pub mod gate;
+pub mod inventory;
 pub mod launcher;
 pub mod lifecycle;
 pub mod metrics;
