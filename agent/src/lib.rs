@@ -26,6 +26,7 @@ pub mod gateway;
 pub mod metrics_http;
 pub mod models;
 pub mod names;
+pub mod quota;
 pub mod snapshot;
 pub mod store;
 pub mod telemetry;
@@ -59,6 +60,8 @@ pub struct AppState {
     pub catalog_sync: Arc<models::sync::CatalogSync>,
     /// The gateway's metrics, usage log, API keys and upstream client.
     pub gateway: Arc<gateway::Gateway>,
+    /// `[[quotas]]`: usage, Slurm holds, the snapshot's quota lines.
+    pub quotas: Arc<quota::Quotas>,
     /// Key that verifies per-job tokens (`None` if it could not be read: job tokens are then
     /// refused with a message that says so).
     pub job_key: Option<Arc<Vec<u8>>>,
@@ -162,6 +165,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         models,
         telemetry,
         gateway,
+        quotas: Arc::new(quota::Quotas::new(quota::slurm::Sacctmgr {
+            bin: config.file.slurm.bin_dir.as_ref().map_or_else(|| std::path::PathBuf::from("sacctmgr"), |d| d.join("sacctmgr")),
+            timeout: std::time::Duration::from_secs(20),
+        })),
         job_key,
         shutdown: shutdown_token,
         tasks,
@@ -295,6 +302,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let usage_task = tokio::spawn(
         usage_counters.run(std::time::Duration::from_millis(config.file.accounting.usage_counters_interval_ms), token.clone()),
     );
+    let quota_task = tokio::spawn(quota::Quotas::run(
+        state.clone(),
+        std::time::Duration::from_millis(config.file.accounting.quota_interval_ms),
+        token.clone(),
+    ));
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
     let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, exposition, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
@@ -304,6 +316,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     token.cancel();
     if ingest.await.is_err() {
         tracing::error!("accounting: the ingest task failed");
+    }
+    if quota_task.await.is_err() {
+        tracing::error!("quotas: the quota task failed");
     }
     if usage_task.await.is_err() {
         tracing::error!("accounting: the usage counter task failed");

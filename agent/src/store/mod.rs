@@ -26,6 +26,7 @@ pub mod gateway;
 mod jobs;
 mod models;
 pub mod names;
+pub mod quotas;
 pub use models::WorkerRow;
 
 /// Which database the URL selected.
