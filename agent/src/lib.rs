@@ -28,6 +28,7 @@ pub mod metrics_http;
 pub mod mlflow_runs;
 pub mod models;
 pub mod names;
+pub mod quota;
 pub mod snapshot;
 pub mod store;
 pub mod telemetry;
@@ -61,6 +62,8 @@ pub struct AppState {
     pub catalog_sync: Arc<models::sync::CatalogSync>,
     /// The gateway's metrics, usage log, API keys and upstream client.
     pub gateway: Arc<gateway::Gateway>,
+    /// `[[quotas]]`: usage, Slurm holds, the snapshot's quota lines.
+    pub quotas: Arc<quota::Quotas>,
     /// Key that verifies per-job tokens (`None` if it could not be read: job tokens are then
     /// refused with a message that says so).
     pub job_key: Option<Arc<Vec<u8>>>,
@@ -164,6 +167,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         models,
         telemetry,
         gateway,
+        quotas: Arc::new(quota::Quotas::new(quota::slurm::Sacctmgr {
+            bin: config.file.slurm.bin_dir.as_ref().map_or_else(|| std::path::PathBuf::from("sacctmgr"), |d| d.join("sacctmgr")),
+            timeout: std::time::Duration::from_secs(20),
+        })),
         job_key,
         shutdown: shutdown_token,
         tasks,
@@ -309,6 +316,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .as_deref()
         .filter(|u| !u.is_empty())
         .map(|uri| tokio::spawn(mlflow_runs::Reporter::new(store.clone(), uri).run(std::time::Duration::from_secs(5), token.clone())));
+    let quota_task = tokio::spawn(quota::Quotas::run(
+        state.clone(),
+        std::time::Duration::from_millis(config.file.accounting.quota_interval_ms),
+        token.clone(),
+    ));
     let ingest = tokio::spawn(ingestor.run(std::time::Duration::from_millis(config.file.accounting.ingest_interval_ms), token.clone()));
     let metrics = tokio::spawn(metrics_http::serve(listeners.metrics, exposition, token.clone()));
     let control = tokio::spawn(control::serve(listeners.control, state.clone()));
@@ -323,6 +335,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         && t.await.is_err()
     {
         tracing::error!("mlflow run page: the reporter task failed");
+    }
+    if quota_task.await.is_err() {
+        tracing::error!("quotas: the quota task failed");
     }
     if usage_task.await.is_err() {
         tracing::error!("accounting: the usage counter task failed");

@@ -24,6 +24,7 @@ pub fn build(state: &AppState) -> Snapshot {
         mlflow_experiment: cfg.mlflow.default_experiment.clone(),
         roles: state.names.roles(),
         gpus: state.gpu_uuids(),
+        quota_notes: state.quotas.notes(),
     }
 }
 

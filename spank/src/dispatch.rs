@@ -4,7 +4,7 @@
 //! | hook | LOCAL (srun) | ALLOCATOR (sbatch/salloc) | REMOTE (slurmstepd) | JOB_SCRIPT (prolog/epilog) |
 //! | --- | --- | --- | --- | --- |
 //! | `init` | register options | register options | register options | – |
-//! | `init_post_opt` | – | – | StepStart record, env injection | – |
+//! | `init_post_opt` | quota line | quota line | StepStart record, env injection | – |
 //! | `task_exit` | – | – | remember exit status | – |
 //! | `exit` | – | – | StepEnd record | – |
 //! | `job_prolog` | – | – | – | JobStart record, dcgm map add (job-hooks build only) |
@@ -98,6 +98,10 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(sp: sys::spank_t, ac: c_int, 
         // SAFETY: the hook's own arguments from Slurm.
         match (ctx, unsafe { config(ctx, ac, av) }) {
             (Context::Remote, Some(cfg)) => remote::init_post_opt(Spank(sp), &cfg),
+            (Context::Local | Context::Allocator, Some(cfg)) => {
+                crate::quota::notice(&cfg.snapshot);
+                Ok(())
+            }
             _ => Ok(()),
         }
     })

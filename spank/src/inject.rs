@@ -146,6 +146,7 @@ mod tests {
             mlflow_experiment: Some("site".into()),
             roles: BTreeMap::from([("ocr".into(), Some("dots.ocr".into())), ("chat".into(), None)]),
             gpus: BTreeMap::new(),
+            quota_notes: BTreeMap::new(),
         }
     }
 

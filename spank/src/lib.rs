@@ -24,6 +24,7 @@
 //! Parts:
 //! - [`dispatch`]: the exported hooks; the one switch on `spank_context()`.
 //! - [`remote`], [`job_script`] (used by the job-hooks build only), [`options`]: per-context code.
+//! - [`quota`]: the quota line srun/sbatch/salloc print (from the snapshot).
 //! - [`config`]: plugstack arguments and defaults; [`inject`]: the environment plan;
 //!   [`records`]: usage records from hook variables; [`spool`], [`dcgm`], [`files`]: disk I/O.
 //! - [`spank`], [`sys`], [`log`], [`symbols`]: the FFI boundary.
@@ -37,6 +38,7 @@ pub mod files;
 pub mod inject;
 pub mod log;
 pub mod options;
+pub mod quota;
 pub mod records;
 pub mod spool;
 pub mod sys;

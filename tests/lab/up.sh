@@ -227,6 +227,21 @@ if [ "$ACCOUNTING" = 1 ]; then
         log "registering cluster $CLUSTER in slurmdbd"
         timeout 20 sacctmgr -i add cluster "$CLUSTER" >/dev/null || die "sacctmgr -i add cluster $CLUSTER failed"
     fi
+    # AccountingStorageEnforce=associations,limits (accounting-slurmdbd.conf, for gpuhub's quotas)
+    # refuses jobs of users without an association: every user the lab's tests submit as gets
+    # one in account `lab` (root has its own since the cluster was added).
+    . "$HERE/../lib/prereq.sh"
+    lab_assoc_users=("$(unprivileged_user)" "$(worker_account)" "$(quota_user)")
+    if ! sacctmgr -n -P list account lab format=Account 2>/dev/null | grep -qx lab; then
+        timeout 20 sacctmgr -i add account lab Cluster="$CLUSTER" Description="gpuhub lab" Organization=gpuhub >/dev/null ||
+            die "sacctmgr -i add account lab failed"
+    fi
+    for u in "${lab_assoc_users[@]}"; do
+        if ! sacctmgr -n -P list associations users="$u" accounts=lab format=User 2>/dev/null | grep -qx "$u"; then
+            log "adding the association of $u (account lab) in slurmdbd"
+            timeout 20 sacctmgr -i add user "$u" Account=lab DefaultAccount=lab >/dev/null || die "sacctmgr -i add user $u account=lab failed"
+        fi
+    done
 else
     stop_pid /run/slurmdbd.pid slurmdbd
     if [ -e "$STATE_DIR/mariadb-started" ]; then

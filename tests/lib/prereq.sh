@@ -21,6 +21,15 @@ unprivileged_user() {
     echo gpuhublab
 }
 
+# quota_user: print the unprivileged login whose GPU-hour quota tests/system/quota-slurm.sh
+# drives (gpuhubquota; the lab's agent.toml has its [[quotas]] entry), creating it if missing.
+# A user of its own, so that holding it in Slurm never touches another test's jobs.
+quota_user() {
+    id -u gpuhubquota >/dev/null 2>&1 || useradd -m -s /bin/bash gpuhubquota >/dev/null ||
+        { echo "FAIL: cannot create the quota test user gpuhubquota (useradd)" >&2; exit 1; }
+    echo gpuhubquota
+}
+
 # worker_account: print the account model workers run as (gpuhub-worker, the agent's default
 # workers.user), creating it as the agent RPM does (rpm/gpuhub.spec %pre) if missing.
 worker_account() {

@@ -35,6 +35,11 @@ pub struct Snapshot {
     /// GPU index -> UUID, so usage records carry UUIDs when the agent has seen NVML.
     #[serde(default)]
     pub gpus: BTreeMap<u32, String>,
+    /// uid -> the quota line srun, sbatch and salloc print for that user (only users at 80 %
+    /// of a `[[quotas]]` limit or more; docs/quotas.md). The agent words it; the plugin prints
+    /// it as it is, so the plugin holds no quota logic.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub quota_notes: BTreeMap<u32, String>,
 }
 
 impl Snapshot {

@@ -87,6 +87,15 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// GPU-hour quotas: your usage, limit and forecast (admins: everyone's); `grant` a
+    /// top-up or `set` a limit (admins), which reaches Slurm before the command returns.
+    Quota {
+        #[command(subcommand)]
+        cmd: Option<crate::quota::cli::QuotaCmd>,
+        /// Print JSON instead.
+        #[arg(long, global = true)]
+        json: bool,
+    },
     /// Check the node end to end (plugin, Slurm, agent, store, spool, NVML, MLflow) and say
     /// what to fix. Exit 1 if anything fails.
     Doctor {
@@ -116,6 +125,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Usage { calls: true, since, user, json, .. } => calls::run(&cli.socket, &since, user.as_deref(), json).await,
         Command::Usage { calls: false, since, by, json, .. } => crate::accounting::cli::usage(&cli.socket, &since, by, json).await,
         Command::Job { job_id, json } => crate::accounting::cli::job(&cli.socket, job_id, json).await,
+        Command::Quota { cmd, json } => crate::quota::cli::run(&cli.socket, cmd, json).await,
         Command::Doctor { json } => doctor::run(&cli.socket, json).await,
         Command::Backup { dir, keep } => backup(&cli.socket, dir, keep).await,
     };
@@ -171,5 +181,13 @@ mod tests {
         assert!(Cli::try_parse_from(["gpuhub", "keys", "create", "--user", "alice"]).is_err());
         assert!(Cli::try_parse_from(["gpuhub", "keys", "revoke"]).is_err());
         assert!(Cli::try_parse_from(["gpuhub", "usage", "--calls", "--since", "12h"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "quota"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "--json"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "grant", "--user", "alice", "--gpu-hours", "0.5", "--reason", "x"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "grant", "--gpu-hours", "1"]).is_err(), "whose quota");
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "grant", "--user", "a", "--group", "g", "--gpu-hours", "1"]).is_err());
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "set", "--account", "lab", "--gpu-hours", "10"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "set", "--account", "lab", "--clear"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuhub", "quota", "set", "--account", "lab"]).is_err(), "a limit or --clear");
     }
 }

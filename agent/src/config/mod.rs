@@ -14,6 +14,7 @@ mod catalog;
 mod gateway;
 mod names;
 mod paths;
+pub mod quotas;
 mod store;
 pub mod templates;
 
@@ -25,6 +26,7 @@ pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig, val
 pub use gateway::{GatewayConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserName, own_addresses};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
+pub use quotas::{QuotaConfig, QuotaPeriod, QuotaTarget};
 pub use store::StoreConfig;
 
 pub use crate::telemetry::TelemetryConfig;
@@ -66,6 +68,10 @@ pub struct ConfigFile {
     /// shipped one of the same name).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub templates: std::collections::BTreeMap<String, templates::TemplateConfig>,
+    /// `[[quotas]]`: GPU-hour quotas per user, account or Unix group, held by Slurm
+    /// (docs/quotas.md).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -102,6 +108,9 @@ pub struct AccountingConfig {
     /// How often the GPU-hours counters (`gpuhub_slurm_gpu_seconds_total`) are summed from
     /// the store, in milliseconds; each pass also splits ended worker jobs among their callers.
     pub usage_counters_interval_ms: u64,
+    /// How often `[[quotas]]` usage is summed and Slurm's limits are brought in step, in
+    /// milliseconds.
+    pub quota_interval_ms: u64,
 }
 
 /// `accounting.job_boundaries`: which source says when a job started and ended on this node.
@@ -130,6 +139,7 @@ impl Default for AccountingConfig {
             reconcile_interval_ms: None,
             job_boundaries: JobBoundaries::Slurm,
             usage_counters_interval_ms: 30_000,
+            quota_interval_ms: 60_000,
         }
     }
 }
@@ -476,6 +486,13 @@ impl ConfigFile {
                 format!("{} is out of range; use 1000..=3600000 (default 30000)", self.accounting.usage_counters_interval_ms),
             ));
         }
+        if !(1_000..=3_600_000).contains(&self.accounting.quota_interval_ms) {
+            return Err(invalid(
+                "accounting.quota_interval_ms",
+                format!("{} is out of range; use 1000..=3600000 (default 60000)", self.accounting.quota_interval_ms),
+            ));
+        }
+        quotas::validate(&self.quotas).map_err(|(k, m)| invalid(&k, m))?;
         self.mlflow.validate().map_err(|(k, m)| invalid(&k, m))?;
         catalog::validate(&mut self.models, &self.templates, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
         let known: std::collections::BTreeSet<&str> =

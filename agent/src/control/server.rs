@@ -16,6 +16,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/whoami", get(whoami))
         .merge(crate::accounting::api::routes())
+        .merge(crate::quota::api::routes())
         .route("/v1/env", get(env))
         .merge(crate::names::api::routes())
         .merge(crate::gateway::api::routes())

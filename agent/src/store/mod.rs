@@ -27,6 +27,7 @@ mod jobs;
 mod models;
 pub mod names;
 mod promotions;
+pub mod quotas;
 pub use models::WorkerRow;
 pub use promotions::PromotionRow;
 
