@@ -16,6 +16,7 @@
 pub mod api;
 pub mod artifacts;
 pub mod catalog;
+pub mod fair_queue;
 pub mod launcher;
 pub mod lifecycle;
 pub mod metrics;
