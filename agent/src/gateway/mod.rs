@@ -89,6 +89,11 @@ impl Gateway {
         let keys = auth::KeyCache::default();
         let records = store.api_keys().await.context("cannot load the gateway's API keys from the store")?;
         let fair_use = fair_use::FairUse::default();
+        // Rows a killed agent left in the journal count too: they are replayed before a flush
+        // is answered (bounded: a store that is down must not hold up the start).
+        if tokio::time::timeout(Duration::from_secs(10), usage.flush()).await.is_err() {
+            tracing::warn!("the usage journal was not replayed within 10 s: [gateway.limits] count only the rows already stored");
+        }
         let now = crate::util::now_us();
         let day = now - now.rem_euclid(86_400_000_000);
         let used = store
