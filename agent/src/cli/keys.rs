@@ -23,6 +23,14 @@ pub enum KeysCommand {
         /// Only these models (comma-separated catalog names); default: every model.
         #[arg(long, value_name = "A,B", value_delimiter = ',')]
         models: Vec<String>,
+        /// The key's own limit of requests per minute (on top of its user's
+        /// `[gateway.limits]`); default: none of its own.
+        #[arg(long, value_name = "N")]
+        rpm: Option<u32>,
+        /// The key's own limit of tokens (prompt + completion) per UTC day; default: none of
+        /// its own.
+        #[arg(long, value_name = "N")]
+        tokens_per_day: Option<u64>,
         /// Print JSON instead.
         #[arg(long)]
         json: bool,
@@ -40,15 +48,33 @@ pub enum KeysCommand {
     },
 }
 
+/// A key's own limits, e.g. `60/min 100000 tok/day`, `-` for none.
+fn limits(k: &Value) -> String {
+    let mut out = Vec::new();
+    if let Some(r) = k["rpm"].as_u64() {
+        out.push(format!("{r}/min"));
+    }
+    if let Some(t) = k["tokens_per_day"].as_u64() {
+        out.push(format!("{t} tok/day"));
+    }
+    if out.is_empty() { "-".into() } else { out.join(" ") }
+}
+
 fn time(us: &Value) -> String {
     us.as_i64().map(|u| format!("{}", u / 1_000_000)).unwrap_or_else(|| "-".into())
 }
 
 pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     match cmd {
-        KeysCommand::Create { user, app, models, json } => {
+        KeysCommand::Create { user, app, models, rpm, tokens_per_day, json } => {
             let models: Vec<String> = models.into_iter().map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();
-            let v = client::request(socket, "POST", "/v1/keys", Some(json!({"user": user, "app": app, "models": models}))).await?;
+            let v = client::request(
+                socket,
+                "POST",
+                "/v1/keys",
+                Some(json!({"user": user, "app": app, "models": models, "rpm": rpm, "tokens_per_day": tokens_per_day})),
+            )
+            .await?;
             if json {
                 output::json(&v);
             } else {
@@ -81,6 +107,7 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                                     k["user"].as_str().unwrap_or("").to_string(),
                                     k["app"].as_str().unwrap_or("").to_string(),
                                     if models.is_empty() { "*".into() } else { models },
+                                    limits(k),
                                     time(&k["created_us"]),
                                     if k["revoked_us"].is_null() { "active".into() } else { format!("revoked {}", time(&k["revoked_us"])) },
                                 ]
@@ -88,7 +115,7 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                             .collect()
                     })
                     .unwrap_or_default();
-                output::table(&["ID", "KEY", "USER", "APP", "MODELS", "CREATED", "STATE"], &rows);
+                output::table(&["ID", "KEY", "USER", "APP", "MODELS", "LIMITS", "CREATED", "STATE"], &rows);
             }
         }
         KeysCommand::Revoke { id } => {

@@ -49,6 +49,60 @@ pub struct GatewayConfig {
     /// keys (on top of the key's own `--models`), job tokens and the SSO header alike. Users
     /// not listed may call every model their credential allows.
     pub user_models: BTreeMap<UserName, Vec<String>>,
+    /// `[gateway.limits]`: requests per minute and tokens per day, per user.
+    pub limits: LimitsConfig,
+}
+
+/// `[gateway.limits]`: fair use of the gateway. Every authenticated user (API key, job token,
+/// SSO) gets `rpm` and `tokens_per_day` unless `[[gateway.limits.users]]` says otherwise; an
+/// API key may have its own limits too (`gpuhub keys create --rpm --tokens-per-day`), checked
+/// on top of its user's. 0 means no limit. Over a limit a call is answered 429 with
+/// `Retry-After`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Requests per minute per user (a burst of up to this many, then one every 60/rpm s).
+    pub rpm: u32,
+    /// Tokens (prompt + completion, as the usage log records them) per UTC day per user.
+    pub tokens_per_day: u64,
+    /// Per-user overrides.
+    pub users: Vec<UserLimits>,
+}
+
+/// One `[[gateway.limits.users]]` entry: a user's own limits (a missing one: the default).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserLimits {
+    pub user: LimitUser,
+    pub rpm: Option<u32>,
+    pub tokens_per_day: Option<u64>,
+}
+
+/// A user name in `[[gateway.limits.users]]` (checked as [`UserName`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct LimitUser(pub String);
+
+impl<'de> Deserialize<'de> for LimitUser {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if gpuhub_wire::token::user_ok(&s) {
+            Ok(LimitUser(s))
+        } else {
+            Err(serde::de::Error::custom(format!(
+                "gateway.limits.users: `{}` is not a user name (1 to 64 letters, digits, . _ - or @)",
+                crate::util::sanitize(&s)
+            )))
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// The limits of `user`: (rpm, tokens_per_day), 0 = none.
+    pub fn for_user(&self, user: &str) -> (u32, u64) {
+        let o = self.users.iter().rev().find(|u| u.user.0 == user);
+        (o.and_then(|o| o.rpm).unwrap_or(self.rpm), o.and_then(|o| o.tokens_per_day).unwrap_or(self.tokens_per_day))
+    }
 }
 
 /// A user name as a `[gateway.user_models]` key: letters, digits, `. _ - @`, 1 to 64
@@ -96,6 +150,7 @@ impl Default for GatewayConfig {
             unauth_refusals_per_s: 20,
             sso: SsoConfig::default(),
             user_models: BTreeMap::new(),
+            limits: LimitsConfig::default(),
         }
     }
 }

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig, valid_model_name, validate_registry_entry};
-pub use gateway::{GatewayConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserName, own_addresses};
+pub use gateway::{GatewayConfig, LimitUser, LimitsConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserLimits, UserName, own_addresses};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
 pub use quotas::{QuotaConfig, QuotaPeriod, QuotaTarget};

@@ -52,6 +52,12 @@ pub struct CreateKey {
     pub app: String,
     #[serde(default)]
     pub models: Vec<String>,
+    /// The key's own requests per minute (none: only the user's limit).
+    #[serde(default)]
+    pub rpm: Option<u32>,
+    /// The key's own tokens per UTC day (none: only the user's limit).
+    #[serde(default)]
+    pub tokens_per_day: Option<u64>,
 }
 
 /// User and app names: letters, digits, `.`, `_`, `-`, `@`, 1 to 64 characters.
@@ -63,7 +69,7 @@ pub fn check_label(what: &str, s: &str) -> Result<(), String> {
 }
 
 fn public(k: &ApiKeyRecord) -> Value {
-    json!({"id": k.id, "prefix": k.prefix, "user": k.user, "app": k.app, "models": k.models, "created_us": k.created_us, "created_by": k.created_by, "revoked_us": k.revoked_us})
+    json!({"id": k.id, "prefix": k.prefix, "user": k.user, "app": k.app, "models": k.models, "created_us": k.created_us, "created_by": k.created_by, "revoked_us": k.revoked_us, "rpm": k.rpm, "tokens_per_day": k.tokens_per_day})
 }
 
 async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Json<CreateKey>) -> ApiResult {
@@ -80,6 +86,12 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
             ));
         }
     }
+    if req.rpm == Some(0) || req.tokens_per_day == Some(0) {
+        return Err(err(
+            StatusCode::BAD_REQUEST,
+            "--rpm and --tokens-per-day must be at least 1; leave one out for no limit of the key's own (its user's limits in [gateway.limits] still apply)".to_string(),
+        ));
+    }
     let key = auth::new_key();
     let record = ApiKeyRecord {
         id: format!("k{}", hex::encode(rand::random::<[u8; 4]>())),
@@ -91,6 +103,8 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
         created_us: crate::util::now_us(),
         created_by: caller.user.clone(),
         revoked_us: None,
+        rpm: req.rpm,
+        tokens_per_day: req.tokens_per_day,
     };
     state.store.insert_api_key(&record).await.map_err(store_err)?;
     state.gateway.keys.upsert(record.clone());

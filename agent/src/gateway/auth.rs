@@ -41,6 +41,10 @@ pub struct Identity {
     /// The user's own allow-list (`[gateway.user_models]`), applied on top of `models`;
     /// `None` = every model.
     pub user_models: Option<UserModels>,
+    /// An API key's own limits (requests per minute, tokens per UTC day), checked on top of
+    /// its user's ([`super::fair_use`]).
+    pub key_rpm: Option<u32>,
+    pub key_tokens_per_day: Option<u64>,
 }
 
 /// A user's allow-list and where it is configured (for the 403 message).
@@ -324,9 +328,16 @@ async fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, 
         return job_identity(state, c).await;
     }
     match state.gateway.keys.get(&hash_key(token)) {
-        Some(k) if k.revoked_us.is_none() => {
-            Ok(Identity { user: k.user, app: k.app, job_id: None, models: k.models, key_id: Some(k.id), user_models: None })
-        }
+        Some(k) if k.revoked_us.is_none() => Ok(Identity {
+            user: k.user,
+            app: k.app,
+            job_id: None,
+            models: k.models,
+            key_id: Some(k.id),
+            user_models: None,
+            key_rpm: k.rpm,
+            key_tokens_per_day: k.tokens_per_day,
+        }),
         Some(k) => Err(GatewayError::Unauthenticated(format!(
             "API key {} ({}/{}) was revoked; ask an admin for a new one (`gpuhub keys create`)",
             k.id, k.user, k.app

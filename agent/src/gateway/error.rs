@@ -43,6 +43,9 @@ pub enum GatewayError {
     Refused { status: u16, code: &'static str, message: String },
     #[error("{message}")]
     Overloaded { message: String, retry_after_s: u64 },
+    /// Over a `[gateway.limits]` or API-key limit ([`super::fair_use`]).
+    #[error("{message}")]
+    OverLimit { limit: super::fair_use::Limit, message: String, retry_after_s: u64 },
     #[error("{0}")]
     ModelUnavailable(String),
     #[error("{0}")]
@@ -100,7 +103,7 @@ impl GatewayError {
                 StatusCode::NOT_FOUND
             }
             GatewayError::Refused { status, .. } => StatusCode::from_u16(*status).unwrap_or(StatusCode::NOT_FOUND),
-            GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::Overloaded { .. } | GatewayError::OverLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::ModelUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::LoadTimeout(_) | GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::Upstream { .. } | GatewayError::StreamBroken { .. } => StatusCode::BAD_GATEWAY,
@@ -123,6 +126,8 @@ impl GatewayError {
             GatewayError::RouteNotForwarded { .. } | GatewayError::RouteNotServed { .. } => "route_not_served",
             GatewayError::Refused { code, .. } => code,
             GatewayError::Overloaded { .. } => "model_overloaded",
+            GatewayError::OverLimit { limit: super::fair_use::Limit::Rpm, .. } => "rate_limit_exceeded",
+            GatewayError::OverLimit { limit: super::fair_use::Limit::TokensPerDay, .. } => "token_limit_exceeded",
             GatewayError::ModelUnavailable(_) => "model_unavailable",
             GatewayError::LoadTimeout(_) => "model_load_timeout",
             GatewayError::Upstream { .. } => "upstream_error",
@@ -202,7 +207,7 @@ impl GatewayError {
 impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if let GatewayError::Overloaded { retry_after_s, .. } = &self
+        if let GatewayError::Overloaded { retry_after_s, .. } | GatewayError::OverLimit { retry_after_s, .. } = &self
             && let Ok(v) = HeaderValue::from_str(&retry_after_s.max(&1).to_string())
         {
             resp.headers_mut().insert(header::RETRY_AFTER, v);

@@ -24,6 +24,7 @@
 pub mod api;
 pub mod auth;
 pub mod error;
+pub mod fair_use;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod journal;
@@ -72,6 +73,8 @@ pub struct Gateway {
     pub sso: sso::SsoProof,
     /// Connection slots and counters of every gateway listener.
     pub connections: Arc<server::Connections>,
+    /// Requests per minute and tokens per day, per user and per API key (`[gateway.limits]`).
+    pub fair_use: fair_use::FairUse,
 }
 
 impl Gateway {
@@ -84,7 +87,21 @@ impl Gateway {
         let metrics = metrics::GatewayMetrics::register(registry);
         let usage = UsageLog::start(&config.file.paths.state_dir, store.clone(), g.usage_queue, registry)?;
         let keys = auth::KeyCache::default();
-        keys.replace(store.api_keys().await.context("cannot load the gateway's API keys from the store")?);
+        let records = store.api_keys().await.context("cannot load the gateway's API keys from the store")?;
+        let fair_use = fair_use::FairUse::default();
+        // Rows a killed agent left in the journal count too: they are replayed before a flush
+        // is answered (bounded: a store that is down must not hold up the start).
+        if tokio::time::timeout(Duration::from_secs(10), usage.flush()).await.is_err() {
+            tracing::warn!("the usage journal was not replayed within 10 s: [gateway.limits] count only the rows already stored");
+        }
+        let now = crate::util::now_us();
+        let day = now - now.rem_euclid(86_400_000_000);
+        let used = store
+            .limit_usage(day, now - 60_000_000)
+            .await
+            .context("cannot load the day's gateway usage (for [gateway.limits]) from the store")?;
+        fair_use.reload(&g.limits, &records, &used, now);
+        keys.replace(records);
         let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
         upstream.spawn_pruner(Duration::from_secs(15));
         Ok(Gateway {
@@ -98,11 +115,13 @@ impl Gateway {
             refusals: refusals::Refusals::register(g.unauth_refusals_per_s, registry),
             sso,
             connections: Arc::new(server::Connections::register(server::Limits::from_config(g), registry)),
+            fair_use,
         })
     }
 
     /// Ends a call: metrics, then the usage log (journaled before this returns).
     pub fn finish(&self, row: UsageRow) {
+        self.fair_use.count(&row, crate::util::now_us());
         self.metrics.observe(&row);
         self.usage.record(row);
     }
@@ -160,6 +179,7 @@ impl RequestMeta {
             user: id.user.clone(),
             app: id.app.clone(),
             job_id: id.job_id,
+            key_id: id.key_id.clone().unwrap_or_default(),
             client_addr: self.client_addr.clone(),
             user_agent: self.user_agent.clone(),
             route: route.chars().take(MAX_ROUTE).collect(),

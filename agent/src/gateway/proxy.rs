@@ -87,6 +87,10 @@ pub async fn forward(
 ) -> Response {
     let path = req.uri().path().to_string();
     let mut call = meta.call(&path, &id);
+    // Limits first: a call over one costs nothing more (its body is not read).
+    if let Err(e) = state.gateway.fair_use.admit(&state.config.file.gateway.limits, &id, crate::util::now_us()) {
+        return call.fail(&state, e);
+    }
     match prepare(&state, &mut call, &id, req).await {
         Ok((parsed, out)) => {
             if parsed.stream {
@@ -179,7 +183,7 @@ pub async fn acquire(state: &AppState, call: &mut Call) -> Result<crate::models:
     let t = Instant::now();
     let lease = {
         let _queued = GaugeGuard::new(&state.gateway.metrics.queued, &model);
-        state.models.acquire(&model).await
+        state.models.acquire_for(&model, &call.row.user).await
     };
     call.wait_us += us_since(t);
     let lease = lease?;

@@ -254,7 +254,8 @@ impl Driver {
             let state = self.state.clone();
             let t = Instant::now();
             let _queued = GaugeGuard::new(&state.gateway.metrics.queued, &model);
-            let acquire = state.models.acquire(&model);
+            let user = self.call.row.user.clone();
+            let acquire = state.models.acquire_for(&model, &user);
             tokio::pin!(acquire);
             let mut wait = LOAD_GRACE;
             let r = loop {

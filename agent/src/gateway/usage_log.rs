@@ -94,6 +94,9 @@ pub struct UsageRow {
     /// How many calls this row stands for: 1, except for the one row per peer and minute that
     /// sums up refused unauthenticated calls ([`super::refusals`]).
     pub calls: i64,
+    /// The API key's id ("" for job tokens, the SSO header and refusals): its own limits
+    /// (`gateway::fair_use`) are reloaded from these rows.
+    pub key_id: String,
 }
 
 impl Default for UsageRow {
@@ -122,6 +125,7 @@ impl Default for UsageRow {
             usage_source: UsageSource::None,
             adapter: String::new(),
             calls: 1,
+            key_id: String::new(),
         }
     }
 }

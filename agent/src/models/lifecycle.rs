@@ -22,7 +22,9 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use serde::Serialize;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::watch;
+
+use super::fair_queue::{FairQueue, SlotPermit};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -107,7 +109,7 @@ pub struct Lease {
 #[derive(Debug)]
 struct InFlightGuard {
     worker: Arc<Worker>,
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: Option<SlotPermit>,
     /// The instance the call goes to: a worker replaced by a promotion drains until no lease
     /// holds its instance ([`switchover`]).
     _instance: Option<Arc<Instance>>,
@@ -187,7 +189,8 @@ pub(crate) struct Worker {
     in_flight: AtomicU32,
     /// Calls waiting for a load.
     waiting: AtomicU32,
-    permits: Arc<Semaphore>,
+    /// Concurrency slots, handed out fairly across users.
+    permits: Arc<FairQueue>,
     /// Left the catalog (or was replaced by a changed entry): draining out, no metrics.
     leaving: AtomicBool,
 }
@@ -195,7 +198,7 @@ pub(crate) struct Worker {
 impl Worker {
     fn new(cfg: Arc<ModelConfig>) -> Worker {
         Worker {
-            permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
+            permits: FairQueue::new(cfg.max_concurrency as usize),
             cfg,
             st: Mutex::new(WState {
                 state: State::Unloaded,
@@ -387,9 +390,15 @@ impl ModelManager {
 
     /// Waits until `model` can take a call and returns the lease for it.
     pub async fn acquire(&self, model: &str) -> Result<Lease, ModelError> {
+        self.acquire_for(model, "").await
+    }
+
+    /// [`Self::acquire`] for a call of `user`: a busy worker's slots go to the least recently
+    /// served user first ([`super::fair_queue`]).
+    pub async fn acquire_for(&self, model: &str, user: &str) -> Result<Lease, ModelError> {
         let entry = self.shared.catalog.load().get(model).cloned().ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
         let w = self.shared.worker(&entry.name).ok_or_else(|| ModelError::NotInCatalog(model.to_string()))?;
-        self.shared.acquire(w).await
+        self.shared.acquire(w, user).await
     }
 
     pub fn statuses(&self) -> Vec<ModelStatus> {
@@ -613,7 +622,7 @@ impl Shared {
         w.bump();
     }
 
-    async fn acquire(self: &Arc<Self>, w: Arc<Worker>) -> Result<Lease, ModelError> {
+    async fn acquire(self: &Arc<Self>, w: Arc<Worker>, user: &str) -> Result<Lease, ModelError> {
         let m = w.cfg.clone();
         let total = w.in_flight.load(Ordering::Acquire) + w.waiting.fetch_add(1, Ordering::AcqRel);
         let waiting = WaitGuard(w.clone());
@@ -629,7 +638,7 @@ impl Shared {
         if m.launcher == LauncherKind::Static {
             w.in_flight.fetch_add(1, Ordering::AcqRel);
             drop(waiting);
-            let permit = w.permits.clone().acquire_owned().await.ok();
+            let permit = Some(w.permits.acquire(user).await);
             return Ok(Lease {
                 model: m.name.clone(),
                 base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
@@ -697,13 +706,8 @@ impl Shared {
             }
         };
         drop(waiting);
-        let permit = match tokio::time::timeout_at(
-            deadline.max(Instant::now() + Duration::from_secs(60)),
-            w.permits.clone().acquire_owned(),
-        )
-        .await
-        {
-            Ok(Ok(p)) => Some(p),
+        let permit = match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), w.permits.acquire(user)).await {
+            Ok(p) => Some(p),
             _ => {
                 // Give back the count taken above; the guard below would do it, but no lease.
                 w.in_flight.fetch_sub(1, Ordering::AcqRel);

@@ -18,6 +18,7 @@
 pub mod api;
 pub mod artifacts;
 pub mod catalog;
+pub mod fair_queue;
 pub mod gate;
 pub mod inventory;
 pub mod launcher;

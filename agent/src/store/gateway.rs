@@ -33,6 +33,7 @@ const USAGE_COLUMNS: &[&str] = &[
     "usage_source",
     "adapter",
     "calls",
+    "key_id",
 ];
 
 /// Rows per INSERT statement. PostgreSQL: 23 columns x 200 rows stays far below its limit of
@@ -61,6 +62,10 @@ pub struct ApiKeyRecord {
     pub created_us: i64,
     pub created_by: String,
     pub revoked_us: Option<i64>,
+    /// The key's own requests per minute (`None`: only its user's limit applies).
+    pub rpm: Option<u32>,
+    /// The key's own tokens per UTC day (`None`: only its user's limit applies).
+    pub tokens_per_day: Option<u64>,
 }
 
 /// One line of `gpuhub usage --calls`.
@@ -77,11 +82,21 @@ pub struct CallSummary {
     pub mean_latency_us: i64,
 }
 
+/// One (user, key) of [`Store::limit_usage`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitUsage {
+    pub user: String,
+    /// "" for calls without an API key.
+    pub key_id: String,
+    pub tokens: i64,
+    pub recent_calls: i64,
+}
+
 const HOUR_US: i64 = 3_600_000_000;
 
 impl Store {
     pub async fn insert_api_key(&self, k: &ApiKeyRecord) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO api_keys (id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, NULL)")
+        sqlx::query("INSERT INTO api_keys (id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us, rpm, tokens_per_day) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, NULL, $9, $10)")
             .bind(&k.id)
             .bind(&k.key_hash)
             .bind(&k.prefix)
@@ -90,6 +105,8 @@ impl Store {
             .bind(k.models.join(","))
             .bind(k.created_us)
             .bind(&k.created_by)
+            .bind(k.rpm.map(i64::from))
+            .bind(k.tokens_per_day.map(|t| i64::try_from(t).unwrap_or(i64::MAX)))
             .execute(self.pool())
             .await?;
         Ok(())
@@ -98,7 +115,7 @@ impl Store {
     /// Every key, revoked ones included (the gateway tells a revoked key from an unknown one).
     pub async fn api_keys(&self) -> Result<Vec<ApiKeyRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us FROM api_keys ORDER BY created_us, id",
+            "SELECT id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us, rpm, tokens_per_day FROM api_keys ORDER BY created_us, id",
         )
         .fetch_all(self.pool())
         .await?;
@@ -115,6 +132,8 @@ impl Store {
                 created_us: r.try_get("created_us")?,
                 created_by: r.try_get("created_by")?,
                 revoked_us: r.try_get("revoked_us")?,
+                rpm: r.try_get::<Option<i64>, _>("rpm")?.map(|v| u32::try_from(v.max(0)).unwrap_or(u32::MAX)),
+                tokens_per_day: r.try_get::<Option<i64>, _>("tokens_per_day")?.map(|v| v.max(0) as u64),
             });
         }
         Ok(out)
@@ -200,7 +219,8 @@ impl Store {
                     .bind(r.overhead_us)
                     .bind(r.usage_source.as_str())
                     .bind(&r.adapter)
-                    .bind(r.calls.max(1));
+                    .bind(r.calls.max(1))
+                    .bind(&r.key_id);
             }
             if learn_ids {
                 let ids: Vec<String> =
@@ -289,6 +309,31 @@ impl Store {
                 prompt_tokens: r.try_get("pt")?,
                 completion_tokens: r.try_get("ct")?,
                 mean_latency_us: if calls > 0 { lat / calls } else { 0 },
+            });
+        }
+        Ok(out)
+    }
+
+    /// What the gateway's limits count, reloaded at start ([`crate::gateway::fair_use`]):
+    /// per (user, key id), the tokens of calls since `day_us` and the calls admitted since
+    /// `minute_us` (calls refused by a limit and unauthenticated refusals left out).
+    pub async fn limit_usage(&self, day_us: i64, minute_us: i64) -> Result<Vec<LimitUsage>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT user_name, key_id, CAST(SUM(prompt_tokens + completion_tokens) AS BIGINT) AS tokens, \
+             CAST(SUM(CASE WHEN time_us >= $2 AND error_code NOT IN ('rate_limit_exceeded', 'token_limit_exceeded') THEN calls ELSE 0 END) AS BIGINT) AS recent \
+             FROM usage_log WHERE time_us >= $1 AND user_name <> '' GROUP BY user_name, key_id",
+        )
+        .bind(day_us.min(minute_us))
+        .bind(minute_us)
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            out.push(LimitUsage {
+                user: r.try_get("user_name")?,
+                key_id: r.try_get("key_id")?,
+                tokens: r.try_get::<Option<i64>, _>("tokens")?.unwrap_or(0),
+                recent_calls: r.try_get::<Option<i64>, _>("recent")?.unwrap_or(0),
             });
         }
         Ok(out)
@@ -431,6 +476,36 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn limit_usage_sums_the_day_and_counts_the_last_minute_on_every_backend() {
+        for (store, _d) in testing::stores().await {
+            let day = 1_800_000_000_000_000;
+            let minute = day + 3_600_000_000;
+            let mut rows = vec![
+                row("old", day - 1, "alice", 200, 100), // yesterday: not counted
+                row("a1", day + 5, "alice", 200, 10),   // today, not in the last minute
+                row("a2", minute + 5, "alice", 200, 20),
+                row("a3", minute + 6, "alice", 429, 0),
+                row("b1", minute + 7, "bob", 200, 1),
+            ];
+            rows[2].key_id = "k1".into();
+            rows[3].key_id = "k1".into();
+            rows[3].error_code = "rate_limit_exceeded".into();
+            let mut anon = row("anon", minute + 8, "", 401, 0);
+            anon.calls = 7;
+            rows.push(anon);
+            store.insert_usage(&rows).await.unwrap();
+            let mut got = store.limit_usage(day, minute).await.unwrap();
+            got.sort_by(|a, b| (&a.user, &a.key_id).cmp(&(&b.user, &b.key_id)));
+            let want = vec![
+                LimitUsage { user: "alice".into(), key_id: "".into(), tokens: 12, recent_calls: 0 },
+                LimitUsage { user: "alice".into(), key_id: "k1".into(), tokens: 24, recent_calls: 1 },
+                LimitUsage { user: "bob".into(), key_id: "".into(), tokens: 3, recent_calls: 1 },
+            ];
+            assert_eq!(got, want, "{:?}", store.backend());
+        }
+    }
+
+    #[tokio::test]
     async fn keys_round_trip_and_revoke_on_every_backend() {
         for (store, _d) in testing::stores().await {
             let k = ApiKeyRecord {
@@ -443,10 +518,18 @@ mod tests {
                 created_us: 1,
                 created_by: "root".into(),
                 revoked_us: None,
+                rpm: Some(30),
+                tokens_per_day: Some(5_000_000_000),
             };
             store.insert_api_key(&k).await.unwrap();
+            store
+                .insert_api_key(&ApiKeyRecord { id: "k2".into(), key_hash: "h2".into(), rpm: None, tokens_per_day: None, ..k.clone() })
+                .await
+                .unwrap();
             let keys = store.api_keys().await.unwrap();
             assert_eq!(keys[0].models, vec!["a", "b"]);
+            assert_eq!((keys[0].rpm, keys[0].tokens_per_day), (Some(30), Some(5_000_000_000)));
+            assert_eq!((keys[1].rpm, keys[1].tokens_per_day), (None, None));
             assert_eq!(store.revoke_api_key("k1", 5).await.unwrap().revoked_us, Some(5));
             assert_eq!(store.revoke_api_key("k1", 9).await.unwrap().revoked_us, Some(5));
             assert!(store.revoke_api_key("nope", 9).await.unwrap_err().to_string().contains("gpuhub keys list"));
