@@ -89,6 +89,9 @@ for name in a b; do
     srun --gres=shard:7 -t 3 -J "run-gpu-$name" --mlflow-experiment="$EXP" "$MLFLOW_REPO/.venv/bin/python" "$T/run.py" "$name" "$T/jobs" \
         >"$T/jobs/$name.log" 2>&1 &
     lab_cleanup_add "touch $T/jobs/$name.stop $T/jobs/$name.exit; kill $! 2>/dev/null || true"
+    # b starts once a's run exists: MLflow's client creates a missing experiment with a
+    # get-then-create that two jobs starting in the same instant race (RESOURCE_ALREADY_EXISTS).
+    [ "$name" = a ] && for ((i = 0; i < 240; i++)); do [ -s "$T/jobs/a.info" ] && break; sleep 0.25; done
 done
 for name in a b; do
     for ((i = 0; i < 240; i++)); do [ -s "$T/jobs/$name.info" ] && break; sleep 0.25; done
