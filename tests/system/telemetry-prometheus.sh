@@ -2,7 +2,7 @@
 # A real Prometheus (Debian's package) scrapes the real gpuhub-agent, which reads two fake H200s
 # (tests/fake-nvml). Two shard jobs share GPU 0 and a whole-GPU job holds GPU 1; their "GPU
 # processes" are real processes: Slurm jobs started with srun when the lab is up (real
-# SLURM_JOB_ID, SLURM_SHARDS_ON_NODE, user nobody); plain processes with that environment only
+# SLURM_JOB_ID, SLURM_SHARDS_ON_NODE, the lab's unprivileged user); plain processes with that environment only
 # when run by hand on a machine without Slurm (under tests/run-all.sh the lab is required).
 # Asserts through Prometheus's HTTP API that each job's VRAM and utilisation arrive with the
 # right jobid and user labels, that the DCGM series carry hpc_job, that an XID scripted on GPU 1
@@ -32,7 +32,10 @@ if [ "$mode" = plain ] && { [ "${GPUHUB_TEST_STRICT:-0}" = 1 ] || [ -n "$node_st
 fi
 declare -A PID JOB USR
 if [ "$mode" = slurm ]; then
-    run_user=nobody
+    # The lab's unprivileged user: Slurm refuses jobs of users without an association
+    # (AccountingStorageEnforce), and tests/lab/up.sh gives this one an association.
+    . "$(dirname "${BASH_SOURCE[0]}")/../lib/prereq.sh"
+    run_user="$(unprivileged_user)"
     # Shards and whole GPUs must be free (model workers of earlier tests can hold them).
     for ((i = 0; i < 480; i++)); do
         [ -z "$(squeue -h -t PD,R,CG,S -o '%b' 2>/dev/null | grep -E 'gpu|shard' || true)" ] && break
