@@ -212,6 +212,9 @@ impl CatalogSync {
             Err(message) => {
                 self.metrics.up.get_or_create(&MLFLOW).set(0);
                 self.metrics.errors.get_or_create(&MLFLOW).inc();
+                // The last good read's count stays (0 before any): the series exists from the
+                // first poll, so dashboards and alerts see it.
+                let _ = self.metrics.unservable.get_or_create(&MLFLOW);
                 if view.error.as_deref() != Some(message.as_str()) {
                     tracing::warn!(error = %message, "cannot read the MLflow registry; serving the tagged models of the last good read");
                 }
@@ -291,6 +294,7 @@ mod tests {
         let t = text(&registry);
         assert!(t.contains("gpuhub_mlflow_registry_up{registry=\"mlflow\"} 0"), "{t}");
         assert!(t.contains("gpuhub_mlflow_registry_poll_errors_total{registry=\"mlflow\"} 1"), "{t}");
+        assert!(t.contains("gpuhub_mlflow_registry_unservable_models{registry=\"mlflow\"} 0"), "{t}");
         sync.record(&config.file, Ok(&Vec::new()));
         let t = text(&registry);
         assert!(t.contains("gpuhub_mlflow_registry_up{registry=\"mlflow\"} 1"), "{t}");
