@@ -182,7 +182,9 @@ echo "== 6. promote 5 adopts the moved alias through the gate"
 lab_run "${CLI[@]}" models promote "$SERVED" 5
 [ "$LAB_RC" = 0 ] || models_fail "adopting version 5 (0.95): expected exit 0, got $LAB_RC"
 [ "$(models_field "$SERVED" version)" = 5 ] || models_fail "after the adoption $SERVED serves version '$(models_field "$SERVED" version)', expected 5"
-[ "$(models_field "$SERVED" alias_mismatch)" = false ] || models_fail "the mismatch did not clear after the adoption"
+# (jq, not models_field: its `// ""` reads a false as missing)
+"${CLI[@]}" models list --json | jq -e --arg m "$SERVED" '.models[] | select(.name == $m) | .alias_mismatch == false' >/dev/null ||
+    models_fail "the mismatch did not clear after the adoption"
 [ "$(mismatch_metric)" = 0 ] || models_fail "gpuhub_model_alias_mismatch is '$(mismatch_metric)' after the adoption, expected 0"
 MC_TIMEOUT=180 models_call "$SERVED" "Say hi."
 [ "$MC_STATUS" = 200 ] || models_fail "calling $SERVED after the adoption: expected 200, got $MC_STATUS: $MC_BODY"
