@@ -84,8 +84,14 @@ pub fn user_name(uid: u32) -> Option<String> {
 
 /// Looks up a uid by user name (getpwnam_r).
 pub fn uid_of(name: &str) -> Option<u32> {
+    ids_of(name).map(|(uid, _)| uid)
+}
+
+/// A user's uid and primary gid by name (getpwnam_r).
+pub fn ids_of(name: &str) -> Option<(u32, u32)> {
     let cname = std::ffi::CString::new(name).ok()?;
     let mut buf = vec![0u8; 4096];
+    // SAFETY: an all-zero `passwd` is a valid value for getpwnam_r to fill.
     let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
     let mut result: *mut libc::passwd = std::ptr::null_mut();
     // SAFETY: buffers are valid for the given lengths; result points into pwd/buf on success.
@@ -93,7 +99,7 @@ pub fn uid_of(name: &str) -> Option<u32> {
     if rc != 0 || result.is_null() {
         return None;
     }
-    Some(pwd.pw_uid)
+    Some((pwd.pw_uid, pwd.pw_gid))
 }
 
 /// True if `user` (primary gid `gid`) is a member of the group `group`.

@@ -319,19 +319,9 @@ fn group_of(name: &str) -> Option<(u32, Vec<String>)> {
     Some((grp.gr_gid, members))
 }
 
-/// A user's primary gid (getpwnam_r).
+/// A user's primary gid.
 fn primary_gid(name: &str) -> Option<u32> {
-    let cname = std::ffi::CString::new(name).ok()?;
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: an all-zero `passwd` is a valid value for getpwnam_r to fill.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: buffers are valid for the given lengths.
-    let rc = unsafe { libc::getpwnam_r(cname.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut result) };
-    if rc != 0 || result.is_null() {
-        return None;
-    }
-    Some(pwd.pw_gid)
+    crate::control::peer::ids_of(name).map(|(_, gid)| gid)
 }
 
 #[cfg(test)]
