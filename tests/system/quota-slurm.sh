@@ -21,7 +21,14 @@ grep -q limits <<<"$enforce" || lab_fail "AccountingStorageEnforce is '$enforce'
 agent_healthy || lab_fail "the lab's gpuhub-agent does not answer on 127.0.0.1:8400"
 "$cli" quota --json | jq -e --arg k "user:$U" '.quotas[] | select(.quota == $k)' >/dev/null ||
     lab_fail "the lab agent has no quota for user:$U (tests/lab/agent.toml [[quotas]])"
-lab_cleanup_add "'$cli' quota set --user '$U' --clear >/dev/null 2>&1 || true"
+# Top-ups last the period: one granted by an earlier run this month (step 4) would raise every
+# limit set below. A top-up cannot be taken back through the CLI, so the test removes its
+# user's from the lab's store (SQLite; the agent reads them at every pass), before and after.
+LAB_DB=/var/lib/gpuhub/gpuhub.db
+clear_topups() { sqlite3 -cmd '.timeout 5000' "$LAB_DB" "DELETE FROM quota_topups WHERE target = 'user:$U'"; }
+[ -s "$LAB_DB" ] || lab_fail "the lab's store $LAB_DB is missing (this test expects the lab on its embedded SQLite store)"
+clear_topups || lab_fail "cannot remove earlier top-ups of $U from $LAB_DB"
+lab_cleanup_add "'$cli' quota set --user '$U' --clear >/dev/null 2>&1 || true; clear_topups >/dev/null 2>&1 || true"
 cd /tmp
 
 q() { "$cli" quota --json | jq -r --arg k "user:$U" ".quotas[] | select(.quota == \$k) | $1"; }
