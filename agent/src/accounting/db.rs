@@ -434,7 +434,12 @@ pub async fn node_jobs_ended_before(
 pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
     let jobs: Vec<JobRow> =
         sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE job_id = $1 ORDER BY node")).bind(job_id).fetch_all(pool).await?;
-    let mut out = Vec::new();
+    with_gpus(pool, jobs).await
+}
+
+/// Each job with its per-GPU rows.
+pub(crate) async fn with_gpus(pool: &AnyPool, jobs: Vec<JobRow>) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
+    let mut out = Vec::with_capacity(jobs.len());
     for j in jobs {
         let gpus: Vec<JobGpuRow> =
             sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 ORDER BY gpu_index"))

@@ -27,7 +27,7 @@ use std::time::Duration;
 use sqlx::AnyPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::accounting::db::{GPU_COLS, JOB_COLS, JobGpuRow, JobRow};
+use crate::accounting::db::{JOB_COLS, JobGpuRow, JobRow};
 use crate::store::Store;
 pub use rest::{Metric, RestError, RunInfo, Tracking};
 
@@ -162,17 +162,7 @@ pub async fn due_jobs(pool: &AnyPool, now_us: i64) -> Result<Vec<(JobRow, Vec<Jo
     .bind(now_us)
     .fetch_all(pool)
     .await?;
-    let mut out = Vec::with_capacity(jobs.len());
-    for j in jobs {
-        let gpus: Vec<JobGpuRow> =
-            sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 ORDER BY gpu_index"))
-                .bind(&j.node)
-                .bind(j.job_id)
-                .fetch_all(pool)
-                .await?;
-        out.push((j, gpus));
-    }
-    Ok(out)
+    crate::accounting::db::with_gpus(pool, jobs).await
 }
 
 /// Records a try's outcome; returns the state written (`done`, `pending`, `gave_up`).
