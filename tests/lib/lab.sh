@@ -263,12 +263,20 @@ lab_user() { unprivileged_user >/dev/null; }
 # lab_wait_gpus_free [SECS]: wait (default 240 s) until no job holds or waits for GPUs or
 # shards, e.g. model workers the agent started in an earlier test (they stay up to their
 # idle_timeout_s). Tests that request --gres=gpu:N need whole GPUs without shard users.
+# Workers of the lab's agent are unloaded through it (`gpuhub models unload`: they drain and
+# their jobs end) instead of waiting out their idle timeout; other jobs are waited for.
 lab_wait_gpus_free() {
-    local secs="${1:-240}" i busy=""
+    local secs="${1:-240}" i busy="" model
     for ((i = 0; i <= secs * 2; i++)); do
         busy="$(squeue -h -t PD,R,CG,S -o '%i %u %j %b' 2>/dev/null | grep -E 'gpu|shard' || true)"
         [ -z "$busy" ] && return 0
-        [ "$i" = 0 ] && { echo "  waiting up to ${secs}s for GPU jobs to end:"; sed 's/^/    /' <<<"$busy"; }
+        if [ "$i" = 0 ]; then
+            echo "  waiting up to ${secs}s for GPU jobs to end:"; sed 's/^/    /' <<<"$busy"
+            for model in $(awk '$3 ~ /^gpuhub-worker-/ {sub(/^gpuhub-worker-/, "", $3); print $3}' <<<"$busy" | sort -u); do
+                [ -S /run/gpuhub/agent.sock ] || break
+                echo "    unloading the lab agent's worker of $model: $("$LAB_REPO/target/release/gpuhub" --socket /run/gpuhub/agent.sock models unload "$model" 2>&1 | head -n1)"
+            done
+        fi
         sleep 0.5
     done
     lab_fail "GPUs still held after ${secs}s by: $busy"
