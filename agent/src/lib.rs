@@ -158,6 +158,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         }
     };
 
+    let quotas = Arc::new(quota::Quotas::new(quota::slurm::Sacctmgr {
+        bin: config.file.slurm.bin_dir.as_ref().map_or_else(|| std::path::PathBuf::from("sacctmgr"), |d| d.join("sacctmgr")),
+        timeout: std::time::Duration::from_secs(20),
+    }));
+    registry.sub_registry_with_prefix("gpuhub").register_collector(Box::new(quotas.metrics()));
     let state = AppState {
         config: config.clone(),
         store: store.clone(),
@@ -167,10 +172,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         models,
         telemetry,
         gateway,
-        quotas: Arc::new(quota::Quotas::new(quota::slurm::Sacctmgr {
-            bin: config.file.slurm.bin_dir.as_ref().map_or_else(|| std::path::PathBuf::from("sacctmgr"), |d| d.join("sacctmgr")),
-            timeout: std::time::Duration::from_secs(20),
-        })),
+        quotas,
         job_key,
         shutdown: shutdown_token,
         tasks,

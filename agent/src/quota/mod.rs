@@ -11,15 +11,16 @@
 //!   print through the plugin (no network in the plugin).
 //!
 //! Parts: [`usage`] (periods, sums, wording), [`slurm`] (sacctmgr), [`api`] (control socket),
-//! [`cli`] (`gpuhub quota`).
+//! [`cli`] (`gpuhub quota`), [`metrics`] (Prometheus, from the last pass).
 
 pub mod api;
 pub mod cli;
+pub mod metrics;
 pub mod slurm;
 pub mod usage;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
@@ -73,12 +74,17 @@ pub struct Quotas {
     sacctmgr: slurm::Sacctmgr,
     pass_lock: tokio::sync::Mutex<bool>,
     notes: Mutex<BTreeMap<u32, String>>,
-    statuses: Mutex<Vec<QuotaStatus>>,
+    last: Arc<Mutex<metrics::LastPass>>,
 }
 
 impl Quotas {
     pub fn new(sacctmgr: slurm::Sacctmgr) -> Self {
-        Quotas { sacctmgr, pass_lock: tokio::sync::Mutex::new(false), notes: Mutex::new(BTreeMap::new()), statuses: Mutex::new(Vec::new()) }
+        Quotas { sacctmgr, pass_lock: tokio::sync::Mutex::new(false), notes: Mutex::new(BTreeMap::new()), last: Arc::default() }
+    }
+
+    /// The Prometheus collector of the last pass (register it once).
+    pub fn metrics(&self) -> metrics::QuotaMetrics {
+        metrics::QuotaMetrics::new(self.last.clone())
     }
 
     /// uid -> line for the snapshot.
@@ -88,7 +94,7 @@ impl Quotas {
 
     /// The last pass's statuses.
     pub fn statuses(&self) -> Vec<QuotaStatus> {
-        self.statuses.lock().map(|s| s.clone()).unwrap_or_default()
+        self.last.lock().map(|l| l.statuses.clone()).unwrap_or_default()
     }
 
     /// Runs passes until shutdown.
@@ -176,8 +182,8 @@ impl Quotas {
         *first = false;
         let notes: BTreeMap<u32, String> = notes.into_iter().map(|(k, (_, n))| (k, n)).collect();
         let changed = self.notes.lock().map(|mut n| std::mem::replace(&mut *n, notes.clone()) != notes).unwrap_or(false);
-        if let Ok(mut s) = self.statuses.lock() {
-            *s = statuses.clone();
+        if let Ok(mut l) = self.last.lock() {
+            *l = metrics::LastPass { statuses: statuses.clone(), ended_s: Some(crate::util::now_us() / 1_000_000) };
         }
         if changed && let Err(e) = crate::snapshot::write(state) {
             tracing::error!(error = %e, "quotas: cannot write the snapshot; srun/sbatch show the previous quota lines");
