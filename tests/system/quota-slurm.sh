@@ -9,7 +9,8 @@
 #      GrpTRES gres/gpu=0), sbatch prints gpuhub's used-up line, the new job stays PENDING with
 #      Slurm's own reason AssocGrpGRES, and the running job keeps running (never cancelled);
 #   4. `gpuhub quota grant` (a top-up) releases the hold before it returns; the pending job starts;
-#      the running job ends COMPLETED.
+#      the running job ends COMPLETED;
+#   5. `gpuhub quota revoke` of that top-up holds the association again before it returns.
 # At exit the admin limit is cleared (1000 GPU-hours a month: nothing held).
 set -euo pipefail
 . "$(dirname "$0")/../lib/lab.sh"
@@ -22,12 +23,15 @@ agent_healthy || lab_fail "the lab's gpuhub-agent does not answer on 127.0.0.1:8
 "$cli" quota --json | jq -e --arg k "user:$U" '.quotas[] | select(.quota == $k)' >/dev/null ||
     lab_fail "the lab agent has no quota for user:$U (tests/lab/agent.toml [[quotas]])"
 # Top-ups last the period: one granted by an earlier run this month (step 4) would raise every
-# limit set below. A top-up cannot be taken back through the CLI, so the test removes its
-# user's from the lab's store (SQLite; the agent reads them at every pass), before and after.
-LAB_DB=/var/lib/gpuhub/gpuhub.db
-clear_topups() { sqlite3 -cmd '.timeout 5000' "$LAB_DB" "DELETE FROM quota_topups WHERE target = 'user:$U'"; }
-[ -s "$LAB_DB" ] || lab_fail "the lab's store $LAB_DB is missing (this test expects the lab on its embedded SQLite store)"
-clear_topups || lab_fail "cannot remove earlier top-ups of $U from $LAB_DB"
+# limit set below, so the test revokes its user's top-ups in force (`gpuhub quota revoke`),
+# before and after.
+topups() { "$cli" quota --json | jq -r --arg k "user:$U" '.topups[] | select(.quota == $k) | .id'; }
+clear_topups() {
+    local id
+    for id in $(topups); do "$cli" quota revoke "$id" --reason "quota-slurm: earlier run" >/dev/null || return 1; done
+    [ -z "$(topups)" ]
+}
+clear_topups || lab_fail "cannot revoke the earlier top-ups of $U with gpuhub quota revoke"
 lab_cleanup_add "'$cli' quota set --user '$U' --clear >/dev/null 2>&1 || true; clear_topups >/dev/null 2>&1 || true"
 cd /tmp
 
@@ -141,4 +145,16 @@ for ((i = 0; i < 60; i++)); do
 done
 echo "  sacct: job $R $st"
 [ "$st" = COMPLETED ] || lab_fail "the job that ran through the hold ended $st, not COMPLETED"
+
+echo "== 5. revoking the top-up holds the user again"
+id="$(topups)"
+[ "$(wc -w <<<"$id")" = 1 ] || lab_fail "expected the one top-up of step 4 in gpuhub quota, got: '$id'"
+lab_run "$cli" quota revoke "$id" --reason "quota-slurm test"
+[ "$LAB_RC" = 0 ] || lab_fail "gpuhub quota revoke $id failed"
+[ "$(q .held)" = true ] || lab_fail "not held again after the top-up was revoked"
+tres="$(sacctmgr -n -P list associations users="$U" format=User,GrpTRES | awk -F'|' -v u="$U" '$1 == u {print $2}')"
+grep -q 'gres/gpu=0' <<<"$tres" || lab_fail "slurmdbd does not hold $U after the revoke: GrpTRES=$tres"
+[ -z "$(topups)" ] || lab_fail "top-up $id is still listed after its revoke"
+lab_run "$cli" quota revoke "$id"
+[ "$LAB_RC" != 0 ] && grep -q "no top-up $id is in force" <<<"$LAB_OUT" || lab_fail "a second revoke of $id did not say it is no longer in force"
 echo "PASS: quota-slurm"

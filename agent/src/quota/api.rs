@@ -5,7 +5,9 @@
 //! - `POST /v1/quota/grant {target, gpu_hours, reason}` (admins): a top-up until the current
 //!   period ends; Slurm is brought in step before the answer;
 //! - `POST /v1/quota/set {target, gpu_hours | null}` (admins): the limit in place of
-//!   agent.toml's (`null`: back to agent.toml's); Slurm in step before the answer.
+//!   agent.toml's (`null`: back to agent.toml's); Slurm in step before the answer;
+//! - `POST /v1/quota/revoke {topup_id, reason}` (admins): ends a top-up now (one granted by
+//!   mistake); Slurm in step before the answer.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -21,7 +23,11 @@ use crate::config::{QuotaConfig, QuotaTarget};
 use crate::control::Caller;
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/v1/quota", get(show)).route("/v1/quota/grant", post(grant)).route("/v1/quota/set", post(set))
+    Router::new()
+        .route("/v1/quota", get(show))
+        .route("/v1/quota/grant", post(grant))
+        .route("/v1/quota/set", post(set))
+        .route("/v1/quota/revoke", post(revoke))
 }
 
 fn err(status: StatusCode, message: impl Into<String>) -> Response {
@@ -139,6 +145,34 @@ async fn set(State(state): State<AppState>, caller: Caller, Json(req): Json<SetR
     }
     tracing::info!(quota = %q.target.key(), gpu_hours = ?req.gpu_hours, by = %caller.user, "quotas: limit set");
     after_change(&state, &q.target.key(), json!({})).await
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RevokeReq {
+    topup_id: i64,
+    #[serde(default)]
+    reason: String,
+}
+
+async fn revoke(State(state): State<AppState>, caller: Caller, Json(req): Json<RevokeReq>) -> Response {
+    if let Err((status, msg)) = caller.require_admin("revoking a quota top-up") {
+        return err(status, msg);
+    }
+    match state.store.revoke_quota_topup(req.topup_id, &caller.user, &req.reason, crate::util::now_us()).await {
+        Ok(Some(target)) => {
+            tracing::info!(quota = %target, id = req.topup_id, by = %caller.user, "quotas: top-up revoked");
+            after_change(&state, &target, json!({"revoked_topup_id": req.topup_id})).await
+        }
+        Ok(None) => err(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no top-up {} is in force (revoked already, expired, or never granted); `gpuhub quota` lists the top-ups in force with their ids",
+                req.topup_id
+            ),
+        ),
+        Err(e) => failed(e),
+    }
 }
 
 /// Runs a pass at once (so Slurm holds or releases before the answer) and answers with the

@@ -1,5 +1,5 @@
 //! `gpuhub quota`: usage, limit and forecast of the quotas that cover you (admins: all);
-//! `gpuhub quota grant` and `gpuhub quota set` for admins.
+//! `gpuhub quota grant`, `set` and `revoke` for admins.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -35,6 +35,16 @@ pub enum QuotaCmd {
         /// Use agent.toml's limit again.
         #[arg(long)]
         clear: bool,
+    },
+    /// End a top-up now, e.g. one granted by mistake (admins); its id is in `gpuhub quota`.
+    /// Slurm holds the quota's jobs again before the command returns if it is used up.
+    Revoke {
+        /// The top-up's id (`top-up ID:` in `gpuhub quota`).
+        #[arg(value_name = "TOPUP_ID")]
+        topup_id: i64,
+        /// Why (appended to the top-up's reason).
+        #[arg(long, default_value = "")]
+        reason: String,
     },
 }
 
@@ -76,6 +86,9 @@ pub async fn run(socket: &Path, cmd: Option<QuotaCmd>, json_out: bool) -> anyhow
         }
         Some(QuotaCmd::Set { target, gpu_hours, .. }) => {
             client::request(socket, "POST", "/v1/quota/set", Some(json!({"target": target.key(), "gpu_hours": gpu_hours}))).await?
+        }
+        Some(QuotaCmd::Revoke { topup_id, reason }) => {
+            client::request(socket, "POST", "/v1/quota/revoke", Some(json!({"topup_id": topup_id, "reason": reason}))).await?
         }
     };
     if json_out {

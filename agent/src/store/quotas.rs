@@ -77,6 +77,27 @@ impl Store {
         Ok(id)
     }
 
+    /// Ends top-up `id` at `now_us` (`gpuhub quota revoke`): it stops counting at once and
+    /// its row stays, with who revoked it and why appended to its reason. Returns its target,
+    /// or `None` when no top-up `id` is in force.
+    pub async fn revoke_quota_topup(&self, id: i64, by: &str, why: &str, now_us: i64) -> Result<Option<String>, StoreError> {
+        let note = format!(
+            " [revoked by {by} at {}{}]",
+            crate::util::utc_time(now_us / 1_000_000),
+            if why.is_empty() { String::new() } else { format!(": {why}") }
+        );
+        let row: Option<(String,)> = sqlx::query_as(
+            "UPDATE quota_topups SET expires_us = $1, reason = reason || $2 WHERE id = $3 AND expires_us > $4 RETURNING target",
+        )
+        .bind(now_us)
+        .bind(note)
+        .bind(id)
+        .bind(now_us)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(row.map(|(t,)| t))
+    }
+
     /// Top-ups still in force at `now_us`, oldest first.
     pub async fn quota_topups(&self, now_us: i64) -> Result<Vec<TopupRow>, StoreError> {
         Ok(sqlx::query_as(
@@ -158,6 +179,19 @@ mod tests {
             );
             store.remove_quota_hold("user", "alice").await.unwrap();
             assert_eq!(store.quota_holds().await.unwrap().len(), 1);
+
+            assert_eq!(store.revoke_quota_topup(a, "root", "granted by mistake", 160).await.unwrap().as_deref(), Some("user:alice"));
+            let t = store.quota_topups(160).await.unwrap();
+            assert_eq!(t.iter().map(|t| t.id).collect::<Vec<_>>(), vec![c], "a revoked top-up no longer counts ({b:?})");
+            assert_eq!(store.revoke_quota_topup(a, "root", "", 170).await.unwrap(), None, "revoked twice ({b:?})");
+            assert_eq!(store.revoke_quota_topup(c, "root", "", 250).await.unwrap(), None, "an expired one cannot be revoked ({b:?})");
+            assert_eq!(store.revoke_quota_topup(9_999, "root", "", 160).await.unwrap(), None, "{b:?}");
+            let reason: (String,) =
+                sqlx::query_as("SELECT reason FROM quota_topups WHERE id = $1").bind(a).fetch_one(store.pool()).await.unwrap();
+            assert!(
+                reason.0.starts_with("deadline [revoked by root at 1970-01-01") && reason.0.ends_with(": granted by mistake]"),
+                "{reason:?}"
+            );
         }
     }
 }
