@@ -88,13 +88,14 @@ impl Collector for QuotaMetrics {
                 ConstGauge::new(t).encode(exhausted.encode_family(&QuotaLabels { quota: s.quota.clone() })?)?;
             }
         }
+        // The descriptor always (the family is known), the sample from the first pass on.
+        let family = encoder.encode_descriptor(
+            "quota_last_pass_timestamp_seconds",
+            "When the last quota pass ended (sums, Slurm holds and releases)",
+            None,
+            MetricType::Gauge,
+        )?;
         if let Some(t) = ended_s {
-            let family = encoder.encode_descriptor(
-                "quota_last_pass_timestamp_seconds",
-                "When the last quota pass ended (sums, Slurm holds and releases)",
-                None,
-                MetricType::Gauge,
-            )?;
             ConstGauge::new(t).encode(family)?;
         }
         Ok(())
