@@ -143,7 +143,8 @@ mod tests {
         };
         let t = text(&r);
         assert!(!t.contains("gpuhub_quota_used_gpu_hours{"), "no series before the first pass: {t}");
-        assert!(!t.contains("gpuhub_quota_last_pass_timestamp_seconds "), "{t}");
+        assert!(!t.lines().any(|l| l.starts_with("gpuhub_quota_last_pass_timestamp_seconds")), "no sample before the first pass: {t}");
+        assert!(t.contains("# TYPE gpuhub_quota_last_pass_timestamp_seconds gauge"), "described before the first pass: {t}");
 
         *last.lock().unwrap() = LastPass {
             statuses: vec![status("user:alice", 12.5, 10.0, true, Some(50)), status("user:bob", 1.0, 10.0, false, None)],
