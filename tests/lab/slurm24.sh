@@ -201,6 +201,11 @@ up() {
         fi
     done
     if ! lab_pid_alive "$LAB_SLURMCTLD_PID" slurmctld || ! lab_pid_alive "$LAB_SLURMD_PID" slurmd; then
+        # The leg's state and database are the lab's own: when the database was made after the
+        # state (a new MariaDB, an earlier leg without slurmdbd), slurmctld refuses the cluster id
+        # the database gives it; it takes it once its record of the old one is gone.
+        lab_pid_alive "$LAB_SLURMCTLD_PID" slurmctld || rm -f "$ROOT/var/lib/slurm/slurmctld/clustername"
+        lab24_stop_daemons slurmd slurmctld   # the one of them that still runs
         log "starting slurmctld and slurmd -N $LAB_NODE (Slurm $ver, ports 6917/6918)"
         lab_start_slurm || die "slurmctld/slurmd 24.11 failed to start"
     fi

@@ -100,11 +100,13 @@ lab_start_slurm() {
     fi
 }
 
-# lab24_stop_daemons: stop the 24.11 leg's slurmd, slurmctld, slurmdbd (SIGKILL after 15 s).
+# lab24_stop_daemons [NAME...]: stop the 24.11 leg's slurmd, slurmctld, slurmdbd, or only the
+# daemons NAMEd (SIGKILL after 15 s).
 lab24_stop_daemons() {
     local f n pid
     for f in "$LAB_SLURMD_PID:slurmd" "$LAB_SLURMCTLD_PID:slurmctld" "$LAB_SLURMDBD_PID:slurmdbd"; do
         n="${f##*:}"; f="${f%:*}"
+        [ "$#" = 0 ] || [[ " $* " == *" $n "* ]] || continue
         lab_pid_alive "$f" "$n" || { rm -f "$f"; continue; }
         pid="$(cat "$f")"
         kill "$pid" 2>/dev/null || true
