@@ -58,7 +58,11 @@ die() {
 # process's name is NAME; bin/NAME and sbin/NAME exec it on the root's program.
 wrappers() {
     local b dir prog
-    mkdir -p "$LAB24_DIR/ld" "$LAB24_BIN" "$LAB24_SBIN"
+    mkdir -p "$LAB24_DIR/ld" "$LAB24_BIN" "$LAB24_SBIN" "$LAB24_DIR/exe" "$LAB24_DIR/lib"
+    ln -sfn "$ROOT/lib64/ld-linux-x86-64.so.2" "$LAB24_DIR/ld.so"
+    for f in "$ROOT"/usr/lib/x86_64-linux-gnu/*.so* "$ROOT/usr/lib/x86_64-linux-gnu/slurm-wlm/libslurmfull.so"; do
+        ln -sfn "$f" "$LAB24_DIR/lib/${f##*/}"
+    done
     for b in srun sbatch salloc scontrol squeue sinfo sacct sacctmgr scancel sstat sattach sprio sshare sreport sdiag strigger sbcast \
         slurmctld slurmd slurmstepd slurmdbd; do
         case "$b" in
@@ -67,19 +71,18 @@ wrappers() {
             *) dir="$LAB24_BIN"; prog="$ROOT/usr/bin/$b" ;;
         esac
         [ -f "$prog" ] || continue
-        if [ "$b" = slurmctld ]; then
-            # slurmctld starts slurmscriptd by re-executing /proc/self/exe: a copy of it that names
-            # the root's loader as its interpreter, the root's libraries through LD_LIBRARY_PATH.
-            ln -sfn "$ROOT/lib64/ld-linux-x86-64.so.2" "$LAB24_DIR/ld.so"
-            mkdir -p "$LAB24_DIR/exe"
-            cmp -s <(sed -n 1p "$LAB24_DIR/exe/.src-$b" 2>/dev/null) <(stat -c %Y "$prog") ||
-                { python3 "$HERE/elf-interp.py" "$prog" "$LAB24_DIR/exe/$b" "$LAB24_DIR/ld.so" && stat -c %Y "$prog" > "$LAB24_DIR/exe/.src-$b"; } ||
+        case "$b" in slurmctld|slurmd|slurmstepd)
+            # They re-execute themselves through /proc/self/exe (slurmctld's slurmscriptd, slurmd's
+            # script launcher for the SPANK prolog/epilog): copies that name the root's loader as
+            # their interpreter and $LAB24_DIR/lib (the root's libraries) as their DT_RPATH, so
+            # they need no LD_LIBRARY_PATH, which would reach the host's programs they run.
+            python3 "$HERE/elf-interp.py" "$prog" "$LAB24_DIR/exe/$b" "$LAB24_DIR/ld.so" "$LAB24_DIR/lib" ||
                 die "cannot make $LAB24_DIR/exe/$b from $prog"
-            printf '#!/bin/sh\n# gpuhub lab, Slurm 24.11 leg (tests/lab/slurm24.sh): %s from %s on this host\nSLURM_CONF="${SLURM_CONF:-%s}" LD_LIBRARY_PATH=%s; export SLURM_CONF LD_LIBRARY_PATH\nexec %s "$@"\n' \
-                "$b" "$ROOT" "$LAB_SLURM_CONF" "$LAB24_LIBS" "$LAB24_DIR/exe/$b" > "$dir/$b.new"
+            printf '#!/bin/sh\n# gpuhub lab, Slurm 24.11 leg (tests/lab/slurm24.sh): %s from %s on this host\nSLURM_CONF="${SLURM_CONF:-%s}"; export SLURM_CONF\nexec %s "$@"\n' \
+                "$b" "$ROOT" "$LAB_SLURM_CONF" "$LAB24_DIR/exe/$b" > "$dir/$b.new"
             chmod 755 "$dir/$b.new"; mv -f "$dir/$b.new" "$dir/$b"
-            continue
-        fi
+            continue ;;
+        esac
         ln -sfn "$ROOT/lib64/ld-linux-x86-64.so.2" "$LAB24_DIR/ld/$b"
         printf '#!/bin/sh\n# gpuhub lab, Slurm 24.11 leg (tests/lab/slurm24.sh): %s from %s on this host\nSLURM_CONF="${SLURM_CONF:-%s}"; export SLURM_CONF\nexec %s --argv0 %s --library-path %s %s "$@"\n' \
             "$b" "$ROOT" "$LAB_SLURM_CONF" "$LAB24_DIR/ld/$b" "$b" "$LAB24_LIBS" "$prog" > "$dir/$b.new"
@@ -173,6 +176,12 @@ up() {
         die "the host's munged does not answer (this leg shares it): start the 22.05 lab once (tests/lab/up.sh)"
     mysqladmin ping >/dev/null 2>&1 || die "MariaDB does not answer (mysqladmin ping): start the 22.05 lab once (tests/lab/up.sh, GPUHUB_LAB_ACCOUNTING=1)"
     stop22
+    # Daemons of an older setup (another slurm.conf, or not running from $LAB24_DIR/exe) restart.
+    local n f
+    for n in slurmctld slurmd; do
+        f="$LAB_SLURMCTLD_PID"; [ "$n" = slurmd ] && f="$LAB_SLURMD_PID"
+        lab_pid_alive "$f" "$n" && [ "$(readlink "/proc/$(cat "$f")/exe")" != "$LAB24_DIR/exe/$n" ] && RESTART=1
+    done
     [ "$RESTART" = 1 ] && lab24_stop_daemons
     mysql -e "CREATE DATABASE IF NOT EXISTS slurm24_acct_db;
               CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmlab';
@@ -210,9 +219,19 @@ up() {
         lab_start_slurm || die "slurmctld/slurmd 24.11 failed to start"
     fi
     deadline=$((SECONDS + TIMEOUT))
+    local resumed=0
     while [ "$SECONDS" -lt "$deadline" ]; do
         state="$(sinfo -h -n "$LAB_NODE" -o '%T' 2>/dev/null | head -n1 || true)"
-        case "$state" in idle|mixed|allocated|completing) break ;; esac
+        case "$state" in
+            idle|mixed|allocated|completing) break ;;
+            *drain*|down*)
+                # A node drained in an earlier run (its state is kept): resume it once, as up.sh does.
+                if [ "$resumed" = 0 ]; then
+                    log "node is '$state' ($(sinfo -h -n "$LAB_NODE" -o '%E' | head -n1)); resuming it"
+                    scontrol update nodename="$LAB_NODE" state=resume 2>/dev/null || true
+                    resumed=1
+                fi ;;
+        esac
         lab_pid_alive "$LAB_SLURMCTLD_PID" slurmctld || pgrep -x slurmctld >/dev/null || die "slurmctld exited"
         sleep 0.5
     done
