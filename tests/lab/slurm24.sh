@@ -3,11 +3,13 @@
 # run ON THIS HOST in place of the 22.05 lab (GPUHUB_LAB_SLURM=24.11 tests/lab/up.sh, and
 # tests/run-all.sh's second leg). Jobs run on the host's filesystem, so the system tests, the
 # repo's .venv and target/release work unchanged on this leg:
-# - every Slurm program of the root runs through the root's own dynamic loader and libraries
-#   (/run/gpuhub-lab24/bin/srun ... and sbin/slurmctld ...: a loader symlink named like the
-#   program, so ps/pgrep see `srun`, `slurmd`), with SLURM_CONF=$ROOT/etc/slurm/slurm.conf;
-#   the root's /usr/sbin/slurmd etc. are absolute symlinks to the host's 22.05 files, so the
-#   wrappers run the real slurmd-wlm, slurmctld-wlm, slurmstepd-wlm;
+# - every Slurm program of the root runs with the root's own dynamic loader and libraries, with
+#   SLURM_CONF=$ROOT/etc/slurm/slurm.conf: the clients and slurmdbd (/run/gpuhub-lab24/bin/srun ...,
+#   sbin/slurmdbd) through the loader invoked explicitly (a symlink named like the program, so
+#   ps/pgrep see `srun`); slurmctld, slurmd and slurmstepd, which re-execute themselves through
+#   /proc/self/exe, as copies whose interpreter is the root's loader and whose DT_RPATH is
+#   /run/gpuhub-lab24/lib (tests/lab/elf-interp.py); the root's /usr/sbin/slurmd etc. are absolute
+#   symlinks to the host's 22.05 files, so the copies are made from slurmd-wlm etc.;
 # - slurmd runs in a private mount namespace where /usr/sbin/slurmstepd (its compiled-in path)
 #   is the 24.11 slurmstepd's wrapper;
 # - slurmctld 6917, slurmd 6918, slurmdbd 6919 (database slurm24_acct_db on the host's MariaDB),
