@@ -10,8 +10,8 @@
 #   /proc/self/exe, as copies whose interpreter is the root's loader and whose DT_RPATH is
 #   /run/gpuhub-lab24/lib (tests/lab/elf-interp.py); the root's /usr/sbin/slurmd etc. are absolute
 #   symlinks to the host's 22.05 files, so the copies are made from slurmd-wlm etc.;
-# - slurmd runs in a private mount namespace where /usr/sbin/slurmstepd (its compiled-in path)
-#   is the 24.11 slurmstepd's wrapper;
+# - slurmd runs the 24.11 slurmstepd: its SBINDIR in the daemons' copy of libslurmfull is
+#   /run/l24s, a link to those copies (the host's /usr/sbin/slurmstepd stays 22.05's);
 # - slurmctld 6917, slurmd 6918, slurmdbd 6919 (database slurm24_acct_db on the host's MariaDB),
 #   the host's munged (same key); state, logs and pid files under the root; job ids from
 #   24000000 (FirstJobId), apart from the 22.05 lab's in the agent's store;
@@ -54,7 +54,7 @@ die() {
     done
     exit 1
 }
-[ "$(id -u)" -eq 0 ] || die "must run as root (mount namespace, daemons)"
+[ "$(id -u)" -eq 0 ] || die "must run as root (daemons, /run)"
 
 # wrappers: /run/gpuhub-lab24/{ld,bin,sbin}. ld/NAME is a symlink to the root's loader, so the
 # process's name is NAME; bin/NAME and sbin/NAME exec it on the root's program.
@@ -62,9 +62,28 @@ wrappers() {
     local b dir prog
     mkdir -p "$LAB24_DIR/ld" "$LAB24_BIN" "$LAB24_SBIN" "$LAB24_DIR/exe" "$LAB24_DIR/lib"
     ln -sfn "$ROOT/lib64/ld-linux-x86-64.so.2" "$LAB24_DIR/ld.so"
-    for f in "$ROOT"/usr/lib/x86_64-linux-gnu/*.so* "$ROOT/usr/lib/x86_64-linux-gnu/slurm-wlm/libslurmfull.so"; do
+    for f in "$ROOT"/usr/lib/x86_64-linux-gnu/*.so*; do
         ln -sfn "$f" "$LAB24_DIR/lib/${f##*/}"
     done
+    # slurmd runs slurmstepd (steps, and the SPANK prolog/epilog) from SBINDIR, compiled into
+    # libslurmfull as "/usr/sbin": the daemons' copy of the library names /run/l24s instead, a
+    # link to $LAB24_DIR/exe (the host's /usr/sbin/slurmstepd is 22.05's). No mount namespace, so
+    # the tests' mounts (spank-faults' read-only spool) reach the jobs.
+    ln -sfn "$LAB24_DIR/exe" /run/l24s
+    python3 - "$ROOT/usr/lib/x86_64-linux-gnu/slurm-wlm/libslurmfull.so" "$LAB24_DIR/lib/libslurmfull.so" <<'PY' ||
+import os, sys
+src, dst = sys.argv[1], sys.argv[2]
+data = open(src, "rb").read()
+old, new = b"\0/usr/sbin\0%s/slurmstepd\0", b"\0/run/l24s\0%s/slurmstepd\0"
+if data.count(old) != 1:
+    sys.exit(f"{src}: SBINDIR /usr/sbin next to %s/slurmstepd not found once")
+data = data.replace(old, new)
+if os.path.islink(dst) or not os.path.exists(dst) or open(dst, "rb").read() != data:
+    tmp = f"{dst}.new.{os.getpid()}"
+    open(tmp, "wb").write(data)
+    os.replace(tmp, dst)
+PY
+        die "cannot make $LAB24_DIR/lib/libslurmfull.so"
     for b in srun sbatch salloc scontrol squeue sinfo sacct sacctmgr scancel sstat sattach sprio sshare sreport sdiag strigger sbcast \
         slurmctld slurmd slurmstepd slurmdbd; do
         case "$b" in

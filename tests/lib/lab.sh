@@ -88,15 +88,12 @@ lab_pid_alive() {
 }
 
 # lab_start_slurm: start the leg's slurmctld and slurmd -N gpu01 (not waiting for the node).
-# 24.11: through the leg's wrappers, slurmd in a private mount namespace whose
-# /usr/sbin/slurmstepd (slurmd's compiled-in path) is the 24.11 slurmstepd (tests/lab/slurm24.sh).
+# 24.11: through the leg's wrappers (tests/lab/slurm24.sh).
 lab_start_slurm() {
     if [ "$LAB_SLURM" = 22.05 ]; then
         slurmctld && slurmd -N "$LAB_NODE"
     else
-        "$LAB24_SBIN/slurmctld" &&
-            unshare -m --propagation private sh -c 'mount --bind "$1" /usr/sbin/slurmstepd && exec "$2" -N "$3"' \
-                sh "$LAB24_DIR/exe/slurmstepd" "$LAB24_SBIN/slurmd" "$LAB_NODE"
+        "$LAB24_SBIN/slurmctld" && "$LAB24_SBIN/slurmd" -N "$LAB_NODE"
     fi
 }
 
