@@ -4,11 +4,12 @@
 # 22.05: N rounds, each runs srun once with the plugin's plugstack line present and once with it
 # absent (order alternating per round), the plugin with a private spool, snapshot and job key
 # (the same fixture as spank_fixture: StepStart/StepEnd records, snapshot read, token HMAC,
-# spank_setenv all run); prints each series' median and the difference. The loop runs inside the
-# root (one chroot for all rounds), so only srun is timed.
+# spank_setenv all run); prints each series' median and the difference. The loop runs on the
+# host with the 24.11 leg's srun (tests/lab/slurm24.sh run), so only srun is timed.
 #
 # Usage (root): bench/spank-srun-slurm24.sh [ROUNDS]   (default 30)
-# Starts the 24.11 lab if it is not up (tests/lab/slurm24.sh up) and stops it again then;
+# Starts the 24.11 lab if it is not up (tests/lab/slurm24.sh up, which stops the 22.05 lab's
+# daemons) and stops it again then (tests/lab/up.sh brings the 22.05 lab back);
 # restores the root's plugstack line at exit.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -22,29 +23,31 @@ if ! "$LAB24" run sinfo -h -n gpu01 -o %T 2>/dev/null | grep -qE '^(idle|mixed)'
     started=1
 fi
 ON_ORIG="$(cat "$CONF")"
-T=/tmp/gpuhub-bench24   # inside the root
-rm -rf "$ROOT$T"; mkdir -p "$ROOT$T/spool"; chmod 755 "$ROOT$T"
+T=/tmp/gpuhub-bench24
+rm -rf "$T"; mkdir -p "$T/spool"; chmod 755 "$T"
 cleanup() {
     printf '%s\n' "$ON_ORIG" > "$CONF"
-    rm -rf "${ROOT:?}$T"
+    rm -rf "$T"
     [ "$started" = 0 ] || "$LAB24" down
 }
 trap cleanup EXIT
-cat > "$ROOT$T/snapshot.json" <<'JSON'
+cat > "$T/snapshot.json" <<'JSON'
 {"version":1,"generated_at":1,"gateway_url":"http://127.0.0.1:8400","mlflow_tracking_uri":"http://127.0.0.1:5000",
  "mlflow_experiment":"lab-default","roles":{"ocr":"dots.ocr","tts":null},
  "gpus":{"0":"GPU-00000000-test-0000-0000-000000000000","1":"GPU-11111111-test-1111-1111-111111111111"}}
 JSON
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$ROOT$T/job-token.key"; chmod 600 "$ROOT$T/job-token.key"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$T/job-token.key"; chmod 600 "$T/job-token.key"
 ON="$ON_ORIG spool_dir=$T/spool snapshot=$T/snapshot.json job_key=$T/job-token.key dcgm_job_map_dir=$T/dcgm-job-map"
-printf '%s\n' "$ON" > "$ROOT$T/on.conf"
-: > "$ROOT$T/off.conf"
+printf '%s\n' "$ON" > "$T/on.conf"
+: > "$T/off.conf"
 # The loop, inside the root: per round copy on/off over the plugstack file, wait for an idle
 # queue (untimed), time srun.
-cat > "$ROOT$T/loop.sh" <<'SH'
+cat > "$T/loop.sh" <<SH
 #!/bin/sh
 set -e
-T=/tmp/gpuhub-bench24; conf=/etc/slurm/plugstack.conf.d/gpuhub.conf
+T=/tmp/gpuhub-bench24; conf=$CONF
+SH
+cat >> "$T/loop.sh" <<'SH'
 run() {
     cp "$T/$1.conf" "$conf"
     i=0; while [ -n "$(squeue -h)" ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i + 1)); done
@@ -59,8 +62,8 @@ done
 SH
 "$LAB24" run sh "$T/loop.sh" "$ROUNDS"
 median() { sort -n | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
-on_us="$(median < "$ROOT$T/on")"; off_us="$(median < "$ROOT$T/off")"
-recs="$(find "$ROOT$T/spool/records" -name '*.json' 2>/dev/null | wc -l)"
+on_us="$(median < "$T/on")"; off_us="$(median < "$T/off")"
+recs="$(find "$T/spool/records" -name '*.json' 2>/dev/null | wc -l)"
 [ "$recs" -ge "$ROUNDS" ] || { echo "the plugin wrote $recs records for $ROUNDS runs: it did not run" >&2; exit 1; }
 echo "Slurm $("$LAB24" run srun -V | awk '{print $2}'), load average $(cut -d' ' -f1-3 /proc/loadavg)"
 awk -v n="$ROUNDS" -v on="$on_us" -v off="$off_us" 'BEGIN {

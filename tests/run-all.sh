@@ -9,6 +9,12 @@
 # Logs of each system test: target/test-logs/<name>.log (the tail is printed on failure).
 #   6. checks that the tests left nothing behind: no process this run started (other than the
 #      lab's daemons and agent), no new listening port, no Slurm job but the lab agent's workers
+#   7. the second leg: the spank-*, accounting-lab* and trust-* tests among those selected run
+#      again, unchanged, on Slurm 24.11 (tests/lab/slurm24.sh up: Debian 13's Slurm with
+#      slurmdbd and the agent, in place of the 22.05 daemons; GPUHUB_LAB_SLURM=24.11), with their
+#      own leftovers check; then the 22.05 lab comes back (slurm24.sh down, tests/lab/up.sh).
+#      Each leg is reported ("leg 22.05: N passed, M failed"), FAIL lines carry the leg; the
+#      second leg's logs are target/test-logs/slurm-24.11/<name>.log.
 #   GPUHUB_TESTS=PATTERN   run only system tests whose file name matches PATTERN (grep -E);
 #                          a pattern that matches no test is an error
 #   GPUHUB_SKIP_CARGO=1    skip step 3
@@ -90,34 +96,85 @@ tests/lab/up.sh || die "tests/lab/up.sh failed"
 
 leftovers_note "tests/lab/up.sh"
 mkdir -p "$LOGS"
-phase "system tests (${#tests[@]})"
-pass=0; fail=0; failed=()
-for t in "${tests[@]}"; do
-    name="$(basename "$t" .sh)"
-    limit="$(sed -n 's/^# *timeout: *\([0-9]\+\).*/\1/p' "$t" | head -n1)"
-    limit="${limit:-600}"
-    start=$SECONDS
-    if timeout --kill-after=10 "$limit" bash "$t" >"$LOGS/$name.log" 2>&1; then
-        pass=$((pass + 1)); log "PASS $name ($((SECONDS - start))s)"
+# run_leg LEG LOGDIR TEST...: the system tests against the lab that is up (Slurm LEG), one at a
+# time with their time limits, then the leftovers check; adds to pass/fail, tags FAIL lines with
+# the leg and prints "leg LEG: N passed, M failed".
+pass=0; fail=0; failed=(); legs=()
+run_leg() {
+    local leg="$1" dir="$2" t name limit start rc lpass=0 lfail=0
+    shift 2
+    mkdir -p "$dir"
+    for t in "$@"; do
+        name="$(basename "$t" .sh)"
+        limit="$(sed -n 's/^# *timeout: *\([0-9]\+\).*/\1/p' "$t" | head -n1)"
+        limit="${limit:-600}"
+        start=$SECONDS
+        if timeout --kill-after=10 "$limit" bash "$t" >"$dir/$name.log" 2>&1; then
+            lpass=$((lpass + 1)); log "PASS [$leg] $name ($((SECONDS - start))s)"
+        else
+            rc=$?
+            lfail=$((lfail + 1)); failed+=("$name[$leg]")
+            log "FAIL [$leg] $name (exit $rc after $((SECONDS - start))s; limit ${limit}s); last lines of $dir/$name.log:"
+            tail -n 40 "$dir/$name.log" | sed 's/^/    /'
+        fi
+        leftovers_note "$name"
+    done
+    phase "leftovers [$leg]"; log "leftovers: waiting up to 60 s for what the tests started to be gone"
+    if leftovers_check 60; then
+        lpass=$((lpass + 1)); log "PASS [$leg] leftovers (no process, port or Slurm job left behind)"
     else
-        rc=$?
-        fail=$((fail + 1)); failed+=("$name")
-        log "FAIL $name (exit $rc after $((SECONDS - start))s; limit ${limit}s); last lines of $LOGS/$name.log:"
-        tail -n 40 "$LOGS/$name.log" | sed 's/^/    /'
+        lfail=$((lfail + 1)); failed+=("leftovers[$leg]")
+        log "FAIL [$leg] leftovers: the tests left these behind (first seen after the test named):"
+        sed 's/^/    /' "$LEFTOVERS_REPORT"
+        cp "$LEFTOVERS_REPORT" "$dir/leftovers.log"
     fi
-    leftovers_note "$name"
+    leftovers_done
+    pass=$((pass + lpass)); fail=$((fail + lfail))
+    legs+=("leg $leg: $lpass passed, $lfail failed")
+    log "leg $leg: $lpass passed, $lfail failed"
+}
+phase "system tests, Slurm 22.05 (${#tests[@]})"
+run_leg 22.05 "$LOGS" "${tests[@]}"
+
+# The second leg: the same spank-*, accounting-lab* and trust-* tests, unchanged, against Slurm
+# 24.11 (Debian 13's packages from the root tests/lab/slurm24.sh runs on this host, with
+# slurmdbd and the agent; GPUHUB_LAB_SLURM=24.11 selects its paths in tests/lib/lab.sh). The
+# 22.05 lab's daemons stop meanwhile and come back after it (tests/lab/up.sh).
+tests24=()
+for t in "${tests[@]}"; do
+    grep -qE '^(spank-|accounting-lab|trust-)' <<<"$(basename "$t" .sh)" && tests24+=("$t")
 done
-phase leftovers; log "leftovers: waiting up to 60 s for what the tests started to be gone"
-if leftovers_check 60; then
-    pass=$((pass + 1)); log "PASS leftovers (no process, port or Slurm job left behind)"
-else
-    fail=$((fail + 1)); failed+=(leftovers)
-    log "FAIL leftovers: the tests left these behind (first seen after the test named):"
-    sed 's/^/    /' "$LEFTOVERS_REPORT"
-    cp "$LEFTOVERS_REPORT" "$LOGS/leftovers.log"
+if [ "${#tests24[@]}" -gt 0 ]; then
+    phase "lab, Slurm 24.11 leg (tests/lab/slurm24.sh up)"
+    if GPUHUB_LAB_BUILD=1 tests/lab/slurm24.sh up; then
+        . tests/lib/leftovers.sh   # a fresh baseline: this leg's daemons and agent
+        GPUHUB_LAB_SLURM=24.11 PATH="/run/gpuhub-lab24/bin:$PATH" SLURM_CONF=/var/lib/gpuhub-lab/slurm24-root/etc/slurm/slurm.conf \
+            leftovers_baseline
+        phase "system tests, Slurm 24.11 (${#tests24[@]})"
+        (
+            export GPUHUB_LAB_SLURM=24.11
+            # shellcheck source=lib/lab.sh
+            . tests/lib/lab.sh >/dev/null   # the leg's PATH and SLURM_CONF, for leftovers.py's squeue
+            trap - EXIT
+            run_leg 24.11 "$LOGS/slurm-24.11" "${tests24[@]}"
+            echo "$pass $fail ${legs[*]: -1}" > "$LOGS/slurm-24.11/.leg"
+            printf '%s\n' "${failed[@]}" > "$LOGS/slurm-24.11/.failed"
+        )
+        read -r pass fail leg24 < "$LOGS/slurm-24.11/.leg" || true
+        legs+=("${leg24:-leg 24.11: did not finish}")
+        mapfile -t failed < "$LOGS/slurm-24.11/.failed"
+        [ -n "${failed[*]}" ] || failed=()
+    else
+        fail=$((fail + 1)); failed+=("slurm24-up"); legs+=("leg 24.11: tests/lab/slurm24.sh up failed")
+        log "FAIL [24.11] tests/lab/slurm24.sh up"
+    fi
+    phase "lab back to Slurm 22.05 (tests/lab/slurm24.sh down, tests/lab/up.sh)"
+    tests/lab/slurm24.sh down || { fail=$((fail + 1)); failed+=("slurm24-down"); }
+    GPUHUB_LAB_BUILD=0 tests/lab/up.sh >"$LOGS/lab-up-22.05.log" 2>&1 ||
+        { fail=$((fail + 1)); failed+=("lab-up-22.05"); log "FAIL tests/lab/up.sh after the 24.11 leg:"; tail -n 20 "$LOGS/lab-up-22.05.log" | sed 's/^/    /'; }
 fi
-leftovers_done
 phases_summary
+for l in "${legs[@]}"; do log "$l"; done
 [ "${#failed[@]}" -eq 0 ] || log "failed: ${failed[*]}"
 echo "system: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

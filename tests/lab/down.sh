@@ -6,8 +6,8 @@
 #             created, and the lab's gpuhub spool/runtime dirs (configs stay in /etc/slurm)
 set -uo pipefail
 
-# GPUHUB_LAB_SLURM=24.11: the lab's second Slurm (Debian 13's 24.11, chrooted beside this one on
-# ports 6917/6918; plugin only so far): tests/lab/slurm24.sh. Unset or 22.05: this lab.
+# GPUHUB_LAB_SLURM=24.11: the lab's second Slurm (Debian 13's 24.11 from a root, run on this host
+# in place of this lab's daemons, with slurmdbd and the agent): tests/lab/slurm24.sh. Unset or 22.05: this lab.
 case "${GPUHUB_LAB_SLURM:-22.05}" in
     22.05) ;;
     24.11) exec "$(dirname "${BASH_SOURCE[0]}")/slurm24.sh" down "$@" ;;

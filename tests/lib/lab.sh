@@ -24,23 +24,94 @@
 
 LAB_REPO="${LAB_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 LAB_NODE=gpu01
-LAB_PLUGSTACK=/etc/slurm/plugstack.conf.d/gpuhub.conf
 LAB_AGENT_PID=/run/gpuhub/agent.pid
 LAB_AGENT_LOG=/var/log/gpuhub/agent.log
 LAB_AGENT_BIN="$LAB_REPO/target/release/gpuhub-agent"
 LAB_AGENT_CONFIG="${GPUHUB_LAB_AGENT_CONFIG:-$LAB_REPO/tests/lab/agent.toml}"
-LAB_SLURMD_LOG=/var/log/slurm/slurmd.log
 export PATH="$PATH:/usr/sbin:/sbin"
 
-# lab_plugin_path [prolog]: where the plugin is installed in this distribution's PluginDir;
+# The lab's Slurm (GPUHUB_LAB_SLURM): 22.05 (default: Debian 12's packages, tests/lab/up.sh) or
+# 24.11 (Debian 13's, from the root tests/lab/slurm24.sh runs on this host). Each test uses only
+# these LAB_* paths and the functions below, so it runs unchanged on either leg:
+#   LAB_SLURM          22.05 or 24.11
+#   LAB_SLURM_CONF     the slurm.conf the daemons read (SLURM_CONF on the 24.11 leg)
+#   LAB_PLUGSTACK      the gpuhub plugstack line's file
+#   LAB_PLUGIN_DIR     Slurm's PluginDir, where the plugin is installed (lab_plugin_path)
+#   LAB_SLURMD_LOG, LAB_SLURMDBD_LOG, LAB_SLURMCTLD_PID, LAB_SLURMD_PID, LAB_SLURMDBD_PID
+# On the 24.11 leg the leg's client wrappers (/run/gpuhub-lab24/bin: srun, sbatch, squeue, sacct,
+# ...) come first on PATH and SLURM_CONF is exported, for the tests, their jobs and the agent.
+LAB_SLURM="${GPUHUB_LAB_SLURM:-22.05}"
+case "$LAB_SLURM" in
+    22.05)
+        LAB_SLURM_CONF=/etc/slurm/slurm.conf
+        LAB_PLUGSTACK=/etc/slurm/plugstack.conf.d/gpuhub.conf
+        LAB_PLUGIN_DIR=/usr/lib/x86_64-linux-gnu/slurm-wlm
+        for _d in /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/lib64/slurm /usr/lib/slurm; do
+            if [ -d "$_d" ]; then LAB_PLUGIN_DIR="$_d"; break; fi
+        done
+        LAB_SLURMD_LOG=/var/log/slurm/slurmd.log
+        LAB_SLURMDBD_LOG=/var/log/slurm/slurmdbd.log
+        LAB_SLURMCTLD_PID=/run/slurmctld.pid
+        LAB_SLURMD_PID=/run/slurmd.pid
+        LAB_SLURMDBD_PID=/run/slurmdbd.pid ;;
+    24.11)
+        LAB24_ROOT="${GPUHUB_SLURM24_ROOT:-/var/lib/gpuhub-lab/slurm24-root}"
+        LAB24_DIR=/run/gpuhub-lab24
+        LAB24_BIN="$LAB24_DIR/bin"
+        LAB24_SBIN="$LAB24_DIR/sbin"
+        LAB24_LIBS="$LAB24_ROOT/usr/lib/x86_64-linux-gnu/slurm-wlm:$LAB24_ROOT/usr/lib/x86_64-linux-gnu"
+        LAB_SLURM_CONF="$LAB24_ROOT/etc/slurm/slurm.conf"
+        LAB_PLUGSTACK="$LAB24_ROOT/etc/slurm/plugstack.conf.d/gpuhub.conf"
+        LAB_PLUGIN_DIR="$LAB24_ROOT/usr/lib/x86_64-linux-gnu/slurm-wlm"
+        LAB_SLURMD_LOG="$LAB24_ROOT/var/log/slurm/slurmd.log"
+        LAB_SLURMDBD_LOG="$LAB24_ROOT/var/log/slurm/slurmdbd.log"
+        LAB_SLURMCTLD_PID="$LAB24_ROOT/run/slurmctld.pid"
+        LAB_SLURMD_PID="$LAB24_ROOT/run/slurmd.pid"
+        LAB_SLURMDBD_PID="$LAB24_ROOT/run/slurmdbd.pid"
+        case ":$PATH:" in *":$LAB24_BIN:"*) ;; *) PATH="$LAB24_BIN:$PATH" ;; esac
+        export PATH SLURM_CONF="$LAB_SLURM_CONF" ;;
+    *) echo "FAIL: GPUHUB_LAB_SLURM=$LAB_SLURM: the lab has Slurm 22.05 (default) and 24.11" >&2; exit 1 ;;
+esac
+
+# lab_plugin_path [prolog]: where the plugin is installed in the leg's PluginDir;
 # `prolog`: the build with job hooks (spank_gpuhub_prolog.so) beside it.
 lab_plugin_path() {
-    local d name=spank_gpuhub.so
-    [ "${1:-}" = prolog ] && name=spank_gpuhub_prolog.so
-    for d in /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/lib64/slurm /usr/lib/slurm; do
-        if [ -d "$d" ]; then echo "$d/$name"; return 0; fi
+    if [ "${1:-}" = prolog ]; then echo "$LAB_PLUGIN_DIR/spank_gpuhub_prolog.so"; else echo "$LAB_PLUGIN_DIR/spank_gpuhub.so"; fi
+}
+
+# lab_pid_alive PIDFILE NAME: the pid in PIDFILE runs and is named NAME.
+lab_pid_alive() {
+    local pid
+    [ -s "$1" ] || return 1
+    pid="$(cat "$1")"
+    [ -d "/proc/$pid" ] && grep -qx "$2" "/proc/$pid/comm" 2>/dev/null
+}
+
+# lab_start_slurm: start the leg's slurmctld and slurmd -N gpu01 (not waiting for the node).
+# 24.11: through the leg's wrappers (tests/lab/slurm24.sh).
+lab_start_slurm() {
+    if [ "$LAB_SLURM" = 22.05 ]; then
+        slurmctld && slurmd -N "$LAB_NODE"
+    else
+        "$LAB24_SBIN/slurmctld" && "$LAB24_SBIN/slurmd" -N "$LAB_NODE"
+    fi
+}
+
+# lab24_stop_daemons [NAME...]: stop the 24.11 leg's slurmd, slurmctld, slurmdbd, or only the
+# daemons NAMEd (SIGKILL after 15 s).
+lab24_stop_daemons() {
+    local f n pid
+    for f in "$LAB_SLURMD_PID:slurmd" "$LAB_SLURMCTLD_PID:slurmctld" "$LAB_SLURMDBD_PID:slurmdbd"; do
+        n="${f##*:}"; f="${f%:*}"
+        [ "$#" = 0 ] || [[ " $* " == *" $n "* ]] || continue
+        lab_pid_alive "$f" "$n" || { rm -f "$f"; continue; }
+        pid="$(cat "$f")"
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 150); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
+        [ -d "/proc/$pid" ] && kill -9 "$pid" 2>/dev/null
+        rm -f "$f"
     done
-    echo "/usr/lib/x86_64-linux-gnu/slurm-wlm/$name"
+    return 0
 }
 
 lab_fail() {
@@ -119,9 +190,10 @@ plugstack_restore() {
 # node is idle. slurmd decides at start whether the loaded plugin has job prolog/epilog hooks.
 lab_restart_slurm() {
     local i
-    kill "$(cat /run/slurmd.pid 2>/dev/null)" "$(cat /run/slurmctld.pid 2>/dev/null)" 2>/dev/null || true
+    kill "$(cat "$LAB_SLURMD_PID" 2>/dev/null)" "$(cat "$LAB_SLURMCTLD_PID" 2>/dev/null)" 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do lab_pid_alive "$LAB_SLURMD_PID" slurmd || lab_pid_alive "$LAB_SLURMCTLD_PID" slurmctld || break; sleep 0.1; done
     for ((i = 0; i < 150; i++)); do pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || break; sleep 0.1; done
-    slurmctld && slurmd -N "$LAB_NODE" || lab_fail "slurmctld/slurmd did not restart"
+    lab_start_slurm || lab_fail "slurmctld/slurmd did not restart"
     for ((i = 0; i < 150; i++)); do sinfo -h -n "$LAB_NODE" -o %T 2>/dev/null | grep -qE '^(idle|mixed)$' && return 0; sleep 0.2; done
     lab_fail "node $LAB_NODE not idle 30 s after restarting Slurm"
 }
@@ -133,13 +205,13 @@ lab_restart_slurm() {
 # Slurm. At exit the lab's slurm.conf and plugstack come back and Slurm restarts once more.
 _LAB_SLURM_CONF_SAVED=""
 lab_slurm_setup() {
-    local plugin="$1" flags="$2" conf=/etc/slurm/slurm.conf line path args kv
+    local plugin="$1" flags="$2" conf="$LAB_SLURM_CONF" line path args kv
     shift 2
     _plugstack_save
     if [ -z "$_LAB_SLURM_CONF_SAVED" ]; then
         _LAB_SLURM_CONF_SAVED="$(mktemp /tmp/gpuhub-slurm-conf.XXXXXX)"
         cp -p "$conf" "$_LAB_SLURM_CONF_SAVED"
-        lab_cleanup_add "plugstack_restore; cp -p '$_LAB_SLURM_CONF_SAVED' $conf && rm -f '$_LAB_SLURM_CONF_SAVED' && lab_restart_slurm"
+        lab_cleanup_add "plugstack_restore; cp -p '$_LAB_SLURM_CONF_SAVED' '$conf' && rm -f '$_LAB_SLURM_CONF_SAVED' && lab_restart_slurm"
     fi
     line="$(grep -E '^(optional|required)[[:space:]]' "$LAB_PLUGSTACK" "$_LAB_PLUGSTACK_SAVED" 2>/dev/null | head -n1 | cut -d: -f2-)"
     args="$(awk '{$1 = ""; $2 = ""; print}' <<<"$line" | sed 's/^ *//')"

@@ -161,8 +161,8 @@ for ((i = 0; ; i++)); do
     [ "$(awk -F'|' '$2 == "COMPLETED" && $6 ~ /^[0-9]+$/' <<<"$sacct_out" | wc -l)" -eq 4 ] && break
     [ "$i" -lt $((sacct_timeout * 2)) ] || {
         printf '%s\n' "$sacct_out" | sed 's/^/  | /'
-        tail -n 10 /var/log/slurm/slurmdbd.log 2>/dev/null | sed 's/^/  slurmdbd.log: /'
-        lab_fail "sacct does not list jobs $ids as COMPLETED after ${sacct_timeout}s: slurmctld -> slurmdbd is broken or slow (sdiag shows the DBD agent queue; see /var/log/slurm/slurmdbd.log)"
+        tail -n 10 "$LAB_SLURMDBD_LOG" 2>/dev/null | sed 's/^/  slurmdbd.log: /'
+        lab_fail "sacct does not list jobs $ids as COMPLETED after ${sacct_timeout}s: slurmctld -> slurmdbd is broken or slow (sdiag shows the DBD agent queue; see $LAB_SLURMDBD_LOG)"
     }
     sleep 0.5
 done

@@ -16,10 +16,18 @@ INTERVAL_S=$(( $(sed -n 's/^slurm_interval_ms *= *\([0-9]*\).*/\1/p' "$LAB_AGENT
 [ "$INTERVAL_S" -ge 1 ] || lab_fail "cannot read telemetry.slurm_interval_ms from $LAB_AGENT_CONFIG"
 LIMIT=$((2 * INTERVAL_S + 3))
 
-# gpus_of JOB: the GPU indices slurmctld gives the running job on the node (IDX:0-1 -> "0 1").
+# gpus_of JOB: the GPU indices slurmctld gives the running job on the node (IDX:0-1 -> "0 1";
+# Slurm 24.11 gives a shard job's shards per GPU as held/configured: (0/14,7/14) -> "1").
 gpus_of() {
-    scontrol show job -d "$1" | grep -oE 'IDX:[0-9,-]+' | head -n1 | cut -d: -f2 | tr ',' '\n' \
-        | awk -F- '{ if (NF == 2) for (i = $1; i <= $2; i++) print i; else print $1 }' | tr '\n' ' '
+    local gres
+    gres="$(scontrol show job -d "$1" | grep -oE ' GRES=[^ ]+' | tail -n1)"
+    if grep -qE 'IDX:[0-9]' <<<"$gres"; then
+        grep -oE 'IDX:[0-9,-]+' <<<"$gres" | head -n1 | cut -d: -f2 | tr ',' '\n' \
+            | awk -F- '{ if (NF == 2) for (i = $1; i <= $2; i++) print i; else print $1 }' | tr '\n' ' '
+    else
+        grep -oE '\(([0-9]+/[0-9]+,?)+\)' <<<"$gres" | head -n1 | tr -d '()' | tr ',' '\n' \
+            | awk -F/ '$1 > 0 { print NR - 1 }' | tr '\n' ' '
+    fi
 }
 # running JOB: wait (60 s) until the job runs.
 running() {

@@ -12,7 +12,7 @@ T="$(mktemp -d /tmp/gpuhub-lab-test.XXXXXX)"
 lab_cleanup_add "rm -rf '$T'"
 # Whatever happens, leave the lab up with its own agent.
 lab_cleanup_add "GPUHUB_LAB_SMOKE=0 '$REPO/tests/lab/up.sh' >/dev/null 2>&1 || echo 'cleanup: tests/lab/up.sh failed' >&2"
-pids() { cat /run/slurmctld.pid /run/slurmd.pid /run/slurmdbd.pid /run/munge/munged.pid "$LAB_AGENT_PID" 2>/dev/null | tr '\n' ' '; }
+pids() { cat "$LAB_SLURMCTLD_PID" "$LAB_SLURMD_PID" "$LAB_SLURMDBD_PID" /run/munge/munged.pid "$LAB_AGENT_PID" 2>/dev/null | tr '\n' ' '; }
 
 echo "== up.sh twice: nothing restarts"
 before="$(pids)"

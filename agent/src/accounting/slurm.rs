@@ -551,6 +551,11 @@ mod tests {
     const RUNNING_SHARD7_2411: &str = "JobId=5 JobName=acct-shard7 UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:04 TimeLimit=00:01:00 TimeMin=N/A SubmitTime=1796158847 EligibleTime=1796158847 AccrueTime=Unknown StartTime=1796158847 EndTime=1796158907 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796158847 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:26710 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=500M,node=1,billing=1 AllocTRES=cpu=1,mem=500M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=shard:h200:7   Nodes=gpu01 CPU_IDs=0 Mem=500 GRES=shard:h200:7(7/14,0/14) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sleep WorkDir=/tmp TresPerNode=gres/shard:7";
     const RUNNING_GPU1_2411: &str = "JobId=6 JobName=acct-gpu1 UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=0 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:04 TimeLimit=00:01:00 TimeMin=N/A SubmitTime=1796158847 EligibleTime=1796158847 AccrueTime=Unknown StartTime=1796158847 EndTime=1796158907 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796158847 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:26710 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=500M,node=1,billing=1 AllocTRES=cpu=1,mem=500M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:h200:1   Nodes=gpu01 CPU_IDs=1 Mem=500 GRES=gpu:h200:1(IDX:1) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=sleep WorkDir=/tmp TresPerNode=gres/gpu:1";
 
+    // Captured on the lab's Slurm 24.11 leg with slurmdbd (tests/lab/slurm24.sh: Debian 13's 24.11.5
+    // on the host, AccountingStorageTRES=gres/gpu,gres/shard as on 22.05): AllocTRES carries the gres.
+    const RUNNING_SHARD7_2411_DBD: &str = "JobId=24000002 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=lab QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:01 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=1796171187 EligibleTime=1796171187 AccrueTime=1796171187 StartTime=1796171188 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796171188 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:607 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=500M,node=1,billing=1,gres/shard=7 AllocTRES=cpu=1,mem=500M,node=1,billing=1,gres/shard=7 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=shard:h200:7   Nodes=gpu01 CPU_IDs=0 Mem=500 GRES=shard:h200:7(7/14,0/14) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp StdErr=/tmp/slurm-24000002.out StdIn=/dev/null StdOut=/tmp/slurm-24000002.out TresPerNode=gres/shard:7 ";
+    const RUNNING_GPU1_2411_DBD: &str = "JobId=24000003 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=lab QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:01 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=1796171187 EligibleTime=1796171187 AccrueTime=1796171187 StartTime=1796171188 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=1796171188 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:607 ReqNodeList=(null) ExcNodeList=(null) NodeList=gpu01 BatchHost=gpu01 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=500M,node=1,billing=1,gres/gpu=1 AllocTRES=cpu=1,mem=500M,node=1,billing=1,gres/gpu=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:h200:1   Nodes=gpu01 CPU_IDs=1 Mem=500 GRES=gpu:h200:1(IDX:1) MinCPUsNode=1 MinMemoryCPU=500M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp StdErr=/tmp/slurm-24000003.out StdIn=/dev/null StdOut=/tmp/slurm-24000003.out TresPerNode=gres/gpu:1 ";
+
     fn nodes(n: &[&str]) -> BTreeSet<String> {
         n.iter().map(|s| s.to_string()).collect()
     }
@@ -589,6 +594,40 @@ mod tests {
         let a = g.alloc_on(&nodes(&["gpu01"])).unwrap();
         assert_eq!((a.gpus, a.shards), (1, 0));
         assert_eq!(a.indices.unwrap().gpus, BTreeSet::from([1]));
+    }
+
+    #[test]
+    fn scontrol_24_11_with_slurmdbd_counts_from_alloc_tres() {
+        let (jobs, errs) = parse_scontrol(&format!("{RUNNING_SHARD7_2411_DBD}\n{RUNNING_GPU1_2411_DBD}\n"));
+        assert!(errs.is_empty(), "{errs:?}");
+        let s = &jobs[&24_000_002];
+        assert_eq!((s.gpus, s.shards, s.account.as_deref(), s.end_us), (0, 7, Some("lab"), None), "EndTime=Unknown is no end");
+        assert_eq!((s.start_us, s.cpus, s.mem_bytes), (Some(1_796_171_188_000_000), 1, 500 << 20));
+        let a = s.alloc_on(&nodes(&["gpu01"])).unwrap();
+        assert_eq!(a.indices.unwrap().shards, BTreeMap::from([(0, 7)]), "7/14 on GPU 0, 0/14 on GPU 1");
+        let g = &jobs[&24_000_003];
+        assert_eq!((g.gpus, g.shards), (1, 0));
+        assert_eq!(g.alloc_on(&nodes(&["gpu01"])).unwrap().indices.unwrap().gpus, BTreeSet::from([1]));
+    }
+
+    #[test]
+    fn sacct_lines_24_11() {
+        // Captured on the 24.11 leg: SLURM_TIME_FORMAT=%s sacct -n -P -X -o SACCT_FIELDS (a gpu:1 and
+        // a shard:7 srun of root and gpuhublab, then two running sbatch jobs).
+        let text = "\
+24000000|billing=1,cpu=1,gres/gpu=1,mem=500M,node=1|lab|gpu|gpu01|1796171187|1796171187|COMPLETED|root|0
+24000001|billing=1,cpu=1,gres/shard=7,mem=500M,node=1|lab|gpu|gpu01|1796171187|1796171187|COMPLETED|gpuhublab|1001
+24000002|billing=1,cpu=1,gres/shard=7,mem=500M,node=1|lab|gpu|gpu01|1796171188|Unknown|RUNNING|root|0
+24000003|billing=1,cpu=1,gres/gpu=1,mem=500M,node=1|lab|gpu|gpu01|1796171188|Unknown|RUNNING|root|0
+";
+        let (jobs, errs) = parse_sacct(text);
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(jobs.len(), 4);
+        assert_eq!((jobs[&24_000_000].gpus, jobs[&24_000_000].state.as_str()), (1, "COMPLETED"));
+        let u = &jobs[&24_000_001];
+        assert_eq!((u.shards, u.user.as_str(), u.uid, u.account.as_deref()), (7, "gpuhublab", Some(1001), Some("lab")));
+        assert_eq!((jobs[&24_000_002].end_us, jobs[&24_000_002].state.as_str()), (None, "RUNNING"));
+        assert_eq!(jobs[&24_000_003].alloc_on(&nodes(&["gpu01"])).unwrap().gpus, 1);
     }
 
     #[test]

@@ -547,6 +547,20 @@ mod tests {
         assert_eq!((b.cpus_alloc, b.mem_alloc_bytes, b.used), (3, 1500 << 20, Some(NodeGres { gpus: 1, shards: 7 })));
     }
 
+    // Captured on the lab's Slurm 24.11 leg (tests/lab/slurm24.sh), a gpu:1 and a shard:7 job
+    // running: shards in use per GPU as held/configured.
+    const NODE_MIXED_2411: &str = "NodeName=gpu01 Arch=x86_64 CoresPerSocket=1  CPUAlloc=2 CPUEfctv=16 CPUTot=16 CPULoad=1.80 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:h200:2,shard:h200:28 GresDrain=N/A GresUsed=gpu:h200:1(IDX:1),shard:h200:7(7/14,0/14) NodeAddr=127.0.0.1 NodeHostName=localhost Version=24.11.5 OS=Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=16000 AllocMem=1000 FreeMem=12096 Sockets=16 Boards=1 State=MIXED ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=gpu,interactive,cpu  BootTime=1796131551 SlurmdStartTime=1796171185 LastBusyTime=1796171187 ResumeAfterTime=None CfgTRES=cpu=16,mem=16000M,billing=16,gres/gpu=2,gres/shard=28 AllocTRES=cpu=2,mem=1000M,gres/gpu=1,gres/shard=7 CurrentWatts=0 AveWatts=0 ";
+
+    #[test]
+    fn node_line_24_11() {
+        let (nodes, errs) = parse_nodes(NODE_MIXED_2411);
+        assert!(errs.is_empty(), "{errs:?}");
+        let n = &nodes["gpu01"];
+        assert_eq!((n.state.as_str(), n.reason.as_str(), n.cpus_alloc, n.cpus_total), ("mixed", "", 2, 16));
+        assert_eq!((n.mem_total_bytes, n.mem_alloc_bytes), (16000 << 20, 1000 << 20));
+        assert_eq!((n.configured, n.used), (NodeGres { gpus: 2, shards: 28 }, Some(NodeGres { gpus: 1, shards: 7 })));
+    }
+
     #[test]
     fn node_states_as_dashboards_show_them() {
         for (raw, want) in [
