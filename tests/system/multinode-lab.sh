@@ -20,7 +20,13 @@ lab_user
 NODES_SH="$REPO/tests/lab/nodes.sh"
 PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
 
-fail() { echo "FAIL: $*" >&2; for n in gpu01 gpu02; do echo "--- $n agent log" >&2; tail -n 15 "$NODES_DIR/$n/agent.log" >&2 2>/dev/null || true; done; exit 1; }
+fail() {
+    echo "FAIL: $*" >&2
+    for f in "$NODES_DIR"/gpu0?/agent.log "$NODES_DIR"/gpu0?/slurmd/slurmd.log; do
+        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
+    done
+    exit 1
+}
 
 restored=0
 restore() {
