@@ -244,6 +244,11 @@ nodes_down() {
     ip link del "$NODES_BRIDGE" 2>/dev/null || true
     nodes_pg_down
     rm -rf "$NODES_DIR" "$NODES_WORKERS"
+    # gpu02's fake GPUs, if nodes_net_up created them.
+    local f=/run/gpuhub-lab/fake-devices dev
+    for dev in /dev/nvidia2 /dev/nvidia3; do
+        if [ -f "$f" ] && grep -qx "$dev" "$f"; then rm -f "$dev"; grep -vx "$dev" "$f" > "$f.tmp"; mv -f "$f.tmp" "$f"; fi
+    done
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

@@ -72,7 +72,12 @@ read -r job code url < <(call gpu02) || fail "the job on gpu02 did not run"
 echo "   job $job: HTTP $code via GPUHUB_URL=$url"
 [ "$url" = "$NODES_GATEWAY" ] || fail "the job on gpu02 was told GPUHUB_URL=$url, not gpu01's gateway $NODES_GATEWAY"
 [ "$code" = 200 ] || fail "the call from gpu02 through gpu01's gateway got HTTP $code"
-row="$("${PSQL[@]}" -c "SELECT user_name, job_id, status FROM usage_log WHERE job_id = $job AND resolved_model = 'dots.ocr'" | head -n1)"
+row=""
+for _ in $(seq 40); do   # the gateway writes its call log in the background
+    row="$("${PSQL[@]}" -c "SELECT user_name, job_id, status FROM usage_log WHERE job_id = $job AND resolved_model = 'dots.ocr'" | head -n1)"
+    [ -n "$row" ] && break
+    sleep 0.25
+done
 [ "$row" = "$LAB_USER|$job|200" ] || fail "the store does not attribute the call to $LAB_USER and job $job: '$row'"
 w1="$("${PSQL[@]}" -c "SELECT instance_id || ' ' || base_url FROM model_workers WHERE owner = 'gpu01' AND model = 'dots.ocr'")"
 read -r w1_job w1_url <<<"$w1"
