@@ -118,7 +118,9 @@ nodes_net_up() {
         fi
         printf '127.0.0.1 localhost\n%s %s\n10.77.0.11 gpu01\n10.77.0.12 gpu02\n' "$NODES_HOST_IP" "$(hostname -s)" > "$d/hosts"
         if [ -z "$(nodes_holder "$n")" ] || ! kill -0 "$(nodes_holder "$n")" 2>/dev/null; then
-            ip netns exec "$n" unshare --mount --uts --propagation private sh -c "
+            # nsenter, not `ip netns exec`: that mounts a fresh /sys, without /sys/fs/cgroup,
+            # which slurmd needs.
+            unshare --mount --uts --propagation private nsenter --net="/run/netns/$n" sh -c "
                 mount --bind '$d/slurmd' /var/lib/slurm/slurmd && mount --bind '$d/spool' /var/spool/gpuhub &&
                 mount --bind '$d/run' /run/gpuhub && mount --bind '$d/state' /var/lib/gpuhub &&
                 mount --bind '$d/hosts' /etc/hosts && hostname '$n' && exec sleep infinity" </dev/null >/dev/null 2>&1 &
@@ -208,7 +210,7 @@ nodes_agent_stop() {
     if kill -0 "$pid" 2>/dev/null && grep -q gpuhub "/proc/$pid/comm" 2>/dev/null; then
         kill "$pid" 2>/dev/null || true
         for ((i = 0; i < 150; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null
+        if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
     fi
     rm -f "$d/agent.pid"
 }
@@ -230,14 +232,15 @@ nodes_down() {
     for n in "${NODES_LIST[@]}"; do
         ip netns list 2>/dev/null | grep -q "^$n\b" || continue
         for i in $(seq 50); do
-            pids="$(ip netns pids "$n" 2>/dev/null | grep -vx "$(nodes_holder "$n")" | tr '\n' ' ')"
+            pids="$(ip netns pids "$n" 2>/dev/null | grep -vx "$(nodes_holder "$n")" | tr '\n' ' ' || true)"
             [ -z "${pids// /}" ] && break
-            [ "$i" = 30 ] && kill -9 $pids 2>/dev/null
+            # shellcheck disable=SC2086
+            if [ "$i" = 30 ]; then kill -9 $pids 2>/dev/null || true; fi
             sleep 0.1
         done
-        pids="$(ip netns pids "$n" 2>/dev/null | tr '\n' ' ')"
+        pids="$(ip netns pids "$n" 2>/dev/null | tr '\n' ' ' || true)"
         # shellcheck disable=SC2086
-        [ -n "${pids// /}" ] && kill -9 $pids 2>/dev/null
+        if [ -n "${pids// /}" ]; then kill -9 $pids 2>/dev/null || true; fi
         ip link del "veth-$n" 2>/dev/null || true
         ip netns del "$n" 2>/dev/null || true
     done
