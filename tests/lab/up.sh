@@ -145,7 +145,12 @@ else
     install_conf "$HERE/gres.conf" /etc/slurm/gres.conf 644
 fi
 install_conf "$HERE/cgroup.conf" /etc/slurm/cgroup.conf 644
-if [ "$ACCOUNTING" = 1 ]; then
+if [ "$ACCOUNTING" = 1 ] && [ "$NODES" = 2 ]; then
+    # Two nodes: slurmdbd is reached at the host's bridge address (sacct works on every node).
+    sed "s/^AccountingStorageHost=localhost\$/AccountingStorageHost=$NODES_HOST_IP/" "$HERE/accounting-slurmdbd.conf" > "$STATE_DIR/lab-accounting.conf"
+    install_conf "$STATE_DIR/lab-accounting.conf" /etc/slurm/lab-accounting.conf 644
+    install_conf "$HERE/slurmdbd.conf" /etc/slurm/slurmdbd.conf 600
+elif [ "$ACCOUNTING" = 1 ]; then
     install_conf "$HERE/accounting-slurmdbd.conf" /etc/slurm/lab-accounting.conf 644
     install_conf "$HERE/slurmdbd.conf" /etc/slurm/slurmdbd.conf 600
 else
@@ -191,6 +196,11 @@ for i in 0 1; do
     fi
     echo "$d" >> "$STATE_DIR/fake-devices"
 done
+
+# Two nodes: their namespaces and the bridge first (slurmdbd and slurmctld are reached there).
+if [ "$NODES" = 2 ]; then
+    nodes_net_up || die "cannot set up the nodes' namespaces (tests/lab/nodes.sh)"
+fi
 
 # ---------------------------------------------------------------- munge
 if [ ! -s /etc/munge/munge.key ]; then
@@ -285,7 +295,6 @@ fi
 if [ "$NODES" = 2 ]; then
     # The host runs no slurmd: each node's runs in its namespaces.
     stop_pid /run/slurmd.pid slurmd
-    nodes_net_up || die "cannot set up the nodes' namespaces (tests/lab/nodes.sh)"
     nodes_slurmd_up || die "the nodes' slurmd did not start"
 elif ! pid_alive /run/slurmd.pid slurmd; then
     log "starting slurmd -N $NODE"
