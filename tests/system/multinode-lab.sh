@@ -8,7 +8,9 @@
 #     address (workers.host = "node") and is served through gpu01's gateway;
 #  3. gpu02's agent starts its own dots.ocr worker; restarting gpu02's agent adopts its worker
 #     and leaves gpu01's alone, restarting gpu01's agent the other way round (ownership in the
-#     store, migration 0014); both workers still serve afterwards.
+#     store, migration 0014); both workers still serve afterwards;
+#  4. a shard job on each node: the shard-seconds the store holds for them (read through gpu01's
+#     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum.
 # Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
 # timeout: 300
 set -euo pipefail
@@ -111,5 +113,54 @@ read -r _ code _ < <(call gpu02) || fail "the job on gpu02 did not run"
 [ "$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu01' AND model = 'dots.ocr'")" = "$w1_job" ] ||
     fail "gpu01's gateway no longer serves through its adopted worker $w1_job"
 
+echo "== 4. usage summed over both nodes equals sacct (a shard:3 job on each node)"
+lab_cancel "$blocker"
+t_submit="$(date +%s)"
+declare -A SJ
+for n in gpu01 gpu02; do
+    SJ[$n]="$(cd /tmp && runuser -u "$LAB_USER" -- srun -w "$n" -t 1 --gres=shard:3 -J multinode-usage sh -c 'echo $SLURM_JOB_ID; sleep 2' | tail -n1)"
+    [ -n "${SJ[$n]}" ] || fail "the shard job on $n did not run"
+done
+ids="${SJ[gpu01]},${SJ[gpu02]}"
+for _ in $(seq 120); do
+    sacct_out="$(SLURM_TIME_FORMAT=%s sacct -n -X -P -j "$ids" -o JobID,State,AllocTRES,ElapsedRaw,NodeList 2>/dev/null || true)"
+    [ "$(grep -c '|COMPLETED|' <<<"$sacct_out")" = 2 ] && break
+    sleep 0.5
+done
+[ "$(grep -c '|COMPLETED|' <<<"$sacct_out")" = 2 ] || fail "sacct does not list jobs $ids as COMPLETED: $sacct_out"
+for n in gpu01 gpu02; do   # through gpu01's agent: the store holds every node's jobs
+    for _ in $(seq 100); do
+        [ "$(nodes_exec gpu01 "$REPO/target/release/gpuhub" job "${SJ[$n]}" --json 2>/dev/null | jq '.nodes[0].end_us // null')" != null ] && break
+        sleep 0.2
+    done
+    nodes_exec gpu01 "$REPO/target/release/gpuhub" job "${SJ[$n]}" --json > "/tmp/multinode-job-$n.json" 2>&1 ||
+        fail "gpuhub job ${SJ[$n]} (on $n) through gpu01's agent: $(cat "/tmp/multinode-job-$n.json")"
+done
+lab_cleanup_add "rm -f /tmp/multinode-job-gpu01.json /tmp/multinode-job-gpu02.json"
+python3 - "$sacct_out" "$t_submit" /tmp/multinode-job-gpu01.json /tmp/multinode-job-gpu02.json <<'PY' || fail "usage over both nodes differs from sacct (above)"
+import json, sys
+sacct, t_submit = sys.argv[1], int(sys.argv[2])
+rows = {f[0]: f for f in (l.split("|") for l in sacct.splitlines()) if len(f) == 5}
+TOL, bad, sum_g, sum_s = 1.5, [], 0.0, 0
+for path, node in zip(sys.argv[3:], ("gpu01", "gpu02")):
+    j = json.load(open(path))
+    n = j["nodes"][0]
+    f = rows.get(str(j.get("job_id", n.get("job_id", ""))))
+    if f is None:
+        f = next((r for r in rows.values() if r[4] == node), None)
+    if f is None:
+        bad.append(f"{node}: no sacct row"); continue
+    tres = dict(kv.split("=", 1) for kv in f[2].split(",") if "=" in kv)
+    shards, el = int(tres.get("gres/shard", 0)), int(f[3])
+    print(f"{node}: job {f[0]} on {f[4]}: gpuhub {n['shard_seconds']:.3f} shard-s ({n.get('node')}), sacct {shards} x {el} s")
+    if f[4] != node or n.get("node") != node: bad.append(f"{node}: sacct node {f[4]}, gpuhub node {n.get('node')}")
+    if abs(n["shard_seconds"] - shards * el) > shards * TOL: bad.append(f"{node}: shard-seconds {n['shard_seconds']:.3f} vs {shards} x {el}")
+    sum_g += n["shard_seconds"]; sum_s += shards * el
+print(f"sum over both nodes: gpuhub {sum_g:.3f} shard-s, sacct {sum_s} shard-s")
+if abs(sum_g - sum_s) > 2 * 3 * TOL: bad.append(f"sum: gpuhub {sum_g:.3f}, sacct {sum_s}")
+for b in bad: print("MISMATCH:", b)
+sys.exit(1 if bad else 0)
+PY
+
 restore || exit 1
-echo "PASS: jobs on gpu02 reach gpu01's gateway and are attributed; workers on gpu02 serve gpu01's gateway; each agent keeps to its own workers"
+echo "PASS: jobs on gpu02 reach gpu01's gateway and are attributed; workers on gpu02 serve gpu01's gateway; each agent keeps to its own workers; usage over both nodes equals sacct"
