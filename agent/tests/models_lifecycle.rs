@@ -368,7 +368,10 @@ async fn a_restarted_agent_adopts_running_workers_instead_of_starting_new_ones()
     drop(lease);
     m2.unload("a", "test over").await.unwrap();
     assert!(!pid_alive(&pid));
-    assert!(env.store.workers().await.unwrap().is_empty(), "an unloaded worker is forgotten");
+    assert!(
+        env.store.workers(&gpuhub_agent::telemetry::TelemetryConfig::default().effective_node_name()).await.unwrap().is_empty(),
+        "an unloaded worker is forgotten"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -385,7 +388,7 @@ async fn a_remembered_worker_that_died_is_forgotten_not_adopted() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let (m2, _reg, _t, _tasks) = env.manager("", &model).await;
     assert_eq!(m2.status("a").unwrap().state, "unloaded");
-    assert!(env.store.workers().await.unwrap().is_empty());
+    assert!(env.store.workers(&gpuhub_agent::telemetry::TelemetryConfig::default().effective_node_name()).await.unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

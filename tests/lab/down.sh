@@ -59,6 +59,10 @@ if pid_alive /run/slurmctld.pid slurmctld; then
 fi
 
 stop_pid /run/slurmd.pid slurmd
+# The two-node lab's nodes (GPUHUB_LAB_NODES=2): agents, slurmds, namespaces, bridge, store.
+# shellcheck source=nodes.sh
+. "$REPO/tests/lab/nodes.sh"
+if nodes_active; then log "stopping the two-node lab's nodes"; nodes_down; fi
 stop_pid /run/slurmctld.pid slurmctld
 stop_pid /run/slurmdbd.pid slurmdbd
 if [ -e "$STATE_DIR/mariadb-started" ]; then

@@ -18,6 +18,9 @@
 #   GPUHUB_LAB_SMOKE=0       skip the final srun smoke test
 #   GPUHUB_DEPS_PYTHON=0     (tests/setup/deps.sh) skip the Python venv with mlflow/openai
 #   GPUHUB_LAB_SLURM=24.11   instead: Slurm 24.11 from a Debian 13 root (tests/lab/slurm24.sh)
+#   GPUHUB_LAB_NODES=2       two GPU nodes gpu01/gpu02 in network namespaces, each with its
+#                            slurmd and agent, all agents on one lab PostgreSQL
+#                            (tests/lab/nodes.sh); unset or 1: the one-node lab
 set -euo pipefail
 
 # GPUHUB_LAB_SLURM=24.11: the lab's second Slurm (Debian 13's 24.11 from a root, run on this host
@@ -37,12 +40,16 @@ SMOKE="${GPUHUB_LAB_SMOKE:-1}"
 RESTART="${GPUHUB_LAB_RESTART:-0}"
 AGENT="${GPUHUB_LAB_AGENT:-1}"
 BUILD="${GPUHUB_LAB_BUILD:-1}"
+NODES="${GPUHUB_LAB_NODES:-1}"
+case "$NODES" in 1|2) ;; *) echo "[lab] ERROR: GPUHUB_LAB_NODES=$NODES: the lab has 1 (default) or 2 nodes" >&2; exit 1 ;; esac
 STATE_DIR=/run/gpuhub-lab
 CLUSTER="$(sed -n 's/^ClusterName=//p' "$HERE/slurm.conf")"
 export PATH="$PATH:/root/.cargo/bin:/usr/sbin:/sbin"
 
 # shellcheck source=../lib/lab.sh
 . "$REPO/tests/lib/lab.sh"
+# shellcheck source=nodes.sh
+. "$HERE/nodes.sh"
 
 log() { echo "[lab] $*"; }
 die() {
@@ -128,8 +135,15 @@ install_conf() {
 
 # ---------------------------------------------------------------- slurm files
 mkdir -p /etc/slurm /var/lib/slurm/slurmd /var/lib/slurm/slurmctld /var/log/slurm
-install_conf "$HERE/slurm.conf" /etc/slurm/slurm.conf 644
-install_conf "$HERE/gres.conf" /etc/slurm/gres.conf 644
+if [ "$NODES" = 2 ]; then
+    nodes_slurm_conf "$HERE/slurm.conf" > "$STATE_DIR/slurm.conf"
+    nodes_gres_conf "$HERE/gres.conf" > "$STATE_DIR/gres.conf"
+    install_conf "$STATE_DIR/slurm.conf" /etc/slurm/slurm.conf 644
+    install_conf "$STATE_DIR/gres.conf" /etc/slurm/gres.conf 644
+else
+    install_conf "$HERE/slurm.conf" /etc/slurm/slurm.conf 644
+    install_conf "$HERE/gres.conf" /etc/slurm/gres.conf 644
+fi
 install_conf "$HERE/cgroup.conf" /etc/slurm/cgroup.conf 644
 if [ "$ACCOUNTING" = 1 ]; then
     install_conf "$HERE/accounting-slurmdbd.conf" /etc/slurm/lab-accounting.conf 644
@@ -159,6 +173,8 @@ mkdir -p "$(dirname "$PLUGIN")"
 install_plugin "$SO" "$PLUGIN"
 install_plugin "$SO_PROLOG" "$(lab_plugin_path prolog)"
 sed "s|@PLUGIN@|$PLUGIN|" "$HERE/plugstack-gpuhub.conf" > "$STATE_DIR/gpuhub.conf"
+# Two nodes: jobs on every node are told gpu01's gateway address, not loopback.
+[ "$NODES" = 2 ] && sed -i "s|gateway_url=http://127.0.0.1:8400|gateway_url=$NODES_GATEWAY|" "$STATE_DIR/gpuhub.conf"
 install_conf "$STATE_DIR/gpuhub.conf" "$LAB_PLUGSTACK" 644
 
 # Fake GPU device nodes (only where none exist). Slurm only stat()s them.
@@ -175,6 +191,11 @@ for i in 0 1; do
     fi
     echo "$d" >> "$STATE_DIR/fake-devices"
 done
+
+# Two nodes: their namespaces and the bridge first (slurmdbd and slurmctld are reached there).
+if [ "$NODES" = 2 ]; then
+    nodes_net_up || die "cannot set up the nodes' namespaces (tests/lab/nodes.sh)"
+fi
 
 # ---------------------------------------------------------------- munge
 if [ ! -s /etc/munge/munge.key ]; then
@@ -252,6 +273,10 @@ else
 fi
 
 # ---------------------------------------------------------------- slurm daemons
+if [ "$NODES" = 1 ] && nodes_active; then
+    log "stopping the two-node lab's nodes (back to one node)"
+    nodes_down
+fi
 if [ -e "$STATE_DIR/restart-pending" ] || [ "$RESTART" = 1 ]; then
     # gres.conf and plugins with job_prolog/job_epilog hooks are only read at daemon start.
     log "restarting slurmctld and slurmd (configuration or plugin set changed)"
@@ -262,7 +287,11 @@ if ! pid_alive /run/slurmctld.pid slurmctld; then
     log "starting slurmctld"
     slurmctld || die "slurmctld failed to start"
 fi
-if ! pid_alive /run/slurmd.pid slurmd; then
+if [ "$NODES" = 2 ]; then
+    # The host runs no slurmd: each node's runs in its namespaces.
+    stop_pid /run/slurmd.pid slurmd
+    nodes_slurmd_up || die "the nodes' slurmd did not start"
+elif ! pid_alive /run/slurmd.pid slurmd; then
     log "starting slurmd -N $NODE"
     slurmd -N "$NODE" || die "slurmd failed to start"
 fi
@@ -276,12 +305,14 @@ while [ "$SECONDS" -lt "$deadline" ]; do
     pid_alive /run/slurmctld.pid slurmctld || pgrep -x slurmctld >/dev/null || die "slurmctld exited (see /var/log/slurm/slurmctld.log)"
     pid_alive /run/slurmd.pid slurmd || pgrep -x slurmd >/dev/null || die "slurmd exited (see /var/log/slurm/slurmd.log)"
     state="$(sinfo -h -n "$NODE" -o '%T' 2>/dev/null | head -n1 || true)"
+    # Two nodes: both must be up (the state of the one that is not).
+    [ "$NODES" = 2 ] && state="$(sinfo -h -n gpu01,gpu02 -o '%T' 2>/dev/null | sort -u | grep -vE '^(idle|mixed|allocated|planned|completing)$' | head -n1 || true)" && state="${state:-idle}"
     case "$state" in
         idle|mixed|allocated|planned|completing) break ;;
         *drain*|down*)
             if [ "$resumed" = 0 ]; then
                 log "node is '$state' ($(sinfo -h -n "$NODE" -o '%E' | head -n1)); resuming it"
-                scontrol update nodename="$NODE" state=resume 2>/dev/null || true
+                scontrol update nodename="$([ "$NODES" = 2 ] && echo gpu01,gpu02 || echo "$NODE")" state=resume 2>/dev/null || true
                 resumed=1
             fi ;;
     esac
@@ -302,7 +333,10 @@ if [ "$ACCOUNTING" = 1 ]; then
 fi
 
 # ---------------------------------------------------------------- agent
-if [ "$AGENT" = 1 ]; then
+if [ "$AGENT" = 1 ] && [ "$NODES" = 2 ]; then
+    agent_stop
+    nodes_agents_up "$TIMEOUT" || die "the nodes' gpuhub-agents did not come up (logs: $NODES_DIR/gpuNN/agent.log)"
+elif [ "$AGENT" = 1 ]; then
     # A running agent from an older build or config is replaced: the lab runs what was just built.
     # So is one that another checkout started (its binary or config is not this one's).
     if agent_running; then
@@ -336,7 +370,7 @@ fi
 if [ "$SMOKE" = 1 ]; then
     out="$(cd /tmp && timeout 60 srun -N1 -t 1 --gres=gpu:1 printenv CUDA_VISIBLE_DEVICES GPUHUB_URL SLURM_JOB_ID 2>"$STATE_DIR/smoke.err")" \
         || die "smoke test 'srun --gres=gpu:1' failed: $(cat "$STATE_DIR/smoke.err")"
-    case "$(echo "$out" | head -n1)" in 0|1) ;; *) die "smoke test: unexpected CUDA_VISIBLE_DEVICES '$out'" ;; esac
+    case "$(echo "$out" | head -n1)" in 0|1) ;; 2|3) [ "$NODES" = 2 ] || die "smoke test: unexpected CUDA_VISIBLE_DEVICES '$out'" ;; *) die "smoke test: unexpected CUDA_VISIBLE_DEVICES '$out'" ;; esac
     echo "$out" | grep -q '^http://' || die "smoke test: the plugin injected no GPUHUB_URL (is $LAB_PLUGSTACK loaded? see slurmd.log)"
     if [ "$ACCOUNTING" = 1 ]; then
         # slurmdbd stores jobs asynchronously: wait until sacct lists the smoke job as ended.
@@ -350,6 +384,7 @@ if [ "$SMOKE" = 1 ]; then
 fi
 
 log "up: node $NODE is $state; partitions: $(sinfo -h -o '%P' | tr '\n' ' ')"
+[ "$NODES" = 2 ] && log "two nodes: gpu01 $(nodes_ip gpu01), gpu02 $(nodes_ip gpu02) (gateway $NODES_GATEWAY, agents' logs $NODES_DIR/gpuNN/agent.log, store $(nodes_pg_url); tests/lab/nodes.sh exec gpu02 CMD)"
 if [ "$ACCOUNTING" = 1 ]; then log "accounting: slurmdbd + MariaDB (sacct works)"; else log "accounting: off (GPUHUB_LAB_ACCOUNTING=0; sacct does not work)"; fi
 [ "$AGENT" = 1 ] && log "agent: http://127.0.0.1:8400 (log $LAB_AGENT_LOG, pid $(cat "$LAB_AGENT_PID" 2>/dev/null))"
 cat <<TRY

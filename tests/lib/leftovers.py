@@ -24,7 +24,9 @@ LAB_DAEMONS = {"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "munged", "maria
 # which are a job's processes (and a job still there is a leftover of its own).
 LAB_DAEMON_TREES = LAB_DAEMONS - {"slurmstepd", "slurmd"}
 LAB_AGENT_PID = "/run/gpuhub/agent.pid"
-LAB_WORKERS = "gpuhub-worker:/var/lib/gpuhub/workers"
+# The lab agent's worker jobs: comment `gpuhub-worker:<owner>:<workers dir>` (the owner is its
+# Slurm node, gpu01).
+LAB_WORKERS = ("gpuhub-worker:/var/lib/gpuhub/workers", "gpuhub-worker:gpu01:/var/lib/gpuhub/workers")
 
 
 def read(path, mode="r"):
@@ -102,7 +104,7 @@ def scan(d):
         f = line.split("|")
         if len(f) != 5:
             continue
-        if f[4] == LAB_WORKERS:
+        if f[4] in LAB_WORKERS:
             lab_jobs.add(f[0].encode())
         else:
             print(f"job:{f[0]}\tSlurm job {f[0]} (user {f[1]}, name {f[2]}, {f[3]}, comment {f[4]!r})")

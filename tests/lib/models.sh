@@ -37,7 +37,7 @@ models_cleanup() {
     [ -s "$MT_DIR/agent.pid" ] && kill -9 "$(cat "$MT_DIR/agent.pid")" 2>/dev/null || true
     # Cancel only the jobs this test's workers dir owns (their comment names it).
     local ids
-    ids="$(squeue -h -o '%i|%k' 2>/dev/null | awk -F'|' -v c="gpuhub-worker:$MT_DIR/workers" '$2 == c {print $1}')"
+    ids="$(squeue -h -o '%i|%k' 2>/dev/null | awk -F'|' -v c=":$MT_DIR/workers" 'index($2, "gpuhub-worker:") == 1 && substr($2, length($2) - length(c) + 1) == c {print $1}')"
     [ -n "$ids" ] && scancel $ids 2>/dev/null || true
     # Local workers outlive their agent (a restarted agent adopts them): stop this test's, the
     # processes whose working directory is its workers dir.
@@ -113,7 +113,7 @@ models_field() {
 models_state() { models_field "$1" state; }
 
 models_jobs() {
-    squeue -h -n "gpuhub-worker-$1" -o '%i|%k' 2>/dev/null | awk -F'|' -v c="gpuhub-worker:$MT_DIR/workers" '$2 == c {print $1}'
+    squeue -h -n "gpuhub-worker-$1" -o '%i|%k' 2>/dev/null | awk -F'|' -v c=":$MT_DIR/workers" 'index($2, "gpuhub-worker:") == 1 && substr($2, length($2) - length(c) + 1) == c {print $1}'
 }
 
 models_wait_state() {

@@ -33,6 +33,11 @@ enum Command {
         /// The address the worker will bind.
         host: String,
     },
+    /// Prove who listens on PORT, from the worker's node: writes `JOBID PORT ok` (or `JOBID
+    /// PORT uid N`) to FILE once something listens, waiting at most SECS. Slurm worker jobs
+    /// run it as the worker account; it reads no configuration.
+    #[command(hide = true)]
+    WorkerProof { port: u16, job: String, file: PathBuf, secs: u64 },
 }
 
 fn main() -> ExitCode {
@@ -46,6 +51,19 @@ fn main() -> ExitCode {
             },
             Err(e) => {
                 eprintln!("gpuhub-agent: error: no free port on {host}: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
+    if let Some(Command::WorkerProof { port, job, file, secs }) = &args.command {
+        return match gpuhub_agent::models::launcher::proof::prove_port(*port, job, file, *secs) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => {
+                eprintln!("gpuhub-agent: error: nothing listened on port {port} within {secs} s; no proof written to {}", file.display());
+                ExitCode::from(1)
+            }
+            Err(e) => {
+                eprintln!("gpuhub-agent: error: cannot prove who listens on port {port} (writing {}): {e}", file.display());
                 ExitCode::from(2)
             }
         };
@@ -72,7 +90,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Run => run(config),
-        Command::WorkerPort { .. } => ExitCode::from(2),
+        Command::WorkerPort { .. } | Command::WorkerProof { .. } => ExitCode::from(2),
     }
 }
 

@@ -328,8 +328,16 @@ impl Config {
             let safe = crate::models::launcher::safe_name(&m.name);
             let key_file = format!("{}/keys/{safe}.<id>{}", dir.display(), w.key.file_suffix);
             let port = if m.launcher == LauncherKind::Slurm { "${GPUHUB_WORKER_PORT}" } else { "<port>" };
+            // workers.host = "node": a Slurm job binds its node's address, found when it starts.
+            let node_host = self.file.workers.host == crate::models::launcher::slurm::NODE_HOST;
+            let (host, host_mark) = match (node_host, m.launcher) {
+                (true, LauncherKind::Slurm) => ("\u{0}HOST\u{0}", "${GPUHUB_WORKER_HOST}"),
+                (true, _) => ("127.0.0.1", ""),
+                (false, _) => (self.file.workers.host.as_str(), ""),
+            };
             let command = crate::models::launcher::render(
                 &w.command
+                    .replace("{host}", if host_mark.is_empty() { "{host}" } else { "\u{0}HOST\u{0}" })
                     .replace("{port}", "\u{0}PORT\u{0}")
                     .replace("{api_key_file}", "\u{0}KEYFILE\u{0}")
                     .replace("{version}", "\u{0}VERSION\u{0}"),
@@ -343,9 +351,10 @@ impl Config {
                         "model_file",
                         m.model_path.as_deref().unwrap_or(if m.mlflow_model.is_some() { "<weights file of @production>" } else { "" }),
                     ),
-                    ("host", &self.file.workers.host),
+                    ("host", host),
                 ],
             )
+            .replace("\u{0}HOST\u{0}", host_mark)
             .replace("\u{0}PORT\u{0}", port)
             .replace("\u{0}KEYFILE\u{0}", &key_file)
             .replace("\u{0}VERSION\u{0}", if m.mlflow_model.is_some() { "<@production version>" } else { "" });

@@ -236,6 +236,9 @@ impl Worker {
 /// What the on-demand machinery needs.
 struct Runtime {
     launchers: Launchers,
+    /// This agent, as the owner of the workers it starts (its Slurm node name): several agents
+    /// share one store and one cluster, and each manages only its own workers.
+    owner: String,
     store: Option<Store>,
     metrics: ModelMetrics,
     cfg: WorkersConfig,
@@ -342,11 +345,14 @@ impl ModelManager {
             .unwrap_or_else(|_| std::path::PathBuf::from("/usr/bin/gpuhub-agent"));
         let worker_gid = user.as_ref().ok().filter(|u| !u.is_self).map(|u| u.gid);
         let promoted = Arc::new(Promoted::load(deps.store.as_ref()).await);
+        // This agent in the store and in its jobs' comments: its Slurm node name.
+        let owner = f.telemetry.effective_node_name();
         let rt = Runtime {
             launchers: Launchers {
                 local: launcher::local::Local,
-                slurm: launcher::slurm::Slurm { cfg: f.slurm.clone(), dir: dir.clone() },
+                slurm: launcher::slurm::Slurm { cfg: f.slurm.clone(), dir: dir.clone(), owner: owner.clone() },
             },
+            owner,
             store: deps.store,
             metrics,
             cfg: f.workers.clone(),
@@ -799,14 +805,14 @@ impl Shared {
             self.transition(w, &mut s, now, Some(detail));
         }
         let weights = self.weights(rt, m, version.as_deref()).await.map_err(LoadFailure::new)?;
+        // `node`: a Slurm worker binds its node's address (the job finds it), a local one loopback.
+        let node_host = rt.cfg.host == launcher::slurm::NODE_HOST;
+        let host = if node_host && m.launcher != LauncherKind::Slurm { "127.0.0.1".to_string() } else { rt.cfg.host.clone() };
         let port = match m.launcher {
             // A Slurm job picks its port when it starts: one picked now could be taken by
             // anyone while the job pends.
             LauncherKind::Slurm => None,
-            _ => Some(
-                launcher::pick_port(&rt.cfg.host)
-                    .map_err(|e| LoadFailure::new(format!("cannot find a free port on {}: {e}", rt.cfg.host)))?,
-            ),
+            _ => Some(launcher::pick_port(&host).map_err(|e| LoadFailure::new(format!("cannot find a free port on {host}: {e}")))?),
         };
         let api_key = launcher::new_api_key();
         let key_files = KeyFiles::locate(&rt.dir, &launcher::safe_name(&m.name), &api_key, &m.worker.key);
@@ -822,10 +828,13 @@ impl Shared {
         };
         let port_s = port.map(|p| p.to_string()).unwrap_or_default();
         let key_file_s = key_files.file.display().to_string();
-        let template = match port {
+        let mut template = match port {
             Some(_) => m.worker.command.clone(),
             None => m.worker.command.replace("{port}", "${GPUHUB_WORKER_PORT}"),
         };
+        if node_host && m.launcher == LauncherKind::Slurm {
+            template = template.replace("{host}", "${GPUHUB_WORKER_HOST}");
+        }
         let command = launcher::render(
             &launcher::render_adapters(&template, &m.adapters),
             &[
@@ -834,7 +843,7 @@ impl Shared {
                 ("model_file", &model_file),
                 ("version", version.as_deref().unwrap_or("")),
                 ("port", &port_s),
-                ("host", &rt.cfg.host),
+                ("host", &host),
                 ("api_key_file", &key_file_s),
             ],
         );
@@ -853,7 +862,7 @@ impl Shared {
             resources: m.resources.clone(),
             workdir: m.workdir.clone(),
             dir: rt.dir.clone(),
-            host: rt.cfg.host.clone(),
+            host,
             port,
             api_key,
             key: m.worker.key.clone(),
@@ -861,6 +870,7 @@ impl Shared {
             user,
             version,
             orphan_after_s: m.idle_timeout_s.max(15),
+            proof_timeout_s: m.load_timeout_s,
             agent_exe: rt.agent_exe.clone(),
         };
         let launch_us = crate::util::now_us();
@@ -970,7 +980,16 @@ impl Shared {
                     }
                     None => true,
                 };
-                let owner = if listening { port_owner(base, inst.uid) } else { None };
+                let mut owner = if listening { port_owner(base, inst.uid) } else { None };
+                if listening && owner.is_none() && inst.launcher == LauncherKind::Slurm {
+                    // On another node: the job's own proof of its port, from that node.
+                    owner = match addr.as_ref().map(|(_, port)| rt.launchers.slurm.read_proof(&m.name, &inst.id, inst.uid, *port)) {
+                        Some(Ok(None)) | None => Some(Ok(PortOwner::Nobody)),
+                        Some(Ok(Some(launcher::slurm::Proof::Worker))) => Some(Ok(PortOwner::Worker)),
+                        Some(Ok(Some(launcher::slurm::Proof::Other { uid }))) => Some(Ok(PortOwner::Other { uid })),
+                        Some(Err(e)) => return Err((format!("the worker's port proof is not trustworthy: {e}"), true)),
+                    };
+                }
                 match owner {
                     Some(Ok(PortOwner::Other { uid })) => {
                         let user = crate::control::peer::user_name(uid).map(|n| format!(" `{n}`")).unwrap_or_default();
@@ -1385,6 +1404,7 @@ impl Shared {
     async fn remember(&self, rt: &Runtime, model: &str, inst: &Instance) {
         let Some(store) = &rt.store else { return };
         let row = WorkerRow {
+            owner: rt.owner.clone(),
             model: model.to_string(),
             launcher: launcher_name(inst.launcher).into(),
             instance_id: inst.id.clone(),
@@ -1412,8 +1432,9 @@ impl Shared {
         if let Some(k) = &inst.key_files {
             k.remove();
         }
-        let Some(store) = self.rt.as_ref().and_then(|rt| rt.store.as_ref()) else { return };
-        if let Err(e) = store.delete_worker(model, &inst.id).await {
+        let Some(rt) = self.rt.as_ref() else { return };
+        let Some(store) = rt.store.as_ref() else { return };
+        if let Err(e) = store.delete_worker(&rt.owner, model, &inst.id).await {
             tracing::error!(model, worker = %inst.id, error = %e, "cannot forget a stopped worker");
         }
     }
@@ -1451,7 +1472,7 @@ impl Shared {
     async fn adopt_all(self: &Arc<Self>) {
         let Some(rt) = &self.rt else { return };
         let rows = match &rt.store {
-            Some(store) => store.workers().await.unwrap_or_else(|e| {
+            Some(store) => store.workers(&rt.owner).await.unwrap_or_else(|e| {
                 tracing::error!(error = %e, "cannot read remembered workers; none adopted");
                 Vec::new()
             }),
@@ -1516,6 +1537,21 @@ impl Shared {
             match rt.launchers.slurm.own_jobs().await {
                 Ok(jobs) => {
                     for j in jobs.into_iter().filter(|j| !adopted_jobs.contains(&j.id)) {
+                        // Ownership is the store's: a job another agent records as its worker is
+                        // never cancelled here, whatever its comment says.
+                        if let Some(store) = &rt.store {
+                            match store.slurm_worker_owned_by_other(&rt.owner, &j.id).await {
+                                Ok(None) => {}
+                                Ok(Some(other)) => {
+                                    tracing::info!(job = %j.id, name = %j.name, owner = %other, "a worker job of another agent; leaving it alone");
+                                    continue;
+                                }
+                                Err(e) => {
+                                    tracing::warn!(job = %j.id, error = %e, "cannot check who owns a worker job; leaving it alone (its watchdog stops it if no agent does)");
+                                    continue;
+                                }
+                            }
+                        }
                         tracing::warn!(job = %j.id, name = %j.name, "cancelling a worker job no agent remembers (orphan)");
                         rt.launchers.slurm.cancel(&j.id).await;
                     }

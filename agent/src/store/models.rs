@@ -1,4 +1,7 @@
-//! Model worker jobs (adoption after an agent restart).
+//! Model worker jobs (adoption after an agent restart). Several agents may share one store (one
+//! per GPU node): every row names its `owner`, the agent that started the worker and manages it,
+//! and an agent reads, replaces and deletes only its own rows (and the owner-less rows from
+//! before owners existed, which it takes over).
 
 use sqlx::Row;
 
@@ -7,6 +10,8 @@ use super::{Store, StoreError};
 /// One live worker as the store remembers it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerRow {
+    /// The agent that started the worker and manages it (its Slurm node name).
+    pub owner: String,
     pub model: String,
     pub launcher: String,
     pub instance_id: String,
@@ -20,12 +25,13 @@ pub struct WorkerRow {
 impl Store {
     pub async fn put_worker(&self, w: &WorkerRow) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO model_workers (model, launcher, instance_id, base_url, api_key, version, log_path, started_us) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
-             ON CONFLICT (model) DO UPDATE SET launcher = excluded.launcher, instance_id = excluded.instance_id, \
+            "INSERT INTO model_workers (owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+             ON CONFLICT (owner, model) DO UPDATE SET launcher = excluded.launcher, instance_id = excluded.instance_id, \
              base_url = excluded.base_url, api_key = excluded.api_key, version = excluded.version, \
              log_path = excluded.log_path, started_us = excluded.started_us",
         )
+        .bind(&w.owner)
         .bind(&w.model)
         .bind(&w.launcher)
         .bind(&w.instance_id)
@@ -55,9 +61,11 @@ impl Store {
         Ok(())
     }
 
-    /// Forgets `model`'s worker, only if it is still `instance_id` (a newer one stays).
-    pub async fn delete_worker(&self, model: &str, instance_id: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM model_workers WHERE model = $1 AND instance_id = $2")
+    /// Forgets `owner`'s worker of `model` (or an owner-less one), only if it is still
+    /// `instance_id` (a newer one stays).
+    pub async fn delete_worker(&self, owner: &str, model: &str, instance_id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM model_workers WHERE owner IN ($1, '') AND model = $2 AND instance_id = $3")
+            .bind(owner)
             .bind(model)
             .bind(instance_id)
             .execute(self.pool())
@@ -65,27 +73,46 @@ impl Store {
         Ok(())
     }
 
-    pub async fn workers(&self) -> Result<Vec<WorkerRow>, StoreError> {
+    /// The workers `owner` manages: its own rows and the owner-less rows from before owners
+    /// existed (it takes those over: they come from the one agent that ran then).
+    pub async fn workers(&self, owner: &str) -> Result<Vec<WorkerRow>, StoreError> {
         let rows = sqlx::query(
-            "SELECT model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers ORDER BY model",
+            "SELECT owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers \
+             WHERE owner IN ($1, '') ORDER BY model, owner DESC",
         )
+        .bind(owner)
         .fetch_all(self.pool())
         .await?;
         rows.iter()
             .map(|r| {
                 Ok(WorkerRow {
-                    model: r.try_get(0)?,
-                    launcher: r.try_get(1)?,
-                    instance_id: r.try_get(2)?,
-                    base_url: r.try_get(3)?,
-                    api_key: r.try_get(4)?,
-                    version: r.try_get(5)?,
-                    log_path: r.try_get(6)?,
-                    started_us: r.try_get(7)?,
+                    owner: r.try_get(0)?,
+                    model: r.try_get(1)?,
+                    launcher: r.try_get(2)?,
+                    instance_id: r.try_get(3)?,
+                    base_url: r.try_get(4)?,
+                    api_key: r.try_get(5)?,
+                    version: r.try_get(6)?,
+                    log_path: r.try_get(7)?,
+                    started_us: r.try_get(8)?,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
             .map_err(StoreError::from)
+    }
+
+    /// The agent that owns the worker whose Slurm job is `job_id`, if another agent than
+    /// `owner` does: such a job is never cancelled by `owner`, whatever its comment says.
+    pub async fn slurm_worker_owned_by_other(&self, owner: &str, job_id: &str) -> Result<Option<String>, StoreError> {
+        let row = sqlx::query("SELECT owner FROM model_workers WHERE launcher = 'slurm' AND instance_id = $1 AND owner NOT IN ($2, '')")
+            .bind(job_id)
+            .bind(owner)
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(match row {
+            Some(r) => Some(r.try_get(0)?),
+            None => None,
+        })
     }
 }
 
@@ -99,6 +126,7 @@ mod tests {
     async fn worker_rows_round_trip_on_every_backend() {
         for (store, _dir) in testing::stores().await {
             let mut w = WorkerRow {
+                owner: "gpu01".into(),
                 model: "demo-chat".into(),
                 launcher: "slurm".into(),
                 instance_id: "42".into(),
@@ -112,11 +140,25 @@ mod tests {
             w.instance_id = "43".into();
             w.version = None;
             store.put_worker(&w).await.unwrap();
-            assert_eq!(store.workers().await.unwrap(), vec![w.clone()], "{:?}", store.backend());
-            store.delete_worker("demo-chat", "42").await.unwrap();
-            assert_eq!(store.workers().await.unwrap().len(), 1, "an older instance id must not delete the newer row");
-            store.delete_worker("demo-chat", "43").await.unwrap();
-            assert!(store.workers().await.unwrap().is_empty());
+            assert_eq!(store.workers("gpu01").await.unwrap(), vec![w.clone()], "{:?}", store.backend());
+            store.delete_worker("gpu01", "demo-chat", "42").await.unwrap();
+            assert_eq!(store.workers("gpu01").await.unwrap().len(), 1, "an older instance id must not delete the newer row");
+
+            // A second agent's worker of the same model: its own row, invisible to the first.
+            let other = WorkerRow { owner: "gpu02".into(), instance_id: "77".into(), ..w.clone() };
+            store.put_worker(&other).await.unwrap();
+            assert_eq!(store.workers("gpu01").await.unwrap(), vec![w.clone()], "gpu01 sees only its own worker");
+            assert_eq!(store.workers("gpu02").await.unwrap(), vec![other.clone()], "gpu02 sees only its own worker");
+            assert_eq!(store.slurm_worker_owned_by_other("gpu01", "77").await.unwrap().as_deref(), Some("gpu02"));
+            assert_eq!(store.slurm_worker_owned_by_other("gpu01", "43").await.unwrap(), None, "its own job");
+            assert_eq!(store.slurm_worker_owned_by_other("gpu02", "12345").await.unwrap(), None, "nobody's job");
+            store.delete_worker("gpu01", "demo-chat", "77").await.unwrap();
+            assert_eq!(store.workers("gpu02").await.unwrap().len(), 1, "gpu01 cannot delete gpu02's row");
+
+            store.delete_worker("gpu01", "demo-chat", "43").await.unwrap();
+            assert!(store.workers("gpu01").await.unwrap().is_empty());
+            store.delete_worker("gpu02", "demo-chat", "77").await.unwrap();
+            assert!(store.workers("gpu02").await.unwrap().is_empty());
         }
     }
 }

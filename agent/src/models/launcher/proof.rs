@@ -13,8 +13,10 @@
 //! where netlink is refused.
 //!
 //! This needs the worker on this node's network namespace (the `local` launcher, and Slurm
-//! jobs on the agent's own node, the reference setup). For a worker on another host the
-//! owner cannot be checked; the probe still requires the worker's key.
+//! jobs on the agent's own node, the reference setup). A Slurm worker on another node proves
+//! its port itself: the job runs [`prove_port`] (`gpuhub-agent worker-proof`) as the worker
+//! account on its own node and writes the answer to a file only that account can write
+//! (`launcher::slurm`'s `.proof` file); the agent sends the key only after an `ok` there.
 
 use std::net::IpAddr;
 
@@ -180,6 +182,36 @@ fn classify(uids: &[u32], uid: u32) -> PortOwner {
     }
 }
 
+/// `gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm worker job on its own node
+/// as the worker account: waits (at most `secs`) until something listens on `port`, then
+/// writes `JOBID PORT ok` to `file` when every listener there is this process's uid, `JOBID
+/// PORT uid N` when another uid listens (written to `FILE.tmp` and renamed). Nothing written
+/// when nothing listened in time (the agent's load timeout then fails the load).
+pub fn prove_port(port: u16, job: &str, file: &std::path::Path, secs: u64) -> std::io::Result<bool> {
+    // SAFETY: plain syscall.
+    let me = unsafe { libc::geteuid() };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let mut delay = std::time::Duration::from_millis(5);
+    loop {
+        let line = match owner(port, me)? {
+            PortOwner::Nobody => None,
+            PortOwner::Worker => Some(format!("{job} {port} ok\n")),
+            PortOwner::Other { uid } => Some(format!("{job} {port} uid {uid}\n")),
+        };
+        if let Some(line) = line {
+            let tmp = file.with_extension("proof.tmp");
+            std::fs::write(&tmp, line)?;
+            std::fs::rename(&tmp, file)?;
+            return Ok(true);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(delay);
+        delay = (delay * 3 / 2).min(std::time::Duration::from_millis(200));
+    }
+}
+
 /// Parses one `/proc/net/tcp{,6}` table: `sl local_address rem_address st ... uid ...`, the
 /// address `HEXIP:HEXPORT`, state `0A` = LISTEN, uid the 8th column.
 pub fn parse_listeners(text: &str, port: u16) -> Vec<u32> {
@@ -235,6 +267,21 @@ mod tests {
    2: 0100007F:20D0 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 3 1 0000000000000000 20 4 30 10 -1
    3: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4 1 0000000000000000 100 0 0 10 0
 ";
+
+    #[test]
+    fn a_job_proves_its_own_listener() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let file = dir.path().join("m.42.proof");
+        assert!(prove_port(port, "42", &file, 5).unwrap());
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), format!("42 {port} ok\n"));
+        drop(l);
+        let free = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
+        let none = dir.path().join("m.43.proof");
+        assert!(!prove_port(free, "43", &none, 0).unwrap(), "nothing listens: no proof");
+        assert!(!none.exists());
+    }
 
     #[test]
     fn listeners_are_read_from_the_kernel_table() {

@@ -4,7 +4,19 @@
 //! `--export=NONE` and an environment the script builds. The job's output goes to
 //! `<workers.dir>/<model>.<jobid>.log`; when the job starts it picks a free port and writes
 //! `<host> <port> <jobid>` to `<model>.<jobid>.addr`, which the agent reads to learn where the
-//! worker listens (the node's name when `workers.host` is not loopback).
+//! worker listens (the node's name when `workers.host` is not loopback; the node's Slurm
+//! `NodeAddr` when it is `node`, so a worker on any node of the cluster is reachable there).
+//!
+//! Several agents (one per GPU node) may submit workers to one cluster: each job's comment names
+//! its agent (`gpuhub-worker:<owner>:<dir>`), and an agent cancels as an orphan only a job with
+//! its own comment that no other agent owns in the store (`lifecycle::adopt_all`).
+//!
+//! A worker on another node cannot be checked from the agent's node (the kernel table of
+//! listeners is per network namespace). There the job proves its own port: once something
+//! listens on it, `gpuhub-agent worker-proof` (run by the job as the worker account, on the
+//! worker's node) writes `<model>.<jobid>.proof`, `JOBID PORT ok` when every listener on the
+//! port is the worker account, `JOBID PORT uid N` otherwise. The agent sends the worker's key
+//! (health probe, calls) only after an `ok` proof of this job and port (`read_proof`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -23,6 +35,21 @@ pub const HEARTBEAT_FILE: &str = "agent.heartbeat";
 pub struct Slurm {
     pub cfg: SlurmConfig,
     pub dir: PathBuf,
+    /// The agent that submits (its Slurm node name): named in every job's comment.
+    pub owner: String,
+}
+
+/// `workers.host = "node"`: a Slurm worker binds its node's `NodeAddr` (from `scontrol show
+/// node $SLURMD_NODENAME`), a local worker loopback.
+pub const NODE_HOST: &str = "node";
+
+/// What a worker job's `.proof` file says about its port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Proof {
+    /// Every listener on the port is the worker account.
+    Worker,
+    /// A socket of another uid listens on the port.
+    Other { uid: u32 },
 }
 
 /// One of this agent's worker jobs as `squeue` lists it.
@@ -47,7 +74,7 @@ impl Slurm {
     }
 
     fn comment(&self) -> String {
-        format!("{COMMENT_PREFIX}{}", self.dir.display())
+        format!("{COMMENT_PREFIX}{}:{}", self.owner, self.dir.display())
     }
 
     async fn run(&self, tool: &str, args: &[String]) -> Result<String, LaunchError> {
@@ -151,13 +178,25 @@ impl Slurm {
             )),
             _ => {}
         }
-        let bind = if spec.host == "0.0.0.0" || spec.host == "::" { "127.0.0.1" } else { spec.host.as_str() };
-        s.push_str(&format!(
-            "GPUHUB_WORKER_PORT=$({} worker-port {}) || {{ echo \"gpuhub: cannot pick a free port on {bind}\" >&2; exit 1; }}\n",
-            shell_quote(&spec.agent_exe.display().to_string()),
-            shell_quote(bind)
-        ));
-        let host = if spec.host == "0.0.0.0" || spec.host == "::" { "$(hostname)".to_string() } else { shell_quote(&spec.host) };
+        let agent = shell_quote(&spec.agent_exe.display().to_string());
+        let host = if spec.host == NODE_HOST {
+            // The node's address as Slurm knows it: what the agent on any other node reaches.
+            s.push_str(&format!(
+                "GPUHUB_WORKER_HOST=$({} show node \"$SLURMD_NODENAME\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\) .*/\\1/p')\n[ -n \"$GPUHUB_WORKER_HOST\" ] || {{ echo \"gpuhub: cannot find the NodeAddr of node $SLURMD_NODENAME (scontrol show node)\" >&2; exit 1; }}\nexport GPUHUB_WORKER_HOST\n",
+                shell_quote(&self.bin("scontrol").display().to_string())
+            ));
+            s.push_str(&format!(
+                "GPUHUB_WORKER_PORT=$({agent} worker-port \"$GPUHUB_WORKER_HOST\") || {{ echo \"gpuhub: cannot pick a free port on $GPUHUB_WORKER_HOST\" >&2; exit 1; }}\n"
+            ));
+            "$GPUHUB_WORKER_HOST".to_string()
+        } else {
+            let bind = if spec.host == "0.0.0.0" || spec.host == "::" { "127.0.0.1" } else { spec.host.as_str() };
+            s.push_str(&format!(
+                "GPUHUB_WORKER_PORT=$({agent} worker-port {}) || {{ echo \"gpuhub: cannot pick a free port on {bind}\" >&2; exit 1; }}\n",
+                shell_quote(bind)
+            ));
+            if spec.host == "0.0.0.0" || spec.host == "::" { "$(hostname)".to_string() } else { shell_quote(&spec.host) }
+        };
         let addr = spec.dir.join(format!("{safe}.$SLURM_JOB_ID.addr"));
         s.push_str(&format!(
             "printf '%s %s %s\\n' \"{host}\" \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" > \"{addr}.tmp\" && mv -f \"{addr}.tmp\" \"{addr}\" || {{ echo \"gpuhub: cannot write {addr}\" >&2; exit 1; }}\n",
@@ -168,12 +207,34 @@ impl Slurm {
         // unload this worker, so it stops itself instead of holding the GPU.
         let hb = spec.dir.join(HEARTBEAT_FILE);
         s.push_str(&format!("{} &\nW=$!\ntrap 'kill -TERM $W 2>/dev/null' TERM INT\n", spec.command));
+        // The proof of the port, from the worker's own node (see the module doc): in the
+        // background, it ends once something listens (or after the load timeout).
+        let proof = self.proof_path(&spec.model, "$SLURM_JOB_ID");
+        s.push_str(&format!(
+            "{agent} worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"{proof}\" {secs} &\n",
+            proof = proof.display(),
+            secs = spec.proof_timeout_s
+        ));
         s.push_str(&format!(
             "while kill -0 $W 2>/dev/null; do\n  sleep 1 & wait $!\n  age=$(( $(date +%s) - $(stat -c %Y \"{hb}\" 2>/dev/null || echo 0) ))\n  if [ \"$age\" -gt {orphan} ]; then\n    echo \"gpuhub: no agent heartbeat for ${{age}}s (more than {orphan}s); stopping the orphaned worker\" >&2\n    kill -TERM $W 2>/dev/null\n    break\n  fi\ndone\nwait $W\n",
             hb = hb.display(),
             orphan = spec.orphan_after_s,
         ));
         s
+    }
+
+    /// Where job `id` of `model` writes the proof of its port.
+    pub fn proof_path(&self, model: &str, id: &str) -> PathBuf {
+        self.dir.join(format!("{}.{id}.proof", safe_name(model)))
+    }
+
+    /// What job `id` proved about `port`: `Ok(None)` until it has. The file is checked like the
+    /// `.addr` file (a regular file of the worker account or root, not writable by others) and
+    /// must name this job and this port.
+    pub fn read_proof(&self, model: &str, id: &str, uid: u32, port: u16) -> Result<Option<Proof>, String> {
+        let path = self.proof_path(model, id);
+        let Some(text) = read_worker_file(&path, uid)? else { return Ok(None) };
+        parse_proof(&text, id, port).map(Some).map_err(|e| format!("{}: {e}", path.display()))
     }
 
     /// Where job `id` of `model` writes its address.
@@ -185,22 +246,8 @@ impl Slurm {
     /// The file must be a regular file of the worker account (or root), not writable by
     /// others, and name this job; anything else is refused with what was wrong.
     pub fn read_addr(&self, model: &str, id: &str, uid: u32) -> Result<Option<String>, String> {
-        use std::os::unix::fs::MetadataExt;
         let path = self.addr_path(model, id);
-        let meta = match std::fs::symlink_metadata(&path) {
-            Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
-        };
-        if !meta.file_type().is_file() || (meta.uid() != uid && meta.uid() != 0) || meta.mode() & 0o002 != 0 {
-            return Err(format!(
-                "{} is not a file written by the worker (owner uid {}, mode {:o}; expected a regular file of uid {uid}, not writable by other users); the workers dir must be root:<worker group> 0770",
-                path.display(),
-                meta.uid(),
-                meta.mode() & 0o7777
-            ));
-        }
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let Some(text) = read_worker_file(&path, uid)? else { return Ok(None) };
         parse_addr(&text, id).map(Some).map_err(|e| format!("{}: {e}", path.display()))
     }
     /// One job's state. A job squeue no longer lists has ended.
@@ -275,6 +322,47 @@ impl Slurm {
         if let Err(e) = self.run("scancel", &[id.to_string()]).await {
             tracing::error!(job = %id, error = %e, "scancel failed; the worker job may still hold its GPU");
         }
+    }
+}
+
+/// A file a worker job wrote in the workers dir: `Ok(None)` until it exists. It must be a
+/// regular file of the worker account (or root), not writable by others; anything else is
+/// refused with what was wrong.
+fn read_worker_file(path: &std::path::Path, uid: u32) -> Result<Option<String>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    if !meta.file_type().is_file() || (meta.uid() != uid && meta.uid() != 0) || meta.mode() & 0o002 != 0 {
+        return Err(format!(
+            "{} is not a file written by the worker (owner uid {}, mode {:o}; expected a regular file of uid {uid}, not writable by other users); the workers dir must be root:<worker group> 0770",
+            path.display(),
+            meta.uid(),
+            meta.mode() & 0o7777
+        ));
+    }
+    std::fs::read_to_string(path).map(Some).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// Parses a `.proof` file: `JOBID PORT ok` or `JOBID PORT uid N`, for this job and port.
+fn parse_proof(text: &str, id: &str, port: u16) -> Result<Proof, String> {
+    let f: Vec<&str> = text.split_whitespace().collect();
+    let (job, p) = match f.as_slice() {
+        [job, p, ..] => (*job, *p),
+        _ => return Err(format!("expected `JOBID PORT ok`, found `{}`", crate::util::sanitize(text.trim()))),
+    };
+    if job != id {
+        return Err(format!("names job {}, not {id}", crate::util::sanitize(job)));
+    }
+    if p != port.to_string() {
+        return Err(format!("proves port {}, not the worker's port {port}", crate::util::sanitize(p)));
+    }
+    match &f[2..] {
+        ["ok"] => Ok(Proof::Worker),
+        ["uid", n] => n.parse().map(|uid| Proof::Other { uid }).map_err(|_| format!("`{}` is not a uid", crate::util::sanitize(n))),
+        _ => Err(format!("expected `ok` or `uid N` after the port, found `{}`", crate::util::sanitize(text.trim()))),
     }
 }
 
@@ -393,13 +481,14 @@ mod tests {
             },
             version: None,
             orphan_after_s: 60,
+            proof_timeout_s: 90,
             agent_exe: "/usr/bin/gpuhub-agent".into(),
         }
     }
 
     #[test]
     fn the_job_script_builds_its_own_environment_and_never_holds_the_key() {
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into() };
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into(), owner: "gpu01".into() };
         let sp = spec(std::path::Path::new("/w"), KeyDelivery { env: Some("VLLM_API_KEY".into()), ..KeyDelivery::default() });
         let s = slurm.script(&sp);
         assert!(!s.contains(&sp.api_key), "the key is in the job script:\n{s}");
@@ -414,6 +503,8 @@ mod tests {
             "/w/m_x.$SLURM_JOB_ID.addr.tmp",
             "srv --port ${GPUHUB_WORKER_PORT} &\n",
             "#SBATCH --chdir=/w\n",
+            "#SBATCH --comment=gpuhub-worker:gpu01:/w\n",
+            "/usr/bin/gpuhub-agent worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"/w/m_x.$SLURM_JOB_ID.proof\" 90 &\n",
         ] {
             assert!(s.contains(want), "missing `{want}` in:\n{s}");
         }
@@ -430,6 +521,45 @@ mod tests {
     }
 
     #[test]
+    fn a_node_worker_binds_its_nodes_slurm_address() {
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into(), owner: "gpu02".into() };
+        let mut sp = spec(std::path::Path::new("/w"), KeyDelivery::default());
+        sp.host = NODE_HOST.into();
+        let s = slurm.script(&sp);
+        for want in [
+            "GPUHUB_WORKER_HOST=$(scontrol show node \"$SLURMD_NODENAME\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\) .*/\\1/p')\n",
+            "GPUHUB_WORKER_PORT=$(/usr/bin/gpuhub-agent worker-port \"$GPUHUB_WORKER_HOST\")",
+            "printf '%s %s %s\\n' \"$GPUHUB_WORKER_HOST\" \"$GPUHUB_WORKER_PORT\"",
+            "#SBATCH --comment=gpuhub-worker:gpu02:/w\n",
+        ] {
+            assert!(s.contains(want), "missing `{want}` in:\n{s}");
+        }
+    }
+
+    #[test]
+    fn the_proof_file_must_name_the_job_and_port() {
+        assert_eq!(parse_proof("42 20123 ok\n", "42", 20123).unwrap(), Proof::Worker);
+        assert_eq!(parse_proof("42 20123 uid 1001", "42", 20123).unwrap(), Proof::Other { uid: 1001 });
+        assert!(parse_proof("43 20123 ok", "42", 20123).unwrap_err().contains("not 42"));
+        assert!(parse_proof("42 20124 ok", "42", 20123).unwrap_err().contains("not the worker's port"));
+        assert!(parse_proof("42 20123 maybe", "42", 20123).is_err());
+        assert!(parse_proof("42", "42", 20123).is_err());
+
+        let dir = tempfile::tempdir().unwrap();
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: dir.path().to_path_buf(), owner: "gpu01".into() };
+        // SAFETY: plain syscall.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(slurm.read_proof("m", "42", me, 20123).unwrap(), None, "no proof yet");
+        let path = slurm.proof_path("m", "42");
+        std::fs::write(&path, "42 20123 ok\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert_eq!(slurm.read_proof("m", "42", me, 20123).unwrap(), Some(Proof::Worker));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(slurm.read_proof("m", "42", me, 20123).unwrap_err().contains("not a file written by the worker"));
+    }
+
+    #[test]
     fn the_address_file_is_checked_before_it_is_used() {
         assert_eq!(parse_addr("gpu01 20123 42\n", "42").unwrap(), "http://gpu01:20123");
         assert_eq!(parse_addr("::1 20123 42", "42").unwrap(), "http://[::1]:20123");
@@ -439,7 +569,7 @@ mod tests {
         assert!(parse_addr("a b", "42").is_err());
 
         let dir = tempfile::tempdir().unwrap();
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: dir.path().to_path_buf() };
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: dir.path().to_path_buf(), owner: "gpu01".into() };
         // SAFETY: plain syscall.
         let me = unsafe { libc::geteuid() };
         assert_eq!(slurm.read_addr("m", "42", me).unwrap(), None, "no file yet");

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# More than one GPU node (#18): switches the lab to two nodes (GPUHUB_LAB_NODES=2
+# tests/lab/up.sh: gpu01 and gpu02 in their own namespaces, an agent each, one PostgreSQL) and
+# proves, with gpu01's GPUs held by a blocker job so every worker lands on gpu02:
+#  1. a job on gpu02 calls the gateway on gpu01 (the GPUHUB_URL it was given) with its injected
+#     credential, and the store attributes the call to its user and job;
+#  2. the model that call needs (dots.ocr, the TEST worker) starts on gpu02, binds gpu02's
+#     address (workers.host = "node") and is served through gpu01's gateway;
+#  3. gpu02's agent starts its own dots.ocr worker; restarting gpu02's agent adopts its worker
+#     and leaves gpu01's alone, restarting gpu01's agent the other way round (ownership in the
+#     store, migration 0014); both workers still serve afterwards;
+#  4. a shard job on each node: the shard-seconds the store holds for them (read through gpu01's
+#     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum.
+# Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
+# timeout: 300
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+. "$REPO/tests/lib/lab.sh"
+. "$REPO/tests/lab/nodes.sh"
+lab_require
+lab_user
+NODES_SH="$REPO/tests/lab/nodes.sh"
+PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
+
+fail() {
+    echo "FAIL: $*" >&2
+    for f in "$NODES_DIR"/gpu0?/agent.log "$NODES_DIR"/gpu0?/slurmd/slurmd.log; do
+        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
+    done
+    exit 1
+}
+
+restored=0
+restore() {
+    [ "$restored" = 1 ] && return 0
+    restored=1
+    local jobs
+    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    [ -n "${jobs// /}" ] && lab_cancel $jobs
+    echo "== restoring the one-node lab"
+    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$REPO/tests/lab/up.sh" >/tmp/gpuhub-multinode-restore.log 2>&1 ||
+        { cat /tmp/gpuhub-multinode-restore.log >&2; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
+    rm -f /tmp/gpuhub-multinode-restore.log
+}
+lab_cleanup_add restore
+lab_wait_gpus_free 240
+
+echo "== two nodes: GPUHUB_LAB_NODES=2 tests/lab/up.sh"
+GPUHUB_LAB_NODES=2 GPUHUB_LAB_BUILD=0 "$REPO/tests/lab/up.sh" 2>&1 | grep -E '^\[lab\] (up|two nodes|starting|ERROR)' || true
+[ "$(sinfo -h -n gpu01,gpu02 -o '%n %T' | sort | tr '\n' ' ')" = "gpu01 idle gpu02 idle " ] ||
+    fail "both nodes must be idle: $(sinfo -h -n gpu01,gpu02 -o '%n %T %E' | tr '\n' ';')"
+[ "$(nodes_exec gpu02 hostname)" = gpu02 ] || fail "gpu02's namespace has host name '$(nodes_exec gpu02 hostname)'"
+nodes_agent_healthy gpu01 && nodes_agent_healthy gpu02 || fail "an agent does not answer /healthz"
+
+# gpu01's GPUs are busy: every worker (2 shards) goes to gpu02.
+blocker="$(cd /tmp && sbatch --parsable -J gpuhub-test-blocker -w gpu01 --gres=gpu:2 -t 5 -o /dev/null --wrap 'sleep 300')"
+for _ in $(seq 50); do [ "$(squeue -h -j "$blocker" -o %T)" = RUNNING ] && break; sleep 0.2; done
+[ "$(squeue -h -j "$blocker" -o %T)" = RUNNING ] || fail "the blocker job $blocker does not run on gpu01"
+
+# call NODE GATEWAY: a job of $LAB_USER on NODE posts one chat call to GATEWAY (default: the
+# GPUHUB_URL it was given) with its injected credential; prints JOB STATUS URL.
+call() {
+    (cd /tmp && runuser -u "$LAB_USER" -- srun -w "$1" -t 2 -J multinode-call sh -c '
+        url="${0:-$GPUHUB_URL}"
+        code="$(curl -s -o /dev/null -w "%{http_code}" --max-time 90 "$url/v1/chat/completions" \
+            -H "Authorization: Bearer $OPENAI_API_KEY" -H content-type:application/json \
+            -d "{\"model\":\"dots.ocr\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}")"
+        echo "$SLURM_JOB_ID $code $GPUHUB_URL"' "${2:-}")
+}
+
+echo "== 1+2. a job on gpu02 calls gpu01's gateway; the worker starts on gpu02"
+read -r job code url < <(call gpu02) || fail "the job on gpu02 did not run"
+echo "   job $job: HTTP $code via GPUHUB_URL=$url"
+[ "$url" = "$NODES_GATEWAY" ] || fail "the job on gpu02 was told GPUHUB_URL=$url, not gpu01's gateway $NODES_GATEWAY"
+[ "$code" = 200 ] || fail "the call from gpu02 through gpu01's gateway got HTTP $code"
+row=""
+for _ in $(seq 40); do   # the gateway writes its call log in the background
+    row="$("${PSQL[@]}" -c "SELECT user_name, job_id, status FROM usage_log WHERE job_id = $job AND resolved_model = 'dots.ocr'" | head -n1)"
+    [ -n "$row" ] && break
+    sleep 0.25
+done
+[ "$row" = "$LAB_USER|$job|200" ] || fail "the store does not attribute the call to $LAB_USER and job $job: '$row'"
+w1="$("${PSQL[@]}" -c "SELECT instance_id || ' ' || base_url FROM model_workers WHERE owner = 'gpu01' AND model = 'dots.ocr'")"
+read -r w1_job w1_url <<<"$w1"
+[ -n "${w1_job:-}" ] || fail "gpu01's agent recorded no dots.ocr worker in the store"
+[ "$(squeue -h -j "$w1_job" -o %N)" = gpu02 ] || fail "gpu01's worker job $w1_job runs on '$(squeue -h -j "$w1_job" -o %N)', not gpu02"
+case "$w1_url" in "http://$(nodes_ip gpu02):"*) ;; *) fail "gpu01's worker on gpu02 listens at '$w1_url', not gpu02's address" ;; esac
+proof="$(cat "$NODES_WORKERS/gpu01/dots.ocr.$w1_job.proof")" || fail "worker job $w1_job wrote no proof of its port"
+[ "$proof" = "$w1_job ${w1_url##*:} ok" ] || fail "worker job $w1_job's proof says '$proof'"
+echo "   worker $w1_job (owner gpu01) on gpu02 at $w1_url, port proven by its job"
+
+echo "== 3. gpu02's agent starts its own worker; restarts leave the other agent's worker alone"
+read -r job2 code2 _ < <(call gpu01 "http://$(nodes_ip gpu02):8400") || fail "the job on gpu01 did not run"
+[ "$code2" = 200 ] || fail "the call to gpu02's gateway got HTTP $code2"
+w2_job="$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu02' AND model = 'dots.ocr'")"
+[ -n "$w2_job" ] && [ "$w2_job" != "$w1_job" ] || fail "gpu02's agent recorded no worker of its own ('$w2_job'; gpu01's is $w1_job)"
+for n in gpu02 gpu01; do
+    : > "$NODES_DIR/$n/agent.log"
+    "$NODES_SH" agent-stop "$n"
+    "$NODES_SH" agent-start "$n" 60 || fail "$n's agent did not come back"
+    for j in "$w1_job" "$w2_job"; do
+        [ "$(squeue -h -j "$j" -o %T)" = RUNNING ] || fail "worker job $j is '$(squeue -h -j "$j" -o %T)' after $n's agent restarted"
+    done
+    mine="$([ "$n" = gpu01 ] && echo "$w1_job" || echo "$w2_job")"
+    other="$([ "$n" = gpu01 ] && echo "$w2_job" || echo "$w1_job")"
+    grep -E "adopting a worker.*worker=$mine\b" "$NODES_DIR/$n/agent.log" >/dev/null || fail "$n's agent did not adopt its worker $mine"
+    ! grep -qE "(job|worker)=$other\b" "$NODES_DIR/$n/agent.log" || fail "$n's agent touched the other agent's worker $other: $(grep -E "(job|worker)=$other\b" "$NODES_DIR/$n/agent.log")"
+    echo "   $n restarted: adopted $mine, left $other alone"
+done
+read -r _ code _ < <(call gpu02) || fail "the job on gpu02 did not run"
+[ "$code" = 200 ] || fail "after both restarts, gpu01's gateway got HTTP $code"
+[ "$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu01' AND model = 'dots.ocr'")" = "$w1_job" ] ||
+    fail "gpu01's gateway no longer serves through its adopted worker $w1_job"
+
+echo "== 4. usage summed over both nodes equals sacct (a shard:3 job on each node)"
+lab_cancel "$blocker"
+t_submit="$(date +%s)"
+declare -A SJ
+for n in gpu01 gpu02; do
+    SJ[$n]="$(cd /tmp && runuser -u "$LAB_USER" -- srun -w "$n" -t 1 --gres=shard:3 -J multinode-usage sh -c 'echo $SLURM_JOB_ID; sleep 2' | tail -n1)"
+    [ -n "${SJ[$n]}" ] || fail "the shard job on $n did not run"
+done
+ids="${SJ[gpu01]},${SJ[gpu02]}"
+for _ in $(seq 120); do
+    sacct_out="$(SLURM_TIME_FORMAT=%s sacct -n -X -P -j "$ids" -o JobID,State,AllocTRES,ElapsedRaw,NodeList 2>/dev/null || true)"
+    [ "$(grep -c '|COMPLETED|' <<<"$sacct_out")" = 2 ] && break
+    sleep 0.5
+done
+[ "$(grep -c '|COMPLETED|' <<<"$sacct_out")" = 2 ] || fail "sacct does not list jobs $ids as COMPLETED: $sacct_out"
+for n in gpu01 gpu02; do   # through gpu01's agent: the store holds every node's jobs
+    for _ in $(seq 100); do
+        [ "$(nodes_exec gpu01 "$REPO/target/release/gpuhub" job "${SJ[$n]}" --json 2>/dev/null | jq '.nodes[0].end_us // null')" != null ] && break
+        sleep 0.2
+    done
+    nodes_exec gpu01 "$REPO/target/release/gpuhub" job "${SJ[$n]}" --json > "/tmp/multinode-job-$n.json" 2>&1 ||
+        fail "gpuhub job ${SJ[$n]} (on $n) through gpu01's agent: $(cat "/tmp/multinode-job-$n.json")"
+done
+lab_cleanup_add "rm -f /tmp/multinode-job-gpu01.json /tmp/multinode-job-gpu02.json"
+python3 - "$sacct_out" "$t_submit" /tmp/multinode-job-gpu01.json /tmp/multinode-job-gpu02.json <<'PY' || fail "usage over both nodes differs from sacct (above)"
+import json, sys
+sacct, t_submit = sys.argv[1], int(sys.argv[2])
+rows = {f[0]: f for f in (l.split("|") for l in sacct.splitlines()) if len(f) == 5}
+TOL, bad, sum_g, sum_s = 1.5, [], 0.0, 0
+for path, node in zip(sys.argv[3:], ("gpu01", "gpu02")):
+    j = json.load(open(path))
+    n = j["nodes"][0]
+    f = rows.get(str(j.get("job_id", n.get("job_id", ""))))
+    if f is None:
+        f = next((r for r in rows.values() if r[4] == node), None)
+    if f is None:
+        bad.append(f"{node}: no sacct row"); continue
+    tres = dict(kv.split("=", 1) for kv in f[2].split(",") if "=" in kv)
+    shards, el = int(tres.get("gres/shard", 0)), int(f[3])
+    print(f"{node}: job {f[0]} on {f[4]}: gpuhub {n['shard_seconds']:.3f} shard-s ({n.get('node')}), sacct {shards} x {el} s")
+    if f[4] != node or n.get("node") != node: bad.append(f"{node}: sacct node {f[4]}, gpuhub node {n.get('node')}")
+    if abs(n["shard_seconds"] - shards * el) > shards * TOL: bad.append(f"{node}: shard-seconds {n['shard_seconds']:.3f} vs {shards} x {el}")
+    sum_g += n["shard_seconds"]; sum_s += shards * el
+print(f"sum over both nodes: gpuhub {sum_g:.3f} shard-s, sacct {sum_s} shard-s")
+if abs(sum_g - sum_s) > 2 * 3 * TOL: bad.append(f"sum: gpuhub {sum_g:.3f}, sacct {sum_s}")
+for b in bad: print("MISMATCH:", b)
+sys.exit(1 if bad else 0)
+PY
+
+restore || exit 1
+echo "PASS: jobs on gpu02 reach gpu01's gateway and are attributed; workers on gpu02 serve gpu01's gateway; each agent keeps to its own workers; usage over both nodes equals sacct"
