@@ -144,6 +144,13 @@ def main():
     expect("jupyterhub", got == want, f"four profiles (gres, runtime) = {got}, want {want}")
     expect("jupyterhub", all(p[2] == "batchspawner.SlurmSpawner" for p in profiles), "every profile is a batchspawner.SlurmSpawner (a Slurm job)")
     expect("jupyterhub", cfg.ProfilesSpawner.default_profile in [p[1] for p in profiles], "default_profile is one of the profiles")
+    auth = cfg.JupyterHub.authenticator_class
+    module = os.path.join(repo, "rpm/share/jupyterhub", auth.split(".")[0] + ".py")
+    expect("jupyterhub", auth == "gpuhub_jupyterhub_sso.GpuhubSSOAuthenticator" and os.path.exists(module),
+           f"signs in through the shipped SSO authenticator ({auth}, {os.path.relpath(module, repo)})")
+    s = cfg.GpuhubSSOAuthenticator
+    expect("jupyterhub", s.shared_secret_file.startswith("/") and s.trusted_proxies and s.email_header,
+           "the SSO authenticator has a secret file, trusted proxies and an e-mail header")
 
 
 if __name__ == "__main__":
