@@ -135,6 +135,8 @@ def main():
             self[k] = v
 
     cfg = Config()
+    # The example imports batchspawner (for its hub API); only its settings are checked here.
+    sys.modules.setdefault("batchspawner", type(sys)("batchspawner"))
     code = open(os.path.join(repo, "rpm/share/jupyterhub/jupyterhub_config.py")).read()
     exec(compile(code, "jupyterhub_config.py", "exec"), {"get_config": lambda: cfg, "__name__": "jupyterhub_config"}, ns)
     profiles = cfg.ProfilesSpawner.profiles

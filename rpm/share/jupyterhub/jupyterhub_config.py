@@ -40,6 +40,10 @@ c.GpuhubSSOAuthenticator.local_part_domains = ["example.org"]
 # No sign-in maps to a system account.
 c.GpuhubSSOAuthenticator.min_uid = 1000
 
+# Imported here although only named below: the import registers batchspawner's hub API
+# (/hub/api/batchspawner), where the notebook's Slurm job reports the port it listens on.
+import batchspawner  # noqa: E402,F401
+
 c.JupyterHub.spawner_class = "wrapspawner.ProfilesSpawner"
 # Slurm may need a while to place a GPU job; the hub waits this long for the server to start.
 c.Spawner.start_timeout = 300
