@@ -150,6 +150,10 @@ def main():
     module = os.path.join(repo, "rpm/share/jupyterhub", auth.split(".")[0] + ".py")
     expect("jupyterhub", auth == "gpuhub_jupyterhub_sso.GpuhubSSOAuthenticator" and os.path.exists(module),
            f"signs in through the shipped SSO authenticator ({auth}, {os.path.relpath(module, repo)})")
+    page = [sv for sv in cfg.JupyterHub.services if sv.get("name") == "gpuhub"]
+    expect("jupyterhub", len(page) == 1 and page[0]["command"][-1].endswith("/gpuhub_page.py")
+           and os.path.exists(os.path.join(repo, "rpm/share/jupyterhub/gpuhub_page.py")),
+           "runs the shipped gpuhub page (gpuhub_page.py) as the JupyterHub service `gpuhub`")
     s = cfg.GpuhubSSOAuthenticator
     expect("jupyterhub", s.shared_secret_file.startswith("/") and s.trusted_proxies and s.email_header,
            "the SSO authenticator has a secret file, trusted proxies and an e-mail header")

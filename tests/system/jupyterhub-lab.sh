@@ -10,6 +10,10 @@
 #     (7 shards)": a real Slurm job with --gres=shard:7 as that user;
 #   - a cell in the notebook server's kernel prints OPENAI_BASE_URL and calls the gateway with
 #     the injected OPENAI_API_KEY (the job's credential): answered;
+#   - the gpuhub page (/services/gpuhub/, the shipped JupyterHub service, signed in through the
+#     hub's OAuth) shows the user the running job with its 7 shards; a key created there works
+#     at the gateway and stops working once revoked there; another user's key cannot be revoked
+#     there (the page saved as target/test-logs/jupyterhub-gpuhub-page.html);
 #   - stopping the server ends the Slurm job, and `gpuhub job` bills its 7 shards to the user.
 # Overrides of the shipped config, for the lab only: ports, state paths, the secret file, the
 # user table, PATH of the job (the venv), the profiles' memory (the lab node has 16 GB) and the
@@ -24,9 +28,10 @@ VENV=/opt/gpuhub-lab/jupyterhub
     prereq_missing "JupyterHub is not installed in $VENV" "run tests/setup/jupyterhub.sh" || exit 0
 GPUHUB="$LAB_REPO/target/release/gpuhub"
 U="$LAB_USER"
+unprivileged_exec_check "$U" "$GPUHUB"
 T="$(mktemp -d /tmp/gpuhub-jhub.XXXXXX)"
 port() { python3 "$LAB_REPO/tests/lib/free_port.py"; }
-PUB="$(port)"; API="$(port)"; HUB="$(port)"
+PUB="$(port)"; API="$(port)"; HUB="$(port)"; PAGE="$(port)"
 SECRET="$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 TOKEN="$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 (umask 077; echo "$SECRET" >"$T/sso-secret")
@@ -34,7 +39,7 @@ HUB_PID=""
 cleanup() {
     if [ -n "$HUB_PID" ] && kill -0 "$HUB_PID" 2>/dev/null; then
         kill -TERM "$HUB_PID"
-        for _ in $(seq 100); do kill -0 "$HUB_PID" 2>/dev/null || break; sleep 0.1; done
+        for _ in $(seq 150); do kill -0 "$HUB_PID" 2>/dev/null || break; sleep 0.1; done
         kill -9 "$HUB_PID" 2>/dev/null || true
     fi
     # A notebook job the hub did not stop (a failed run) must not outlive the test.
@@ -43,6 +48,7 @@ cleanup() {
     # The proxy the hub started (the hub stops it on SIGTERM; not after a kill -9).
     local chp; chp="$(cat "$T/jupyterhub-proxy.pid" 2>/dev/null || true)"
     [ -z "$chp" ] || kill "$chp" 2>/dev/null || true
+    [ -z "${BOB_KEY:-}" ] || "$GPUHUB" keys revoke "$BOB_KEY" >/dev/null 2>&1 || true
     [ -n "${GPUHUB_KEEP:-}" ] || rm -rf "$T"
 }
 lab_cleanup_add cleanup
@@ -65,9 +71,13 @@ c.SlurmSpawner.req_prologue = "export PATH=$VENV/bin:\$PATH"
 c.SlurmSpawner.state_exechost_exp = "127.0.0.1"
 c.Spawner.start_timeout = 120
 c.ProfilesSpawner.profiles = [(l, k, cls, dict(o, req_memory="1G", req_nprocs="1")) for (l, k, cls, o) in c.ProfilesSpawner.profiles]
-c.JupyterHub.services = [{"name": "gpuhub-lab-test", "api_token": "$TOKEN"}]
-c.JupyterHub.load_roles = [{"name": "gpuhub-lab-test", "services": ["gpuhub-lab-test"],
-                            "scopes": ["admin:users", "admin:servers", "access:servers"]}]
+for s in c.JupyterHub.services:  # the gpuhub page: a free port, the lab's CLI
+    if s["name"] == "gpuhub":
+        s["url"] = "http://127.0.0.1:$PAGE"
+        s["environment"] = {"GPUHUB_CLI": "$GPUHUB"}
+c.JupyterHub.services.append({"name": "gpuhub-lab-test", "api_token": "$TOKEN"})
+c.JupyterHub.load_roles.append({"name": "gpuhub-lab-test", "services": ["gpuhub-lab-test"],
+                                "scopes": ["admin:users", "admin:servers", "access:servers"]})
 PY
 echo "+ jupyterhub (shipped config + lab overrides) on 127.0.0.1:$PUB"
 (cd "$T" && PATH="$VENV/bin:$PATH" GPUHUB_JUPYTERHUB_DIR="$LAB_REPO/rpm/share/jupyterhub" \
@@ -105,7 +115,7 @@ echo "   signed in: lab.user@example.org -> $U"
 echo "+ spawn the profile 'About half a GPU (7 shards)' through the form"
 curl -s -b "$T/jar" -c "$T/jar" --interface 127.0.0.2 -o "$T/form" "http://127.0.0.1:$PUB/hub/spawn/$U"
 grep -q "About half a GPU (7 shards)" "$T/form" || fail "the spawn form does not offer 'About half a GPU (7 shards)': $(head -c 400 "$T/form")"
-ACTION="$(grep -o 'action="/hub/spawn/[^"]*"' "$T/form" | head -n1 | sed 's/^action="//; s/"$//; s/&amp;/\&/g')"
+ACTION="$(grep -o 'action="/hub/spawn/[^"]*"' "$T/form" | head -n1 | sed 's/^action="//; s/"$//; s/&amp;/\&/g' || true)"
 [ -n "$ACTION" ] || fail "no form action in the spawn page"
 S="$(curl -s -o "$T/page" -w '%{http_code}' -b "$T/jar" -c "$T/jar" --interface 127.0.0.2 \
     -F "profile=shard7-6h" "http://127.0.0.1:$PUB$ACTION")"
@@ -136,6 +146,36 @@ sed 's/^/  | /' <<<"$OUT"
 grep -qx "OPENAI_BASE_URL=$(jq -r .gateway_url /run/gpuhub/snapshot.json)/v1" <<<"$OUT" || fail "the kernel's OPENAI_BASE_URL is not the gateway's"
 grep -qx "SLURM_JOB_ID=$JOB" <<<"$OUT" || fail "the kernel does not run in job $JOB"
 grep -q "^GATEWAY 200 models: ." <<<"$OUT" || fail "the gateway did not answer the job's credential with models"
+
+echo "+ the gpuhub page, signed in through the hub's OAuth"
+page() { # page [ACTION ARGS..]: GET, or POST ACTION with name=value ARGS; the page in $T/gpage
+    local args=(-s -L -o "$T/gpage" -w '%{http_code}' -b "$T/jar" -c "$T/jar")
+    if [ $# -gt 0 ]; then
+        args+=(--data-urlencode "action=$1" --data-urlencode "token=$(field token)" --data-urlencode "_xsrf=$(field _xsrf)"); shift
+        local kv; for kv in "$@"; do args+=(--data-urlencode "$kv"); done
+    fi
+    curl "${args[@]}" "http://127.0.0.1:$PUB/services/gpuhub/"
+}
+field() { grep -o "name=\"$1\" value=\"[^\"]*\"" "$T/gpage" | head -n1 | sed 's/.*value="//; s/"$//'; }
+text() { sed 's/<[^>]*>/ /g' "$T/gpage" | tr -s ' \n' ' '; }
+S="$(page)"; [ "$S" = 200 ] || fail "GET /services/gpuhub/: $S $(text | head -c 300)"
+mkdir -p "$LAB_REPO/target/test-logs" && cp "$T/gpage" "$LAB_REPO/target/test-logs/jupyterhub-gpuhub-page.html"
+grep -q "gpuhub: $U " <<<"$(text)" || fail "the page is not $U's: $(text | head -c 300)"
+grep -q "<td>$JOB</td><td>$U</td>.*<td>7 shards</td>" "$T/gpage" || fail "the page does not show job $JOB with 7 shards: $(text | head -c 800)"
+grep -q "GPU-hours this month" <<<"$(text)" || fail "the page has no GPU-hours"
+S="$(page create app=page-app)"; [ "$S" = 200 ] || fail "creating a key on the page: $S"
+PKEY="$(text | grep -o 'shown only once: ghk_[0-9a-f]*' | sed 's/.*: //' || true)"; PID_="$(text | grep -o 'key k[0-9a-f]* for' | head -n1 | awk '{print $2}' || true)"
+[ -n "$PKEY" ] && [ -n "$PID_" ] || fail "the page did not show the new key: $(text | head -c 600)"
+gw() { curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $1" http://127.0.0.1:8400/v1/models; }
+[ "$(gw "$PKEY")" = 200 ] || fail "the key made on the page ($PID_) does not work at the gateway"
+"$GPUHUB" keys list | grep -q "^$PID_ .* $U .*page-app" || fail "key $PID_ is not $U's in gpuhub keys list"
+BOB_KEY="$("$GPUHUB" keys create --user bob --app x --json | jq -r .id)"
+page revoke "id=$BOB_KEY" >/dev/null
+grep -q "the key was not revoked: key \`$BOB_KEY\` is not yours" <<<"$(text)" || fail "revoking another user's key on the page: $(text | head -c 600)"
+page revoke "id=$PID_" >/dev/null
+grep -q "key $PID_ .*revoked" <<<"$(text)" || fail "revoking $PID_ on the page: $(text | head -c 600)"
+[ "$(gw "$PKEY")" = 401 ] || fail "key $PID_ still works after it was revoked on the page"
+echo "   page: job $JOB with 7 shards; key $PID_ created (works), revoked (401); bob's key refused"
 
 echo "+ stop the server: the Slurm job ends"
 S="$(api -o /dev/null -w '%{http_code}' -X DELETE "http://127.0.0.1:$PUB/hub/api/users/$U/server")"

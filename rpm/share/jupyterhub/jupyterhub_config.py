@@ -93,3 +93,20 @@ c.ProfilesSpawner.profiles = [
 ]
 # Preselected in the form: the cheapest choice that has a GPU.
 c.ProfilesSpawner.default_profile = "shard7-6h"
+
+# The gpuhub page (/services/gpuhub/): each signed-in user's running jobs with GPU utilisation
+# and VRAM, their GPU-hours this month, the models and names, and their gateway keys (create,
+# revoke); hub admins see everyone. Signed in through the hub (OAuth); it runs as root and asks
+# the agent through `gpuhub` run as the signed-in user, so the agent names them by SO_PEERCRED.
+GPUHUB_PAGE_URL = "http://127.0.0.1:8402"
+c.JupyterHub.services = [
+    {
+        "name": "gpuhub",
+        "url": GPUHUB_PAGE_URL,
+        "command": [sys.executable, os.path.join(os.environ.get("GPUHUB_JUPYTERHUB_DIR", "/usr/share/gpuhub/jupyterhub"), "gpuhub_page.py")],
+        "oauth_no_confirm": True,
+        "display": True,
+    }
+]
+# Every user may open it (JupyterHub's default user role has only `self`).
+c.JupyterHub.load_roles = [{"name": "user", "scopes": ["self", "access:services!service=gpuhub"]}]
