@@ -212,6 +212,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
                      '<button>create</button></form>')
         style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
                  "padding:.3em .6em;text-align:left}.msg{background:#ffd;padding:.5em}form{display:inline}")
+        self.set_header("Cache-Control", "no-store")  # a new key is on the page once
         self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'")
         self.write(f"<!doctype html><html><head><meta charset=utf-8><title>gpuhub</title><style>{style}</style></head>"
                    f"<body>{''.join(parts)}</body></html>")
