@@ -21,7 +21,7 @@ async def main(base, token, code):
     kernel = json.loads(r.body)["id"]
     failed = True
     try:
-        ws = await websocket_connect(HTTPRequest(base.replace("http", "ws", 1) + f"api/kernels/{kernel}/channels", headers=auth), connect_timeout=30)
+        ws = await websocket_connect(HTTPRequest(base.replace("http", "ws", 1) + f"api/kernels/{kernel}/channels", headers=auth, connect_timeout=30))
         msg_id = uuid.uuid4().hex
         ws.write_message(json.dumps({
             "header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex, "msg_type": "execute_request", "version": "5.3"},
