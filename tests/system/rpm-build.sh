@@ -55,7 +55,8 @@ for u in gpuhub-agent.service gpuhub-backup.service gpuhub-backup.timer; do
     check "agent: unit $u" has agent "-rw-r--r-- root root [a-z]* /usr/lib/systemd/system/$u"
 done
 for f in prometheus/gpuhub.yml prometheus/gpuhub-alerts.yml grafana/gpuhub-gpu-telemetry.json grafana/gpuhub-gpu-hours.json \
-         grafana/gpuhub-gateway.json grafana/gpuhub-names.json jupyterhub/jupyterhub_config.py; do
+         grafana/gpuhub-gateway.json grafana/gpuhub-names.json jupyterhub/jupyterhub_config.py jupyterhub/gpuhub_jupyterhub_sso.py \
+         jupyterhub/gpuhub_page.py; do
     check "agent: /usr/share/gpuhub/$f" has agent "-rw-r--r-- root root [a-z]* /usr/share/gpuhub/$f"
 done
 check "agent: admin guide" has agent ".* d /usr/share/doc/gpuhub-agent[^/]*/admin-guide.md"

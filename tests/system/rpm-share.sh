@@ -3,7 +3,8 @@
 # promtool (config, rules, and unit tests of the names alerts in tests/rpm/alerts-test.yml),
 # the Grafana dashboards (fresh from rpm/grafana/make-dashboards.py, every query parsed by
 # promtool, every metric exported by a running gpuhub-agent) and the JupyterHub example
-# (tests/rpm/check_share.py). A mutated alert rule proves the alert tests can fail.
+# (tests/rpm/check_share.py) with its SSO authenticator's unit tests (tests/rpm/test_jupyterhub_sso.py).
+# A mutated alert rule proves the alert tests can fail.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
@@ -50,4 +51,6 @@ for _ in $(seq 100); do
 done
 [ -s "$work/metrics.txt" ] || { tail -20 "$work/agent.log"; echo "FAIL: no /metrics from the agent within 10 s"; exit 1; }
 python3 tests/rpm/check_share.py "$REPO" "$work/metrics.txt" "$work"
+echo "+ python3 -B tests/rpm/test_jupyterhub_sso.py (the JupyterHub SSO authenticator's trust and e-mail mapping)"
+python3 -B tests/rpm/test_jupyterhub_sso.py
 echo "PASS rpm-share"

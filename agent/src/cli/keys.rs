@@ -1,5 +1,6 @@
-//! `gpuhub keys`: gateway API keys (admins only). A key names a user and an app; the agent
-//! stores only its hash, so `create` shows it once.
+//! `gpuhub keys`: gateway API keys. A key names a user and an app; the agent stores only its
+//! hash, so `create` shows it once. Users manage their own keys (the agent knows who runs the
+//! command from the socket, SO_PEERCRED); admins manage everyone's.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -12,36 +13,40 @@ use crate::control::client;
 
 #[derive(Debug, Subcommand)]
 pub enum KeysCommand {
-    /// Create a key for a user's app and print it (once: only its hash is kept).
+    /// Create a key for your app (admins: anyone's) and print it (once: only its hash is kept).
+    /// The key carries your model allow-list and limits; its own can only be tighter.
     Create {
-        /// The user the key's calls are accounted to.
+        /// The user the key's calls are accounted to; default: you. Only admins name another
+        /// user.
         #[arg(long, value_name = "USER")]
-        user: String,
+        user: Option<String>,
         /// The app name (shown in the usage log and metrics as `app`).
         #[arg(long, value_name = "APP")]
         app: String,
-        /// Only these models (comma-separated catalog names); default: every model.
+        /// Only these models (comma-separated catalog names); default: every model you may use.
         #[arg(long, value_name = "A,B", value_delimiter = ',')]
         models: Vec<String>,
         /// The key's own limit of requests per minute (on top of its user's
-        /// `[gateway.limits]`); default: none of its own.
+        /// `[gateway.limits]`, and not above it); default: none of its own.
         #[arg(long, value_name = "N")]
         rpm: Option<u32>,
-        /// The key's own limit of tokens (prompt + completion) per UTC day; default: none of
-        /// its own.
+        /// The key's own limit of tokens (prompt + completion) per UTC day (not above its
+        /// user's); default: none of its own.
         #[arg(long, value_name = "N")]
         tokens_per_day: Option<u64>,
         /// Print JSON instead.
         #[arg(long)]
         json: bool,
     },
-    /// List keys (id, prefix, user, app, models, created, revoked); never the keys.
+    /// List your keys (admins: every key): id, prefix, user, app, models, created, revoked;
+    /// never the keys.
     List {
         /// Print JSON instead.
         #[arg(long)]
         json: bool,
     },
-    /// Revoke a key by id (see `gpuhub keys list`); its calls get a 401 that says so.
+    /// Revoke one of your keys (admins: any) by id (see `gpuhub keys list`); its calls get a
+    /// 401 that says so.
     Revoke {
         /// The key id, e.g. k1a2b3c4d.
         id: String,
@@ -81,7 +86,7 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                 output::line(&format!(
                     "key {} for {}/{} created; it is shown only now:",
                     v["id"].as_str().unwrap_or("?"),
-                    crate::util::sanitize(&user),
+                    crate::util::sanitize(v["user"].as_str().unwrap_or("?")),
                     crate::util::sanitize(&app)
                 ));
                 output::line(v["key"].as_str().unwrap_or("?"));

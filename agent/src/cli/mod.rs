@@ -58,7 +58,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Gateway API keys: create, list, revoke (admins only).
+    /// Gateway API keys: create, list, revoke your own (admins: anyone's).
     Keys {
         #[command(subcommand)]
         cmd: keys::KeysCommand,

@@ -43,6 +43,10 @@ pub struct GatewayConfig {
     /// Unauthenticated refusals answered per second to one peer address (with a burst of five
     /// seconds' worth); past it the peer gets 429 and its connection is closed.
     pub unauth_refusals_per_s: u32,
+    /// Active API keys a user may hold from creating their own (`gpuhub keys create` run as
+    /// themselves); past it they must revoke one first. Keys an admin creates do not count
+    /// against it when made, and admins are not limited. 0: users cannot create keys.
+    pub keys_per_user: u32,
     pub sso: SsoConfig,
     /// `[gateway.user_models]`: per-user model allow-lists, `alice = ["demo-chat"]`. A listed
     /// user may call only these models (catalog names or aliases), with any credential: API
@@ -148,6 +152,7 @@ impl Default for GatewayConfig {
             max_body_bytes_total: 256 * 1024 * 1024,
             max_response_bytes: 64 * 1024 * 1024,
             unauth_refusals_per_s: 20,
+            keys_per_user: 20,
             sso: SsoConfig::default(),
             user_models: BTreeMap::new(),
             limits: LimitsConfig::default(),

@@ -1,8 +1,11 @@
-//! Control-socket routes for the gateway: API keys (admins only) and call summaries.
+//! Control-socket routes for the gateway: API keys and call summaries.
 //!
-//! - `POST /v1/keys` `{user, app, models?}` → the new key, shown once.
-//! - `GET /v1/keys` → every key (hash never included).
-//! - `POST /v1/keys/{id}/revoke` → the revoked key.
+//! Keys are self-service ([`super::key_policy`]): a user creates, lists and revokes their own
+//! (named by SO_PEERCRED); admins manage everyone's.
+//! - `POST /v1/keys` `{user?, app, models?, rpm?, tokens_per_day?}` → the new key, shown once
+//!   (`user` defaults to the caller; only admins name another user).
+//! - `GET /v1/keys` → the caller's keys, every key for admins (hash never included).
+//! - `POST /v1/keys/{id}/revoke` → the revoked key (the caller's own, any for admins).
 //! - `GET /v1/usage/calls?since=30d[&user=U]` → calls per user/app/name/model from the
 //!   rollups; users see their own calls, admins everyone's.
 
@@ -14,6 +17,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth;
+use super::key_policy::{self, KeyPolicyError};
 use crate::AppState;
 use crate::control::Caller;
 use crate::store::gateway::ApiKeyRecord;
@@ -24,8 +28,8 @@ fn err(status: StatusCode, message: impl Into<String>) -> (StatusCode, Json<Valu
     (status, Json(json!({"error": message.into()})))
 }
 
-fn admin(caller: &Caller, what: &str) -> Result<(), (StatusCode, Json<Value>)> {
-    caller.require_admin(what).map_err(|(s, m)| err(s, m))
+fn policy(e: KeyPolicyError) -> (StatusCode, Json<Value>) {
+    err(e.status(), e.to_string())
 }
 
 fn store_err(e: crate::store::StoreError) -> (StatusCode, Json<Value>) {
@@ -48,7 +52,9 @@ pub fn routes() -> Router<AppState> {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateKey {
-    pub user: String,
+    /// Whose key (default: the caller; only admins name another user).
+    #[serde(default)]
+    pub user: Option<String>,
     pub app: String,
     #[serde(default)]
     pub models: Vec<String>,
@@ -73,9 +79,10 @@ fn public(k: &ApiKeyRecord) -> Value {
 }
 
 async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Json<CreateKey>) -> ApiResult {
-    admin(&caller, "creating API keys")?;
-    check_label("user", &req.user).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
+    let user = key_policy::owner(&caller, req.user.as_deref()).map_err(policy)?;
+    check_label("user", &user).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
     check_label("app", &req.app).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
+    let gateway = &state.config.file.gateway;
     let catalog = state.catalog.load();
     for m in &req.models {
         if catalog.get(m).is_none() {
@@ -86,18 +93,25 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
             ));
         }
     }
+    key_policy::check_models(&user, &req.models, gateway.user_models_of(&user), |m| catalog.get(m).map(|c| c.name.clone()))
+        .map_err(policy)?;
     if req.rpm == Some(0) || req.tokens_per_day == Some(0) {
         return Err(err(
             StatusCode::BAD_REQUEST,
             "--rpm and --tokens-per-day must be at least 1; leave one out for no limit of the key's own (its user's limits in [gateway.limits] still apply)".to_string(),
         ));
     }
+    key_policy::check_limits(&user, req.rpm, req.tokens_per_day, gateway.limits.for_user(&user)).map_err(policy)?;
+    if !caller.admin {
+        let mine = state.store.api_keys_of(&user).await.map_err(store_err)?;
+        key_policy::check_count(&caller, &mine, gateway.keys_per_user).map_err(policy)?;
+    }
     let key = auth::new_key();
     let record = ApiKeyRecord {
         id: format!("k{}", hex::encode(rand::random::<[u8; 4]>())),
         key_hash: auth::hash_key(&key),
         prefix: key.chars().take(12).collect(),
-        user: req.user,
+        user,
         app: req.app,
         models: req.models,
         created_us: crate::util::now_us(),
@@ -115,13 +129,21 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
 }
 
 async fn list_keys(State(state): State<AppState>, caller: Caller) -> ApiResult {
-    admin(&caller, "listing API keys")?;
-    let keys = state.store.api_keys().await.map_err(store_err)?;
+    let keys = if caller.admin { state.store.api_keys().await } else { state.store.api_keys_of(&caller.user).await }.map_err(store_err)?;
     Ok(Json(json!({"keys": keys.iter().map(public).collect::<Vec<_>>()})))
 }
 
 async fn revoke_key(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult {
-    admin(&caller, "revoking API keys")?;
+    let Some(existing) = state.store.api_key(&id).await.map_err(store_err)? else {
+        return Err(store_err(crate::store::StoreError::NotFound(format!(
+            "API key `{}` (see `gpuhub keys list`)",
+            crate::util::sanitize(&id)
+        ))));
+    };
+    key_policy::check_owner(&caller, &existing).map_err(|e| {
+        tracing::info!(id = %existing.id, by = %caller.user, "API key revocation refused: not the caller's key");
+        policy(e)
+    })?;
     let record = state.store.revoke_api_key(&id, crate::util::now_us()).await.map_err(store_err)?;
     state.gateway.keys.upsert(record.clone());
     tracing::info!(id = %record.id, user = %record.user, app = %record.app, by = %caller.user, "API key revoked");

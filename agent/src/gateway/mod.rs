@@ -28,6 +28,7 @@ pub mod fair_use;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod journal;
+pub mod key_policy;
 pub mod limits;
 pub mod metrics;
 pub mod models_list;

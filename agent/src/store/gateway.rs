@@ -94,6 +94,26 @@ pub struct LimitUsage {
 
 const HOUR_US: i64 = 3_600_000_000;
 
+/// Columns of `api_keys` that [`key_record`] reads.
+const KEY_COLUMNS: &str = "id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us, rpm, tokens_per_day";
+
+fn key_record(r: &sqlx::any::AnyRow) -> Result<ApiKeyRecord, StoreError> {
+    let models: String = r.try_get("models")?;
+    Ok(ApiKeyRecord {
+        id: r.try_get("id")?,
+        key_hash: r.try_get("key_hash")?,
+        prefix: r.try_get("prefix")?,
+        user: r.try_get("user_name")?,
+        app: r.try_get("app")?,
+        models: models.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect(),
+        created_us: r.try_get("created_us")?,
+        created_by: r.try_get("created_by")?,
+        revoked_us: r.try_get("revoked_us")?,
+        rpm: r.try_get::<Option<i64>, _>("rpm")?.map(|v| u32::try_from(v.max(0)).unwrap_or(u32::MAX)),
+        tokens_per_day: r.try_get::<Option<i64>, _>("tokens_per_day")?.map(|v| v.max(0) as u64),
+    })
+}
+
 impl Store {
     pub async fn insert_api_key(&self, k: &ApiKeyRecord) -> Result<(), StoreError> {
         sqlx::query("INSERT INTO api_keys (id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us, rpm, tokens_per_day) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, NULL, $9, $10)")
@@ -114,29 +134,23 @@ impl Store {
 
     /// Every key, revoked ones included (the gateway tells a revoked key from an unknown one).
     pub async fn api_keys(&self) -> Result<Vec<ApiKeyRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us, rpm, tokens_per_day FROM api_keys ORDER BY created_us, id",
-        )
-        .fetch_all(self.pool())
-        .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in rows {
-            let models: String = r.try_get("models")?;
-            out.push(ApiKeyRecord {
-                id: r.try_get("id")?,
-                key_hash: r.try_get("key_hash")?,
-                prefix: r.try_get("prefix")?,
-                user: r.try_get("user_name")?,
-                app: r.try_get("app")?,
-                models: models.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect(),
-                created_us: r.try_get("created_us")?,
-                created_by: r.try_get("created_by")?,
-                revoked_us: r.try_get("revoked_us")?,
-                rpm: r.try_get::<Option<i64>, _>("rpm")?.map(|v| u32::try_from(v.max(0)).unwrap_or(u32::MAX)),
-                tokens_per_day: r.try_get::<Option<i64>, _>("tokens_per_day")?.map(|v| v.max(0) as u64),
-            });
-        }
-        Ok(out)
+        let rows = sqlx::query(&format!("SELECT {KEY_COLUMNS} FROM api_keys ORDER BY created_us, id")).fetch_all(self.pool()).await?;
+        rows.iter().map(key_record).collect()
+    }
+
+    /// The keys of one user, revoked ones included, oldest first.
+    pub async fn api_keys_of(&self, user: &str) -> Result<Vec<ApiKeyRecord>, StoreError> {
+        let rows = sqlx::query(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE user_name = $1 ORDER BY created_us, id"))
+            .bind(user)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(key_record).collect()
+    }
+
+    /// One key by id, if there is one.
+    pub async fn api_key(&self, id: &str) -> Result<Option<ApiKeyRecord>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1")).bind(id).fetch_optional(self.pool()).await?;
+        row.as_ref().map(key_record).transpose()
     }
 
     /// Revokes a key by id; returns the revoked record. Revoking twice is a no-op that still
@@ -147,11 +161,7 @@ impl Store {
             .bind(id)
             .execute(self.pool())
             .await?;
-        self.api_keys()
-            .await?
-            .into_iter()
-            .find(|k| k.id == id)
-            .ok_or_else(|| StoreError::NotFound(format!("API key `{id}` (see `gpuhub keys list`)")))
+        self.api_key(id).await?.ok_or_else(|| StoreError::NotFound(format!("API key `{id}` (see `gpuhub keys list`)")))
     }
 
     /// Inserts a batch of usage rows in one transaction. Rows already stored (same request id,
@@ -533,6 +543,17 @@ mod tests {
             assert_eq!(store.revoke_api_key("k1", 5).await.unwrap().revoked_us, Some(5));
             assert_eq!(store.revoke_api_key("k1", 9).await.unwrap().revoked_us, Some(5));
             assert!(store.revoke_api_key("nope", 9).await.unwrap_err().to_string().contains("gpuhub keys list"));
+            store
+                .insert_api_key(&ApiKeyRecord { id: "k3".into(), key_hash: "h3".into(), user: "bob".into(), created_us: 2, ..k.clone() })
+                .await
+                .unwrap();
+            let ids = |v: Vec<ApiKeyRecord>| v.into_iter().map(|k| k.id).collect::<Vec<_>>();
+            assert_eq!(ids(store.api_keys_of("alice").await.unwrap()), vec!["k1", "k2"], "revoked keys are listed too");
+            assert_eq!(ids(store.api_keys_of("bob").await.unwrap()), vec!["k3"]);
+            assert!(store.api_keys_of("carol").await.unwrap().is_empty());
+            let k3 = store.api_key("k3").await.unwrap().unwrap();
+            assert_eq!((k3.user.as_str(), k3.revoked_us, k3.models.len()), ("bob", None, 2));
+            assert!(store.api_key("nope").await.unwrap().is_none());
         }
     }
 }
