@@ -119,7 +119,8 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         action = self.get_body_argument("action", "")
         if action == "create":
             app = self.get_body_argument("app", "").strip()
-            args = ["keys", "create", "--app", app, "--json"]
+            # `--app=VALUE` and `--` below: a form value starting with `-` stays a value.
+            args = ["keys", "create", f"--app={app}", "--json"]
             if run_as is None:  # an admin creates for themselves here, as the page is theirs
                 args += ["--user", name]
             rc, out, err = gpuhub(run_as, *args)
@@ -130,7 +131,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
                 msg = f"the key was not created: {err}"
         elif action == "revoke":
             kid = self.get_body_argument("id", "")
-            rc, out, err = gpuhub(run_as, "keys", "revoke", kid)
+            rc, out, err = gpuhub(run_as, "keys", "revoke", "--", kid)
             msg = out.strip() if rc == 0 else f"the key was not revoked: {err}"
         else:
             raise web.HTTPError(400, "unknown action")
