@@ -4,10 +4,12 @@
 #
 #   /opt/gpuhub-lab/jupyterhub/              venv: jupyterhub, batchspawner, wrapspawner (the hub)
 #                                            and jupyter_server + ipykernel (the notebook server
-#                                            the Slurm job runs as the user); ~120 MB
+#                                            the Slurm job runs as the user) with JupyterLab,
+#                                            the notebook the browser test uses; ~200 MB
 #   /opt/gpuhub-lab/jupyterhub/node/         configurable-http-proxy from npm (node from apt)
 #   /var/cache/gpuhub/jupyterhub/wheels/     the wheels, downloaded once; later runs install offline
 #   /var/cache/gpuhub/jupyterhub/npm/        npm's cache for configurable-http-proxy
+#   chromium (apt)                           the headless browser of the portal test
 #
 #   GPUHUB_JUPYTERHUB=0   skip it (tests/system/jupyterhub-lab.sh then fails under run-all)
 set -euo pipefail
@@ -19,9 +21,9 @@ PREFIX="${GPUHUB_LLAMA_PREFIX:-/opt/gpuhub-lab}/jupyterhub"
 CACHE=/var/cache/gpuhub/jupyterhub
 PY=/usr/bin/python3
 # Pinned: the shipped config is tested against exactly these.
-REQS=("jupyterhub==5.2.1" "batchspawner==1.3.0" "wrapspawner==1.0.1" "jupyter_server==2.14.2" "ipykernel==6.29.5")
+REQS=("jupyterhub==5.2.1" "batchspawner==1.3.0" "wrapspawner==1.0.1" "jupyter_server==2.14.2" "ipykernel==6.29.5" "jupyterlab==4.5.11")
 CHP_VERSION=4.6.2
-CHECK='import importlib.metadata as m; assert m.version("jupyterhub") == "5.2.1" and m.version("batchspawner") == "1.3.0"; import batchspawner, wrapspawner, jupyter_server, ipykernel'
+CHECK='import importlib.metadata as m; assert m.version("jupyterhub") == "5.2.1" and m.version("batchspawner") == "1.3.0" and m.version("jupyterlab") == "4.5.11"; import batchspawner, wrapspawner, jupyter_server, ipykernel, jupyterlab'
 
 missing=()
 command -v node >/dev/null && command -v npm >/dev/null || missing+=(nodejs npm)
@@ -29,6 +31,12 @@ command -v sudo >/dev/null || missing+=(sudo) # batchspawner submits with `sudo 
 if [ "${#missing[@]}" -gt 0 ]; then
     log "apt-get install ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
+fi
+
+# The browser test's headless Chromium (tests/lib/browser.py), without its desktop recommends.
+if ! command -v chromium >/dev/null; then
+    log "apt-get install chromium"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null || die "apt-get install chromium failed"
 fi
 
 install -d -m 0755 "$PREFIX" "$CACHE/wheels" "$CACHE/npm"

@@ -64,7 +64,7 @@ c.ConfigurableHTTPProxy.command = ["$VENV/bin/configurable-http-proxy"]
 c.JupyterHub.db_url = "sqlite:///$T/jupyterhub.sqlite"
 c.JupyterHub.cookie_secret_file = "$T/cookie_secret"
 c.GpuhubSSOAuthenticator.shared_secret_file = "$T/sso-secret"
-c.GpuhubSSOAuthenticator.trusted_proxies = ["127.0.0.2"]
+c.GpuhubSSOAuthenticator.trusted_proxies = ["127.0.0.1", "127.0.0.2"]
 c.GpuhubSSOAuthenticator.user_map = {"lab.user@example.org": "$U"}
 c.GpuhubSSOAuthenticator.local_part_domains = ["example.org"]
 c.SlurmSpawner.req_prologue = "export PATH=$VENV/bin:\$PATH"
@@ -100,52 +100,50 @@ refused() {
 }
 refused 127.0.0.2 mallory@elsewhere.net "$SECRET" "mallory@elsewhere.net has no account on this hub" "an unmapped e-mail"
 refused 127.0.0.2 nosuchuser@example.org "$SECRET" "there is no user \`nosuchuser\` on this node" "a domain address without a Unix user"
-refused 127.0.0.1 lab.user@example.org "$SECRET" "(it came from 127.0.0.1); open the hub through the site" "a header from an untrusted peer"
+refused 127.0.0.3 lab.user@example.org "$SECRET" "(it came from 127.0.0.3); open the hub through the site" "a header from an untrusted peer"
 refused 127.0.0.2 lab.user@example.org "" "came without the single sign-on proxy" "a header without the secret"
 refused 127.0.0.2 lab.user@example.org "wrong-$SECRET" "came without the single sign-on proxy" "a wrong secret"
 rm -f "$T/jar"
 
-S="$(login 127.0.0.2 lab.user@example.org "$SECRET")"
-[ "$S" = 302 ] || fail "sign-in as lab.user@example.org: got $S (expected a redirect): $(head -c 400 "$T/page")"
-grep -q "jupyterhub-session-id\|jupyterhub-hub-login" "$T/jar" || fail "no session cookie after the sign-in"
-api() { curl -s -H "Authorization: token $TOKEN" "$@"; }
-[ "$(api "http://127.0.0.1:$PUB/hub/api/users/$U" | jq -r .name)" = "$U" ] || fail "the hub has no user $U after the sign-in"
-echo "   signed in: lab.user@example.org -> $U"
-
-echo "+ spawn the profile 'About half a GPU (7 shards)' through the form"
-curl -s -b "$T/jar" -c "$T/jar" --interface 127.0.0.2 -o "$T/form" "http://127.0.0.1:$PUB/hub/spawn/$U"
-grep -q "About half a GPU (7 shards)" "$T/form" || fail "the spawn form does not offer 'About half a GPU (7 shards)': $(head -c 400 "$T/form")"
-ACTION="$(grep -o 'action="/hub/spawn/[^"]*"' "$T/form" | head -n1 | sed 's/^action="//; s/"$//; s/&amp;/\&/g' || true)"
-[ -n "$ACTION" ] || fail "no form action in the spawn page"
-S="$(curl -s -o "$T/page" -w '%{http_code}' -b "$T/jar" -c "$T/jar" --interface 127.0.0.2 \
-    -F "profile=shard7-6h" "http://127.0.0.1:$PUB$ACTION")"
-[ "$S" = 302 ] || fail "POST /hub/spawn/$U: got $S: $(sed 's/<[^>]*>//g' "$T/page" | tr -s ' \n' ' ' | head -c 400)"
-JOB=""
-for _ in $(seq 240); do
-    ready="$(api "http://127.0.0.1:$PUB/hub/api/users/$U" | jq -r '.servers[""].ready // false')"
-    [ -n "$JOB" ] || JOB="$(squeue -h -u "$U" -n jupyterhub -o %i | head -n1)"
-    [ "$ready" = true ] && break
-    sleep 0.5
-done
-[ "$ready" = true ] || fail "the notebook server of $U was not ready within 120 s (job '${JOB:-none}': $(cat "/home/$U/.jupyterhub-slurm-$JOB.log" 2>/dev/null | tail -n 15))"
-[ -n "$JOB" ] || fail "no Slurm job named jupyterhub for $U"
-lab_run scontrol show job "$JOB"
-grep -qE "UserId=$U\(" <<<"$LAB_OUT" && grep -qE "Partition=interactive" <<<"$LAB_OUT" && grep -qE "(TresPerNode|TRES)=.*shard(:h200)?[:=]7" <<<"$LAB_OUT" ||
-    fail "job $JOB is not $U's 7-shard job in partition interactive"
-
-echo "+ a cell in the notebook's kernel: OPENAI_BASE_URL and a call to the gateway with the injected key"
+echo "+ in headless Chromium: sign in through the edge, spawn 'About half a GPU (7 shards)', run a cell in JupyterLab, open the gpuhub page"
 CELL='import json, os, urllib.request
-print("OPENAI_BASE_URL=" + os.environ["OPENAI_BASE_URL"])
-print("SLURM_JOB_ID=" + os.environ.get("SLURM_JOB_ID", ""))
+for k in ("OPENAI_BASE_URL", "SLURM_JOB_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TAGS", "OCR_MODEL"):
+    print(k + "=" + os.environ.get(k, "(unset)"))
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models", headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
 with urllib.request.urlopen(req, timeout=30) as r:
     print("GATEWAY", r.status, "models:", ",".join(m["id"] for m in json.load(r)["data"]))'
-OUT="$("$VENV/bin/python" "$LAB_REPO/tests/lib/jupyter_kernel.py" "http://127.0.0.1:$PUB/user/$U/" "$TOKEN" "$CELL")" ||
-    fail "the cell failed: $OUT"
+SHOTS="$LAB_REPO/target/test-logs"; mkdir -p "$SHOTS"
+rm -f "$SHOTS"/jupyterhub-*.png
+"$VENV/bin/python" "$LAB_REPO/tests/lib/jupyterhub_browser.py" "http://127.0.0.1:$PUB" "$U" lab.user@example.org "$T/sso-secret" \
+    "$SHOTS" "About half a GPU (7 shards)" "$CELL" >"$T/browser.out" 2>&1 || { cat "$T/browser.out" >&2; fail "the browser run failed (above; screenshot in $SHOTS)"; }
+grep '^STEP' "$T/browser.out" | sed 's/^/   /'
+OUT="$(sed -n '/^OUTPUT:$/,/^STEP the gpuhub page$/p' "$T/browser.out")"
 sed 's/^/  | /' <<<"$OUT"
-grep -qx "OPENAI_BASE_URL=$(jq -r .gateway_url /run/gpuhub/snapshot.json)/v1" <<<"$OUT" || fail "the kernel's OPENAI_BASE_URL is not the gateway's"
+JOB="$(squeue -h -u "$U" -n jupyterhub -o %i | head -n1)"
+[ -n "$JOB" ] || fail "no Slurm job named jupyterhub for $U after the browser's spawn"
+lab_run scontrol show job "$JOB"
+grep -qE "UserId=$U\(" <<<"$LAB_OUT" && grep -qE "Partition=interactive" <<<"$LAB_OUT" && grep -qE "(TresPerNode|TRES)=.*shard(:h200)?[:=]7" <<<"$LAB_OUT" ||
+    fail "job $JOB is not $U's 7-shard job in partition interactive"
+SNAP=/run/gpuhub/snapshot.json
+grep -qx "OPENAI_BASE_URL=$(jq -r .gateway_url "$SNAP")/v1" <<<"$OUT" || fail "the kernel's OPENAI_BASE_URL is not the gateway's"
 grep -qx "SLURM_JOB_ID=$JOB" <<<"$OUT" || fail "the kernel does not run in job $JOB"
+grep -qx "MLFLOW_TRACKING_URI=$(jq -r .mlflow_tracking_uri "$SNAP")" <<<"$OUT" || fail "the kernel's MLFLOW_TRACKING_URI is not the snapshot's"
+grep -q '^MLFLOW_EXPERIMENT_NAME=.' <<<"$OUT" || fail "the kernel has no MLFLOW_EXPERIMENT_NAME"
+sed -n 's/^MLFLOW_TAGS=//p' <<<"$OUT" | jq -e --arg j "$JOB" '.["slurm.job_id"] == $j and .["slurm.shards"] == "7"' >/dev/null ||
+    fail "the kernel's MLFLOW_TAGS do not carry slurm.job_id $JOB and slurm.shards 7"
+grep -qx "OCR_MODEL=$(jq -r .roles.ocr "$SNAP")" <<<"$OUT" || fail "the kernel's OCR_MODEL is not the role's model"
 grep -q "^GATEWAY 200 models: ." <<<"$OUT" || fail "the gateway did not answer the job's credential with models"
+PAGE_TEXT="$(sed -n '/^PAGE:$/,$p' "$T/browser.out")"
+grep -q "gpuhub: $U" <<<"$PAGE_TEXT" && grep -q "$JOB" <<<"$PAGE_TEXT" && grep -q "7 shards" <<<"$PAGE_TEXT" ||
+    fail "the gpuhub page in the browser does not show $U's job $JOB with 7 shards: $(head -c 800 <<<"$PAGE_TEXT")"
+for f in jupyterhub-spawn-form.png jupyterhub-notebook.png jupyterhub-gpuhub-page.png; do
+    [ "$(head -c 8 "$SHOTS/$f" | od -An -tx1 | tr -d ' ')" = 89504e470d0a1a0a ] || fail "no PNG screenshot $SHOTS/$f"
+done
+echo "   screenshots: $SHOTS/jupyterhub-{spawn-form,notebook,gpuhub-page}.png"
+
+S="$(login 127.0.0.2 lab.user@example.org "$SECRET")"
+[ "$S" = 302 ] || fail "sign-in as lab.user@example.org with curl (the page's key actions): got $S: $(head -c 400 "$T/page")"
+api() { curl -s -H "Authorization: token $TOKEN" "$@"; }
 
 echo "+ the gpuhub page, signed in through the hub's OAuth"
 page() { # page [ACTION ARGS..]: GET, or POST ACTION with name=value ARGS; the page in $T/gpage
