@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The gpuhub page in JupyterHub: a JupyterHub service (signed in through the hub's OAuth, no
 login of its own) that shows the signed-in user their running Slurm jobs with GPU utilisation
 and VRAM per GPU or shard, their GPU-hours this month, the models with their state and the
