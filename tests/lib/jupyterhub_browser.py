@@ -45,7 +45,7 @@ async def main(hub, user, email, secret_file, out, profile, cell):
             step = f"pick the profile {profile!r}"
             picked = await b.eval(f"""(() => {{
                 const s = document.querySelector('select[name=profile]') || document.querySelector('form select');
-                const o = [...s.options].find(o => o.text.trim() === {js(profile)});
+                const o = [...s.options].find(o => o.text.trim().startsWith({js(profile)}));
                 if (!o) return 'no option ' + [...s.options].map(o => o.text.trim()).join(' | ');
                 s.value = o.value;
                 const f = s.form; (f.requestSubmit ? f.requestSubmit() : f.submit());
@@ -76,6 +76,9 @@ async def main(hub, user, email, secret_file, out, profile, cell):
             step = "open the notebook and run its cell"
             await b.goto(f"{hub}/user/{urllib.parse.quote(user)}/lab/tree/{NOTEBOOK}")
             await b.wait_for("!!document.querySelector('.jp-Notebook .jp-Cell .cm-content')", timeout=60, what="the notebook's cell")
+            # JupyterLab asks which kernel to start (its "Select Kernel" dialog): Python 3.
+            await asyncio.sleep(2)
+            await b.eval("(() => { const d = document.querySelector('.jp-Dialog .jp-mod-accept'); if (d) d.click(); return true; })()")
             await b.wait_for("(() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator, .jp-KernelStatus'); "
                              "return !s || /idle/i.test(s.getAttribute('data-status') || s.textContent || 'idle'); })()",
                              timeout=60, what="an idle kernel")
