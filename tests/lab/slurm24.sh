@@ -169,7 +169,7 @@ configure() {
 # stop22: the 22.05 lab's agent, slurmctld, slurmd and slurmdbd (its jobs cancelled first); munged
 # and MariaDB stay (this leg uses them). tests/lab/up.sh starts them again.
 stop22() {
-    local f pid
+    local f
     [ -s /run/slurmctld.pid ] || [ -s /run/slurmd.pid ] || [ -s /run/slurmdbd.pid ] || return 0
     agent_stop
     if [ -s /run/slurmctld.pid ] && kill -0 "$(cat /run/slurmctld.pid)" 2>/dev/null; then
@@ -178,13 +178,9 @@ stop22() {
         for _ in $(seq 50); do [ -z "$(PATH="${PATH#"$LAB24_BIN:"}" SLURM_CONF=/etc/slurm/slurm.conf squeue -h 2>/dev/null)" ] && break; sleep 0.2; done
     fi
     for f in /run/slurmd.pid /run/slurmctld.pid /run/slurmdbd.pid; do
-        [ -s "$f" ] || continue
-        pid="$(cat "$f")"
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 150); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
-        [ -d "/proc/$pid" ] && kill -9 "$pid" 2>/dev/null
-        rm -f "$f"
+        [ -s "$f" ] && lab_stop_pidfile "$f"
     done
+    return 0
 }
 
 db_up() { timeout 10 sacctmgr -n -P list cluster format=Cluster >/dev/null 2>&1; }

@@ -97,19 +97,27 @@ lab_start_slurm() {
     fi
 }
 
+# lab_stop_pidfile FILE: stop the daemon whose pid FILE holds (SIGKILL after 15 s), remove FILE.
+lab_stop_pidfile() {
+    local pid
+    pid="$(cat "$1" 2>/dev/null)" || return 0
+    if [ -n "$pid" ]; then
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 150); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
+        [ -d "/proc/$pid" ] && kill -9 "$pid" 2>/dev/null
+    fi
+    rm -f "$1"
+}
+
 # lab24_stop_daemons [NAME...]: stop the 24.11 leg's slurmd, slurmctld, slurmdbd, or only the
 # daemons NAMEd (SIGKILL after 15 s).
 lab24_stop_daemons() {
-    local f n pid
+    local f n
     for f in "$LAB_SLURMD_PID:slurmd" "$LAB_SLURMCTLD_PID:slurmctld" "$LAB_SLURMDBD_PID:slurmdbd"; do
         n="${f##*:}"; f="${f%:*}"
         [ "$#" = 0 ] || [[ " $* " == *" $n "* ]] || continue
         lab_pid_alive "$f" "$n" || { rm -f "$f"; continue; }
-        pid="$(cat "$f")"
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 150); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
-        [ -d "/proc/$pid" ] && kill -9 "$pid" 2>/dev/null
-        rm -f "$f"
+        lab_stop_pidfile "$f"
     done
     return 0
 }
