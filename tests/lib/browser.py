@@ -12,7 +12,8 @@ protocol over tornado's websocket client (the JupyterHub venv has tornado).
 `headers` are sent with every request of the page (Network.setExtraHTTPHeaders); `edge`
 (URL pattern, headers) adds headers only to the requests that match (the Fetch domain): the
 test plays the SSO edge with it, which sends its sign-in headers to the hub's paths only. Chromium runs with a private profile directory, no sandbox (root), and is
-killed (its whole process group) when the block ends.
+killed (its whole process group) when the block ends. JavaScript dialogs (a page's "leave
+this page?") are accepted.
 """
 import asyncio
 import base64
@@ -146,14 +147,21 @@ class Browser:
                 p = m["params"]
                 headers = {**p["request"].get("headers", {}), **self.edge[1]}
                 asyncio.ensure_future(self._continue(p["requestId"], headers))
+            elif m.get("method") == "Page.javascriptDialogOpening":
+                # JupyterLab's "leave the page?" (beforeunload) would block the next navigation
+                # and every command after it: leaving is what the test means.
+                asyncio.ensure_future(self._quietly("Page.handleJavaScriptDialog", accept=True))
             elif "method" in m:
                 self.events.append(m)
 
     async def _continue(self, request_id, headers):
-        try:
-            await self.send("Fetch.continueRequest", requestId=request_id,
+        await self._quietly("Fetch.continueRequest", requestId=request_id,
                             headers=[{"name": k, "value": v} for k, v in headers.items()])
-        except BrowserError:
+
+    async def _quietly(self, method, **params):
+        try:
+            await self.send(method, **params)
+        except (BrowserError, asyncio.TimeoutError):
             pass  # the page went away meanwhile
 
     async def send(self, method, **params):

@@ -7,7 +7,8 @@ tests/system/jupyterhub-lab.sh:
   2. the spawn form: picks the profile labelled PROFILE and starts it (screenshot);
   3. waits for JupyterLab, opens a notebook holding CELL and runs it from the toolbar; prints
      the cell's output (screenshot);
-  4. opens the gpuhub page (/services/gpuhub/, the hub's OAuth) and prints its text (screenshot).
+  4. opens the gpuhub page (/services/gpuhub/, the hub's OAuth) and prints its text (screenshot);
+  5. stops the server with the hub home page's "Stop My Server".
 
 usage: jupyterhub_browser.py HUB_URL USER EMAIL SECRET_FILE OUT_DIR PROFILE CELL
 Prints `STEP ...` lines, then `OUTPUT:` and the cell's output, then `PAGE:` and the page's
@@ -98,6 +99,14 @@ async def main(hub, user, email, secret_file, out, profile, cell):
             await b.screenshot(os.path.join(out, "jupyterhub-gpuhub-page.png"))
             print("STEP the gpuhub page", flush=True)
             print("PAGE:\n" + page.strip(), flush=True)
+
+            step = "stop the server from the hub's home page"
+            await b.goto(f"{hub}/hub/home")
+            await b.wait_for("!!document.querySelector('#stop')", what="the Stop My Server button")
+            await b.eval("document.querySelector('#stop').click(); true")
+            await b.wait_for("(() => { const s = document.querySelector('#stop'); return !s || s.offsetParent === null; })()",
+                             timeout=90, what="the server stopped (its Stop button gone)")
+            print("STEP stopped the server", flush=True)
         except (BrowserError, asyncio.TimeoutError) as e:
             try:
                 await b.screenshot(os.path.join(out, "jupyterhub-browser-failed.png"))
