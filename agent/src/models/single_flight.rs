@@ -247,7 +247,7 @@ mod tests {
     #[tokio::test]
     async fn a_borrowed_worker_keeps_the_owners_worker_from_idling_out() {
         for (store, _dir) in testing::stores().await {
-            let mut own = Instance::new(LauncherKind::Slurm, "501".into(), "k".into(), 0, "/tmp/l".into());
+            let own = Instance::new(LauncherKind::Slurm, "501".into(), "k".into(), 0, "/tmp/l".into());
             own.set_base_url("http://10.77.0.12:9000".into());
             let mut borrowed = Instance::new(LauncherKind::Slurm, "501".into(), "k".into(), 0, "/tmp/l".into());
             borrowed.borrowed_from = Some("gpu02".into());
