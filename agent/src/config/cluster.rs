@@ -73,10 +73,9 @@ mod tests {
     #[test]
     fn the_list_decides_and_a_non_gateway_needs_a_public_url() {
         let base = "[telemetry]\nslurm_node_name = \"gpu02\"\n";
-        let c = Config::from_toml(&format!(
-            "{base}[gateway]\npublic_url = \"http://gpu01:8400\"\n[cluster]\ngateway_nodes = [\"gpu01\"]\n"
-        ))
-        .unwrap();
+        let c =
+            Config::from_toml(&format!("{base}[gateway]\npublic_url = \"http://gpu01:8400\"\n[cluster]\ngateway_nodes = [\"gpu01\"]\n"))
+                .unwrap();
         assert!(!c.is_gateway(), "gpu02 is not listed");
         assert!(c.file.cluster.is_gateway("gpu01"));
         let c = Config::from_toml(&format!("{base}[cluster]\ngateway_nodes = [\"gpu01\", \"gpu02\"]\n")).unwrap();

@@ -23,8 +23,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use cluster::ClusterConfig;
 pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig, valid_model_name, validate_registry_entry};
+pub use cluster::ClusterConfig;
 pub use gateway::{GatewayConfig, LimitUser, LimitsConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserLimits, UserName, own_addresses};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;

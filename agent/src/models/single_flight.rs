@@ -4,7 +4,8 @@
 //!   PostgreSQL that is a session advisory lock keyed on the model (`pg_try_advisory_lock`,
 //!   polled, so a waiter holds no connection), held until the worker is ready and its address
 //!   is in the store, or its start failed; a gateway whose agent dies loses its session and so
-//!   the lock. On SQLite (one node) it is in-process only.
+//!   the lock. On SQLite (one node, one agent) there is nothing to take: the single flight is
+//!   the in-process one of [`super::lifecycle`] (one load task per model's worker).
 //! - Then [`borrow`]: a ready worker another agent owns (its row has an address, and its health
 //!   path answers the key from the store) is routed to instead of starting a second one. The
 //!   borrowed [`Instance`] names its owner: this agent never stops or forgets it
@@ -13,8 +14,6 @@
 //!   store; the owner's idle unload reads it, so a worker in use through another gateway is
 //!   not unloaded.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -39,17 +38,10 @@ pub fn lock_key(model: &str) -> i64 {
     h as i64
 }
 
-fn local_lock(model: &str) -> Arc<tokio::sync::Mutex<()>> {
-    static LOCKS: OnceLock<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>> = OnceLock::new();
-    let mut map = LOCKS.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|p| p.into_inner());
-    map.entry(model.to_string()).or_default().clone()
-}
-
 /// A model's start, held: release it once the worker is ready (and recorded) or failed.
 #[derive(Debug)]
 pub struct Flight {
     cluster: Option<ClusterLock>,
-    _local: tokio::sync::OwnedMutexGuard<()>,
 }
 
 impl Flight {
@@ -60,24 +52,19 @@ impl Flight {
     }
 }
 
-/// Waits until this agent may start `model`'s worker: in-process always, and cluster-wide on
-/// PostgreSQL. Errors (for the waiting callers) when `deadline` passes first or the agent
-/// shuts down. A store that cannot be asked is logged and the start goes on in-process only
-/// (the store is then down for the other gateways too).
+/// Waits until this agent may start `model`'s worker: cluster-wide on PostgreSQL (at once
+/// without a store or on SQLite). Errors (for the waiting callers) when `deadline` passes first
+/// or the agent shuts down. A store that cannot be asked is logged and the start goes on (the
+/// store is then down for the other gateways too).
 pub async fn enter(store: Option<&Store>, model: &str, deadline: Instant, shutdown: &CancellationToken) -> Result<Flight, String> {
-    let local = tokio::select! {
-        g = local_lock(model).lock_owned() => g,
-        () = tokio::time::sleep_until(deadline) => return Err(format!("another start of `{model}` is still under way in this agent; retry")),
-        () = shutdown.cancelled() => return Err("the agent is shutting down".into()),
-    };
     let Some(store) = store.filter(|s| s.backend() == crate::store::Backend::Postgres) else {
-        return Ok(Flight { cluster: None, _local: local });
+        return Ok(Flight { cluster: None });
     };
     let key = lock_key(model);
     let mut logged = false;
     loop {
         match store.try_cluster_lock(key).await {
-            Ok(Some(l)) => return Ok(Flight { cluster: Some(l), _local: local }),
+            Ok(Some(l)) => return Ok(Flight { cluster: Some(l) }),
             Ok(None) => {
                 if !logged {
                     tracing::info!(model, "another gateway is starting this model's worker; waiting for it");
@@ -85,8 +72,8 @@ pub async fn enter(store: Option<&Store>, model: &str, deadline: Instant, shutdo
                 }
             }
             Err(e) => {
-                tracing::warn!(model, error = %e, "cannot take the cluster-wide start lock; starting with the in-process one only");
-                return Ok(Flight { cluster: None, _local: local });
+                tracing::warn!(model, error = %e, "cannot take the cluster-wide start lock; starting without it");
+                return Ok(Flight { cluster: None });
             }
         }
         tokio::select! {
@@ -194,12 +181,20 @@ mod tests {
         assert_ne!(lock_key("demo-chat"), lock_key("demo-chat2"));
     }
 
-    /// Two gateways (two pools on one database) enter one model's start: the second waits
-    /// until the first releases; another model is not held up. On SQLite the same holds
-    /// in-process.
+    /// Two starts of one model on one PostgreSQL store: the second waits until the first
+    /// releases; another model is not held up. On SQLite nothing is taken (one agent: the
+    /// lifecycle's own single flight).
     #[tokio::test]
     async fn one_start_per_model_at_a_time_on_every_backend() {
         for (store, _dir) in testing::stores().await {
+            if store.backend() == crate::store::Backend::Sqlite {
+                let token = CancellationToken::new();
+                let soon = Instant::now() + Duration::from_millis(100);
+                let a = enter(Some(&store), "m", soon, &token).await.unwrap();
+                let b = enter(Some(&store), "m", soon, &token).await.unwrap();
+                assert!(a.cluster.is_none() && b.cluster.is_none());
+                continue;
+            }
             let model = format!("m-{:?}-{}", store.backend(), crate::util::now_us());
             let token = CancellationToken::new();
             let far = Instant::now() + Duration::from_secs(30);
