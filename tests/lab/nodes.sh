@@ -10,6 +10,9 @@
 # gpu01 runs the gateway jobs are told (gateway_url http://10.77.0.11:8400); workers bind their
 # node's address (workers.host = "node") and write to /var/lib/gpuhub-lab-workers/gpuNN.
 #
+# NODES_GATEWAY_NODES="gpu01" gives the agents `[cluster] gateway_nodes` (unset: both run a
+# gateway); NODES_IDLE_TIMEOUT_S shortens the lab models' idle timeout (tests/system/multinode-gateways.sh).
+#
 # Sourced by up.sh and down.sh (functions only). Run directly:
 #   tests/lab/nodes.sh exec NODE CMD...     run CMD inside NODE (its namespaces)
 #   tests/lab/nodes.sh agent-stop NODE      stop NODE's agent
