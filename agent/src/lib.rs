@@ -82,7 +82,8 @@ impl AppState {
 
 /// The sockets the agent serves on; `main` binds them, tests pass port-0 listeners.
 pub struct Listeners {
-    pub gateway: TcpListener,
+    /// `None` on a node without the gateway role (`[cluster] gateway_nodes`).
+    pub gateway: Option<TcpListener>,
     pub metrics: TcpListener,
     pub control: UnixListener,
 }
@@ -91,9 +92,15 @@ impl Listeners {
     /// Binds the configured addresses, with errors that name the key to change.
     pub async fn bind(config: &Config) -> anyhow::Result<Listeners> {
         let f = &config.file;
-        let gateway = TcpListener::bind(&f.gateway.listen)
-            .await
-            .with_context(|| format!("cannot listen on gateway.listen = {} (in use? change gateway.listen)", f.gateway.listen))?;
+        let gateway = if config.is_gateway() {
+            Some(
+                TcpListener::bind(&f.gateway.listen)
+                    .await
+                    .with_context(|| format!("cannot listen on gateway.listen = {} (in use? change gateway.listen)", f.gateway.listen))?,
+            )
+        } else {
+            None
+        };
         let metrics = TcpListener::bind(&f.metrics.listen)
             .await
             .with_context(|| format!("cannot listen on metrics.listen = {} (in use? change metrics.listen)", f.metrics.listen))?;
@@ -183,14 +190,24 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
 
     let exposition = Arc::new(telemetry::exposition::Exposition::new(registry, Some(state.telemetry.dcgm())));
     let token = state.shutdown.clone();
-    let gw_addr = listeners.gateway.local_addr()?;
+    let gw_addr = listeners.gateway.as_ref().map(TcpListener::local_addr).transpose()?;
     let m_addr = listeners.metrics.local_addr()?;
-    tracing::info!(gateway = %gw_addr, metrics = %m_addr, control = %config.control_socket.display(), "gpuhub-agent listening");
+    match gw_addr {
+        Some(gw) => tracing::info!(gateway = %gw, metrics = %m_addr, control = %config.control_socket.display(), "gpuhub-agent listening"),
+        None => tracing::info!(
+            metrics = %m_addr,
+            control = %config.control_socket.display(),
+            node = %config.file.telemetry.effective_node_name(),
+            gateway_nodes = %config.file.cluster.gateway_nodes.join(","),
+            jobs_told = %config.file.gateway.public_url(),
+            "gpuhub-agent listening; this node runs no gateway (cluster.gateway_nodes): telemetry, ingest and the control socket only"
+        ),
+    }
 
     gateway::server::raise_fd_limit(config.file.gateway.max_connections);
     // The SSO socket (`[gateway.sso] socket`): the same gateway, for a proxy that proves
     // itself by its uid.
-    let sso_listener = match config.file.gateway.sso.socket.as_deref().filter(|_| config.file.gateway.sso.enabled) {
+    let sso_listener = match config.file.gateway.sso.socket.as_deref().filter(|_| config.file.gateway.sso.enabled && gw_addr.is_some()) {
         Some(path) => Some(control::server::bind(path).with_context(|| {
             format!("cannot create the SSO socket {} (set gateway.sso.socket to a path in a directory root can write)", path.display())
         })?),
@@ -200,8 +217,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         let app = gateway::router(state.clone());
         let (token, conns) = (token.clone(), state.gateway.connections.clone());
         let sso = sso_listener.map(|l| tokio::spawn(gateway::server::serve(l, app.clone(), conns.clone(), token.clone())));
+        let tcp_listener = listeners.gateway;
         tokio::spawn(async move {
-            let tcp = gateway::server::serve(listeners.gateway, app, conns, token).await;
+            let tcp = match tcp_listener {
+                Some(l) => gateway::server::serve(l, app, conns, token).await,
+                None => Ok(()),
+            };
             if let Some(sso) = sso {
                 match sso.await {
                     Ok(Err(e)) => tracing::error!(error = %e, "the SSO socket's server ended with an error"),

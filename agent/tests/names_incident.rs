@@ -84,11 +84,11 @@ url = "http://{up}"
         let socket = dir.path().join("agent.sock");
         let snapshot = config.snapshot_path.clone();
         let listeners = gpuhub_agent::Listeners {
-            gateway: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            gateway: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
             metrics: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
             control: gpuhub_agent::control::server::bind(&socket).unwrap(),
         };
-        let (gateway, metrics) = (listeners.gateway.local_addr().unwrap(), listeners.metrics.local_addr().unwrap());
+        let (gateway, metrics) = (listeners.gateway.as_ref().unwrap().local_addr().unwrap(), listeners.metrics.local_addr().unwrap());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(gpuhub_agent::run(config, listeners, async move {
             let _ = rx.await;

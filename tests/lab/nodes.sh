@@ -10,6 +10,9 @@
 # gpu01 runs the gateway jobs are told (gateway_url http://10.77.0.11:8400); workers bind their
 # node's address (workers.host = "node") and write to /var/lib/gpuhub-lab-workers/gpuNN.
 #
+# NODES_GATEWAY_NODES="gpu01" gives the agents `[cluster] gateway_nodes` (unset: both run a
+# gateway); NODES_IDLE_TIMEOUT_S shortens the lab models' idle timeout (tests/system/multinode-gateways.sh).
+#
 # Sourced by up.sh and down.sh (functions only). Run directly:
 #   tests/lab/nodes.sh exec NODE CMD...     run CMD inside NODE (its namespaces)
 #   tests/lab/nodes.sh agent-stop NODE      stop NODE's agent
@@ -168,16 +171,37 @@ public_url = "$NODES_GATEWAY"
 
 [metrics]
 listen = "$ip:9410"
+$(nodes_cluster_toml)
 
 [workers]
 host = "node"
 dir = "$NODES_WORKERS/$n"
 
 TOML
-    sed "s/^slurm_node_name = .*/slurm_node_name = \"$n\"/" "$NODES_REPO/tests/lab/agent.toml"
+    sed -e "s/^slurm_node_name = .*/slurm_node_name = \"$n\"/" \
+        -e "s/^idle_timeout_s = 120\$/idle_timeout_s = ${NODES_IDLE_TIMEOUT_S:-120}/" "$NODES_REPO/tests/lab/agent.toml"
 }
 
-nodes_agent_healthy() { curl -sf --max-time 2 "http://$(nodes_ip "$1"):8400/healthz" >/dev/null 2>&1; }
+# The [cluster] section when NODES_GATEWAY_NODES names the gateway nodes (space-separated;
+# unset: every node runs a gateway). NODES_IDLE_TIMEOUT_S shortens the lab models' idle timeout.
+nodes_cluster_toml() {
+    [ -n "${NODES_GATEWAY_NODES:-}" ] || return 0
+    local n list=""
+    for n in $NODES_GATEWAY_NODES; do list="$list${list:+, }\"$n\""; done
+    printf '\n[cluster]\ngateway_nodes = [%s]\n' "$list"
+}
+
+# nodes_is_gateway NODE: whether NODE's agent runs the gateway.
+nodes_is_gateway() { [ -z "${NODES_GATEWAY_NODES:-}" ] || [[ " $NODES_GATEWAY_NODES " == *" $1 "* ]]; }
+
+# Healthy: the gateway answers /healthz; on a node without the gateway, /metrics answers.
+nodes_agent_healthy() {
+    if nodes_is_gateway "$1"; then
+        curl -sf --max-time 2 "http://$(nodes_ip "$1"):8400/healthz" >/dev/null 2>&1
+    else
+        curl -sf --max-time 2 -o /dev/null "http://$(nodes_ip "$1"):9410/metrics" 2>/dev/null
+    fi
+}
 
 nodes_agent_start() {
     local n="$1" d="$NODES_DIR/$1" secs="${2:-60}" i pid

@@ -6,9 +6,10 @@
 #     credential, and the store attributes the call to its user and job;
 #  2. the model that call needs (dots.ocr, the TEST worker) starts on gpu02, binds gpu02's
 #     address (workers.host = "node") and is served through gpu01's gateway;
-#  3. gpu02's agent starts its own dots.ocr worker; restarting gpu02's agent adopts its worker
-#     and leaves gpu01's alone, restarting gpu01's agent the other way round (ownership in the
-#     store, migration 0014); both workers still serve afterwards;
+#  3. gpu02's gateway routes dots.ocr to gpu01's worker (one worker per model across gateways,
+#     models/single_flight) and starts its own worker of SmolLM2-135M-Instruct; restarting
+#     gpu02's agent adopts its worker and leaves gpu01's alone, restarting gpu01's agent the
+#     other way round (ownership in the store, migration 0014); both still serve afterwards;
 #  4. a shard job on each node: the shard-seconds the store holds for them (read through gpu01's
 #     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum.
 # Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
@@ -58,15 +59,16 @@ blocker="$(cd /tmp && sbatch --parsable -J gpuhub-test-blocker -w gpu01 --gres=g
 for _ in $(seq 50); do [ "$(squeue -h -j "$blocker" -o %T)" = RUNNING ] && break; sleep 0.2; done
 [ "$(squeue -h -j "$blocker" -o %T)" = RUNNING ] || fail "the blocker job $blocker does not run on gpu01"
 
-# call NODE GATEWAY: a job of $LAB_USER on NODE posts one chat call to GATEWAY (default: the
-# GPUHUB_URL it was given) with its injected credential; prints JOB STATUS URL.
+# call NODE GATEWAY [MODEL]: a job of $LAB_USER on NODE posts one chat call for MODEL (default
+# dots.ocr) to GATEWAY (default: the GPUHUB_URL it was given) with its injected credential;
+# prints JOB STATUS URL.
 call() {
     (cd /tmp && runuser -u "$LAB_USER" -- srun -w "$1" -t 2 -J multinode-call sh -c '
         url="${0:-$GPUHUB_URL}"
         code="$(curl -s -o /dev/null -w "%{http_code}" --max-time 90 "$url/v1/chat/completions" \
             -H "Authorization: Bearer $OPENAI_API_KEY" -H content-type:application/json \
-            -d "{\"model\":\"dots.ocr\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}")"
-        echo "$SLURM_JOB_ID $code $GPUHUB_URL"' "${2:-}")
+            -d "{\"model\":\"$1\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":4}")"
+        echo "$SLURM_JOB_ID $code $GPUHUB_URL"' "${2:-}" "${3:-dots.ocr}")
 }
 
 echo "== 1+2. a job on gpu02 calls gpu01's gateway; the worker starts on gpu02"
@@ -90,10 +92,14 @@ proof="$(cat "$NODES_WORKERS/gpu01/dots.ocr.$w1_job.proof")" || fail "worker job
 [ "$proof" = "$w1_job ${w1_url##*:} ok" ] || fail "worker job $w1_job's proof says '$proof'"
 echo "   worker $w1_job (owner gpu01) on gpu02 at $w1_url, port proven by its job"
 
-echo "== 3. gpu02's agent starts its own worker; restarts leave the other agent's worker alone"
+echo "== 3. gpu02's gateway routes to gpu01's worker and starts its own of another model; restarts leave the other agent's worker alone"
 read -r job2 code2 _ < <(call gpu01 "http://$(nodes_ip gpu02):8400") || fail "the job on gpu01 did not run"
 [ "$code2" = 200 ] || fail "the call to gpu02's gateway got HTTP $code2"
-w2_job="$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu02' AND model = 'dots.ocr'")"
+[ "$("${PSQL[@]}" -c "SELECT string_agg(owner || ':' || instance_id, ' ') FROM model_workers WHERE model = 'dots.ocr'")" = "gpu01:$w1_job" ] ||
+    fail "gpu02's gateway started a second dots.ocr worker instead of routing to gpu01's $w1_job"
+read -r _ code2 _ < <(call gpu01 "http://$(nodes_ip gpu02):8400" SmolLM2-135M-Instruct) || fail "the job on gpu01 did not run"
+[ "$code2" = 200 ] || fail "the SmolLM2-135M-Instruct call to gpu02's gateway got HTTP $code2"
+w2_job="$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu02' AND model = 'SmolLM2-135M-Instruct'")"
 [ -n "$w2_job" ] && [ "$w2_job" != "$w1_job" ] || fail "gpu02's agent recorded no worker of its own ('$w2_job'; gpu01's is $w1_job)"
 for n in gpu02 gpu01; do
     : > "$NODES_DIR/$n/agent.log"

@@ -11,6 +11,7 @@
 //! is an error that names both sources.
 
 mod catalog;
+mod cluster;
 mod gateway;
 mod names;
 mod paths;
@@ -23,6 +24,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use catalog::{LauncherKind, ModelConfig, ResourceRequest, WorkersConfig, valid_model_name, validate_registry_entry};
+pub use cluster::ClusterConfig;
 pub use gateway::{GatewayConfig, LimitUser, LimitsConfig, SSO_SECRET_HEADER, Secret, SsoConfig, UserLimits, UserName, own_addresses};
 pub use names::{NameHistoryEntry, NamesConfig, RetiredStatus, is_date};
 pub use paths::PathsConfig;
@@ -72,6 +74,8 @@ pub struct ConfigFile {
     /// (docs/quotas.md).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub quotas: Vec<QuotaConfig>,
+    /// `[cluster]`: which nodes run the gateway (one file for every node of a cluster).
+    pub cluster: ClusterConfig,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -277,6 +281,12 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether this agent runs the gateway (`[cluster] gateway_nodes`): without it, no gateway
+    /// port and no workers of its own; telemetry, ingest and the control socket still run.
+    pub fn is_gateway(&self) -> bool {
+        self.file.cluster.is_gateway(&self.file.telemetry.effective_node_name())
+    }
+
     /// Loads `path`; when `path` is the default location and does not exist, runs on the
     /// embedded defaults. `GPUHUB_STORE_URL` overrides `store.url` (tests use it for
     /// PostgreSQL); setting both is an error.
@@ -508,6 +518,9 @@ impl ConfigFile {
             self.models.iter().flat_map(|m| std::iter::once(m.name.as_str()).chain(m.aliases.iter().map(String::as_str))).collect();
         self.gateway.validate_user_models(&known).map_err(|(k, m)| invalid(&k, m))?;
         self.workers.validate().map_err(|(k, m)| invalid(&k, m))?;
+        self.cluster
+            .validate(&self.telemetry.effective_node_name(), self.gateway.public_url.as_deref())
+            .map_err(|(k, m)| invalid(&k, m))?;
 
         let store_url = match (self.store.url.clone(), env_store_url) {
             (Some(_), Some(_)) => {

@@ -130,6 +130,16 @@ struct ModelReq {
 
 async fn load(State(state): State<AppState>, caller: Caller, Json(req): Json<ModelReq>) -> ApiResult {
     admin(&caller, "loading a model")?;
+    if !state.config.is_gateway() {
+        return Err(err(
+            StatusCode::CONFLICT,
+            format!(
+                "this node ({}) runs no gateway (cluster.gateway_nodes = [{}]) and starts no workers; run `gpuhub models load` on a gateway node",
+                state.config.file.telemetry.effective_node_name(),
+                state.config.file.cluster.gateway_nodes.join(", ")
+            ),
+        ));
+    }
     let st = state.models.load(&req.model).await.map_err(model_err)?;
     Ok(Json(json!(st)))
 }

@@ -37,6 +37,7 @@ use super::launcher::secret::KeyFiles;
 use super::launcher::{self, Instance, LaunchSpec, Launchers, RunState};
 use super::metrics::ModelMetrics;
 use super::mlflow::Mlflow;
+use super::single_flight;
 use super::{Catalog, LiveCatalog};
 use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
 use crate::store::{Store, WorkerRow};
@@ -739,7 +740,21 @@ impl Shared {
     async fn load(self: Arc<Self>, w: Arc<Worker>, attempt: u64) {
         let Some(rt) = &self.rt else { return };
         let started = Instant::now();
-        let result = self.load_inner(rt, &w).await;
+        // One start per model across gateways on one store; another agent's ready worker is
+        // routed to instead of starting a second one ([`super::single_flight`]).
+        let deadline = started + Duration::from_secs(w.cfg.load_timeout_s);
+        let result = match single_flight::enter(rt.store.as_ref(), &w.cfg.name, deadline, &rt.shutdown).await {
+            Err(message) => Err(LoadFailure { message, tail: Vec::new(), counts: false, instance: None }),
+            Ok(flight) => {
+                let uid = rt.user.as_ref().map(|u| u.uid).unwrap_or(u32::MAX);
+                let r = match single_flight::borrow(rt.store.as_ref(), &rt.owner, &w.cfg, uid).await {
+                    Some(inst) => Ok((inst, None)),
+                    None => self.load_inner(rt, &w).await,
+                };
+                flight.release().await;
+                r
+            }
+        };
         match result {
             Ok((inst, weights)) => {
                 let inst = Arc::new(inst);
@@ -1049,6 +1064,7 @@ impl Shared {
         let idle = Duration::from_secs(w.cfg.idle_timeout_s);
         let stable_after = Duration::from_secs(60);
         let ready_at = Instant::now();
+        let mut uses = single_flight::UseTracker::default();
         loop {
             tokio::select! {
                 () = rt.shutdown.cancelled() => return,
@@ -1068,6 +1084,12 @@ impl Shared {
                 if !s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) || s.state != State::Ready {
                     return;
                 }
+                if let Some(owner) = &inst.borrowed_from {
+                    s.instance = None;
+                    let detail = Some(format!("the worker of agent {owner} stopped ({how}); the next call finds or starts another"));
+                    self.transition(&w, &mut s, State::Unloaded, detail);
+                    return;
+                }
                 if ready_at.elapsed() > stable_after {
                     s.failures = 0;
                 }
@@ -1085,8 +1107,10 @@ impl Shared {
                 }
                 return;
             }
-            let idle_for = w.lock().last_used.elapsed();
-            if !w.busy() && idle_for >= idle {
+            let (idle_for, busy) = (w.lock().last_used.elapsed(), w.busy());
+            // Calls through other gateways count too (a borrowed worker records its own here).
+            let elsewhere = uses.used_elsewhere(rt.store.as_ref(), &inst, idle_for, busy, idle).await;
+            if !busy && idle_for >= idle && !elsewhere {
                 self.unload(&w, &format!("idle for {}s (idle_timeout_s)", idle.as_secs())).await;
                 return;
             }
@@ -1434,6 +1458,7 @@ impl Shared {
         }
         let Some(rt) = self.rt.as_ref() else { return };
         let Some(store) = rt.store.as_ref() else { return };
+        single_flight::forget(Some(store), inst).await;
         if let Err(e) = store.delete_worker(&rt.owner, model, &inst.id).await {
             tracing::error!(model, worker = %inst.id, error = %e, "cannot forget a stopped worker");
         }

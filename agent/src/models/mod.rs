@@ -13,6 +13,7 @@
 //! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
 //! - [`metrics`]: `gpuhub_model_*` series.
 //! - [`sync`]: the catalog follows agent.toml reloads and registry polls.
+//! - [`single_flight`]: gateways on one store start one worker per model and share it.
 //! - [`api`]: the control-socket routes behind `gpuhub models`.
 
 pub mod api;
@@ -27,6 +28,7 @@ pub mod metrics;
 pub mod mlflow;
 pub mod registry;
 pub mod routes;
+pub mod single_flight;
 pub mod sync;
 
 pub use catalog::{Catalog, LiveCatalog};

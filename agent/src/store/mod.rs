@@ -28,8 +28,10 @@ mod models;
 pub mod names;
 mod promotions;
 pub mod quotas;
+mod worker_use;
 pub use models::WorkerRow;
 pub use promotions::PromotionRow;
+pub use worker_use::ClusterLock;
 
 /// Which database the URL selected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -188,11 +188,11 @@ sunset = "2026-12-31"
     let db_url = config.store_url.clone();
     let socket = dir.path().join("agent.sock");
     let listeners = gpuhub_agent::Listeners {
-        gateway: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        gateway: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
         metrics: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
         control: gpuhub_agent::control::server::bind(&socket).unwrap(),
     };
-    let (gateway, metrics) = (listeners.gateway.local_addr().unwrap(), listeners.metrics.local_addr().unwrap());
+    let (gateway, metrics) = (listeners.gateway.as_ref().unwrap().local_addr().unwrap(), listeners.metrics.local_addr().unwrap());
     let (stop, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(gpuhub_agent::run(config, listeners, async move {
         let _ = rx.await;

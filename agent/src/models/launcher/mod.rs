@@ -96,6 +96,9 @@ pub struct Instance {
     pub started_us: i64,
     /// The child handle of a local worker started by this agent (`None` once adopted).
     pub(crate) child: Option<tokio::sync::Mutex<tokio::process::Child>>,
+    /// Another agent's worker this agent routes calls to (`models::single_flight`): the
+    /// agent that owns it. Never stopped here; its owner manages it.
+    pub borrowed_from: Option<String>,
 }
 
 impl Instance {
@@ -111,6 +114,7 @@ impl Instance {
             log_path,
             started_us: crate::util::now_us(),
             child: None,
+            borrowed_from: None,
         }
     }
 
@@ -169,6 +173,9 @@ impl Launchers {
 
     /// Stops the worker and removes its key file.
     pub async fn stop(&self, inst: &Instance) {
+        if inst.borrowed_from.is_some() {
+            return;
+        }
         match inst.launcher {
             LauncherKind::Slurm => self.slurm.stop(inst).await,
             LauncherKind::Local | LauncherKind::Static => local::Local::stop(inst).await,

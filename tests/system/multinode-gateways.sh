@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Gateways share the work, and one config decides each node's role (#18). On the two-node lab
+# (GPUHUB_LAB_NODES=2 tests/lab/up.sh, both agents on one PostgreSQL, the lab models' idle
+# timeout cut to 10 s):
+#  1. gateway role on both nodes: four concurrent first calls to the cold dots.ocr, two through
+#     gpu01's gateway and two through gpu02's, start exactly one worker job (squeue and the
+#     store; single flight through a PostgreSQL advisory lock), and all four succeed; the
+#     gateway that does not own the worker routed to it (its log names the worker);
+#  2. calls that keep coming through the non-owning gateway only keep the worker loaded past its
+#     idle timeout (the owner reads their use from the store); once they stop, the owner
+#     unloads it;
+#  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
+#     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
+#     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
+#     cluster-wide).
+# Restores the one-node lab at exit. About 110 s (two lab re-ups of ~30 s each).
+# timeout: 300
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+. "$REPO/tests/lib/lab.sh"
+. "$REPO/tests/lab/nodes.sh"
+lab_require
+lab_user
+NODES_SH="$REPO/tests/lab/nodes.sh"
+PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
+export NODES_IDLE_TIMEOUT_S=10
+unset NODES_GATEWAY_NODES
+G1="http://$(nodes_ip gpu01):8400"
+G2="http://$(nodes_ip gpu02):8400"
+
+fail() {
+    echo "FAIL: $*" >&2
+    for f in "$NODES_DIR"/gpu0?/agent.log; do
+        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
+    done
+    exit 1
+}
+
+restored=0
+restore() {
+    [ "$restored" = 1 ] && return 0
+    restored=1
+    local jobs
+    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    [ -n "${jobs// /}" ] && lab_cancel $jobs
+    echo "== restoring the one-node lab"
+    unset NODES_GATEWAY_NODES NODES_IDLE_TIMEOUT_S
+    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$REPO/tests/lab/up.sh" >/tmp/gpuhub-multigw-restore.log 2>&1 ||
+        { cat /tmp/gpuhub-multigw-restore.log >&2; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
+    rm -f /tmp/gpuhub-multigw-restore.log
+}
+lab_cleanup_add restore
+lab_wait_gpus_free 240
+
+echo "== two nodes, the gateway on both"
+GPUHUB_LAB_NODES=2 GPUHUB_LAB_BUILD=0 "$REPO/tests/lab/up.sh" 2>&1 | grep -E '^\[lab\] (up|two nodes|ERROR)' || true
+nodes_agent_healthy gpu01 && nodes_agent_healthy gpu02 || fail "an agent does not answer /healthz"
+[ -z "$(squeue -h -n gpuhub-worker-dots.ocr -o %i)" ] || fail "a dots.ocr worker runs before the test"
+
+# calls NODE 'URL...' [ROUNDS GAP]: a job of $LAB_USER on NODE posts chat calls to dots.ocr, to
+# every URL at once (`env`: the GPUHUB_URL it was given), ROUNDS times GAP s apart (default
+# once), with its injected credential; prints one HTTP status per call, then GPUHUB_URL and the
+# job id.
+calls() {
+    (cd /tmp && runuser -u "$LAB_USER" -- srun -w "$1" -t 2 -J multigw-call sh -c '
+        urls="$0"; [ "$urls" = env ] && urls="$GPUHUB_URL"
+        for r in $(seq "$1"); do
+            [ "$r" = 1 ] || sleep "$2"
+            for url in $urls; do
+                curl -s -o /dev/null -w "%{http_code}\n" --max-time 90 "$url/v1/chat/completions" \
+                    -H "Authorization: Bearer $OPENAI_API_KEY" -H content-type:application/json \
+                    -d "{\"model\":\"dots.ocr\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}" &
+            done
+            wait
+        done
+        echo "url $GPUHUB_URL"; echo "job $SLURM_JOB_ID"' "$2" "${3:-1}" "${4:-0}")
+}
+
+echo "== 1. concurrent first calls through both gateways start one worker"
+out="$(calls gpu01 "$G1 $G1 $G2 $G2")" || fail "the calling job did not run: $out"
+codes="$(grep -E '^[0-9]{3}$' <<<"$out" | sort | tr '\n' ' ')"
+[ "$codes" = "200 200 200 200 " ] || fail "the four concurrent first calls got: $codes"
+workers="$(squeue -h -n gpuhub-worker-dots.ocr -o %i | tr '\n' ' ')"
+[ "$(wc -w <<<"$workers")" = 1 ] || fail "the concurrent first calls started $(wc -w <<<"$workers") worker jobs: $workers"
+rows="$("${PSQL[@]}" -c "SELECT owner || ' ' || instance_id FROM model_workers WHERE model = 'dots.ocr'")"
+[ "$(wc -l <<<"$rows")" = 1 ] || fail "the store records more than one dots.ocr worker: $rows"
+read -r owner wjob <<<"$rows"
+[ "$wjob " = "$workers" ] || fail "the store's worker $wjob is not the running job $workers"
+other="$([ "$owner" = gpu01 ] && echo gpu02 || echo gpu01)"
+grep -E "routing to another agent's ready worker.*worker=$wjob\b" "$NODES_DIR/$other/agent.log" >/dev/null ||
+    fail "$other's gateway did not route to $owner's worker $wjob"
+echo "   one worker: job $wjob, owned by $owner; $other's gateway routed to it"
+
+echo "== 2. calls through $other's gateway only keep $owner's worker past its idle timeout (10 s)"
+GO="http://$(nodes_ip "$other"):8400"
+out="$(calls "$other" "$GO" 6 3)" || fail "the calling job on $other did not run: $out"
+codes="$(grep -cx 200 <<<"$out" || true)"
+[ "$codes" = 6 ] || fail "calls through $other's gateway: $codes of 6 succeeded: $out"
+[ "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" = RUNNING ] ||
+    fail "$owner unloaded worker $wjob while $other's gateway called it (idle counted from $owner's own calls only)"
+! grep -E "idle for .*s \(idle_timeout_s\)" "$NODES_DIR/$owner/agent.log" >/dev/null || fail "$owner logged an idle unload"
+"${PSQL[@]}" -c "SELECT last_used_us FROM worker_use WHERE instance_id = '$wjob'" | grep -q . ||
+    fail "no use of worker $wjob through $other's gateway in the store"
+for _ in $(seq 100); do [ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] && break; sleep 0.3; done
+[ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] || fail "$owner did not unload worker $wjob once the calls stopped"
+echo "   kept for 15 s of calls through $other only, unloaded by $owner after them"
+
+echo "== 3. the gateway on gpu01 only"
+export NODES_GATEWAY_NODES=gpu01
+"$NODES_SH" agent-stop gpu02
+"$NODES_SH" agent-start gpu02 60 || fail "gpu02's agent did not start as a non-gateway node"
+grep -q "this node runs no gateway" "$NODES_DIR/gpu02/agent.log" || fail "gpu02's agent does not say it runs no gateway"
+if nodes_exec gpu02 curl -s -o /dev/null --max-time 2 "$G2/healthz"; then fail "gpu02 still listens on the gateway port"; fi
+out="$(calls gpu02 env)" || fail "the job on gpu02 did not run: $out"
+url="$(sed -n 's/^url //p' <<<"$out")"; job="$(sed -n 's/^job //p' <<<"$out")"
+[ "$url" = "$G1" ] || fail "the job on gpu02 was told GPUHUB_URL=$url, not gpu01's gateway"
+[ "$(grep -cx 200 <<<"$out")" = 1 ] || fail "the job on gpu02 got $(head -n1 <<<"$out") from gpu01's gateway"
+GH=("$REPO/target/release/gpuhub")
+for _ in $(seq 40); do
+    nodes_exec gpu02 "${GH[@]}" names callers dots.ocr --since 1d --json 2>/dev/null | grep -qE "\"job_id\": ?\"$job\"" && break
+    sleep 0.25
+done
+nodes_exec gpu02 "${GH[@]}" names callers dots.ocr --since 1d --json | grep -qE "\"job_id\": ?\"$job\"" ||
+    fail "gpuhub names callers on gpu02 does not show job $job's call through gpu01"
+nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr" ||
+    fail "gpuhub usage --calls on gpu02 does not show the calls through gpu01's gateway"
+echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
+
+restore || exit 1
+echo "PASS: two gateways start one worker per model and share it; the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"
