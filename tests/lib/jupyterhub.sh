@@ -82,6 +82,7 @@ for s in c.JupyterHub.services:  # the gpuhub page: a free port, the lab's CLI
 c.JupyterHub.services.append({"name": "gpuhub-lab-test", "api_token": "$JH_TOKEN"})
 c.JupyterHub.load_roles.append({"name": "gpuhub-lab-test", "services": ["gpuhub-lab-test"],
                                 "scopes": ["admin:users", "admin:servers", "access:servers"]})
+c.JupyterHub.load_roles.append({"name": "admin", "services": ["gpuhub-lab-test"]})  # may make a user admin
 PY
     echo "+ jupyterhub (shipped config + lab overrides) on $JH_PUB"
     (cd "$JH_T" && PATH="$JH_VENV/bin:$PATH" GPUHUB_JUPYTERHUB_DIR="$LAB_REPO/rpm/share/jupyterhub" \
