@@ -12,7 +12,8 @@
 #     assigned role has its <ROLE>_MODEL;
 #   - while the 2-GPU job runs, the gpuhub page shows it with its 2 GPUs and each GPU's
 #     utilisation and VRAM now (the lab has no NVML: the page says there is no sample), the
-#     user's GPU-hours this month and their quota (none covers the lab user); made a hub admin,
+#     user's GPU-hours this month and their quota (none covers the lab user), the deprecated
+#     alias svc-ocr flagged with its replacement; made a hub admin,
 #     the user sees every quota (the lab's user:gpuhubquota) and every user's jobs;
 #   - after the server is stopped the job ends and `gpuhub job` bills 1, 2 and 0 GPUs (no
 #     shards) to the user.
@@ -80,6 +81,9 @@ page_checks() {
         jh_fail "the page does not show job $job's two GPUs with their sample now: $(jh_text | head -c 800)"
     jh_text | grep -q "GPU-hours this month and quota .* No GPU-hour quota covers you\." ||
         jh_fail "the page does not say that no quota covers $U: $(jh_text | head -c 800)"
+    # The lab's deprecated alias (tests/lab/agent.toml) flagged with its replacement.
+    grep -q "<td>svc-ocr</td><td>[a-z]*</td><td>dots.ocr</td><td>DEPRECATED: use dots.ocr instead" "$JH_T/gpage" ||
+        jh_fail "the page does not flag the deprecated svc-ocr with its replacement dots.ocr: $(jh_text | head -c 1500)"
     s="$(jh_api -o /dev/null -w '%{http_code}' -X PATCH -d '{"admin": true}' "$JH_PUB/hub/api/users/$U")"
     [ "$s" = 200 ] || jh_fail "making $U a hub admin: $s"
     # The page caches who a token is: a new sign-in to it (OAuth again, a new token).
