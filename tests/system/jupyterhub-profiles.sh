@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 300
+# timeout: 180
 # Issue 19: the three JupyterHub profiles that tests/system/jupyterhub-lab.sh does not spawn
 # ("1 GPU (H200), 8 hours", "2 GPUs (H200), 4 hours", "CPU only, 8 hours"; keys gpu1-8h,
 # gpu2-4h, cpu-8h), each picked in the spawn form of the shipped rpm/share/jupyterhub config on
