@@ -15,6 +15,8 @@
 #     user's GPU-hours this month and their quota (none covers the lab user), the deprecated
 #     alias svc-ocr flagged with its replacement; made a hub admin,
 #     the user sees every quota (the lab's user:gpuhubquota) and every user's jobs;
+#   - tests/rpm/test_gpuhub_page.py (the page's wording for a GPU sampled now and for quota
+#     states, which the lab cannot show) passes with the hub's Python;
 #   - after the server is stopped the job ends and `gpuhub job` bills 1, 2 and 0 GPUs (no
 #     shards) to the user.
 set -euo pipefail
@@ -23,6 +25,9 @@ lab_require
 lab_user
 . "$(dirname "$0")/../lib/jupyterhub.sh"
 jh_start
+# The page's wording for what the lab cannot show (a GPU sampled now, quota states).
+"$JH_VENV/bin/python" -B "$LAB_REPO/tests/rpm/test_gpuhub_page.py" 2>&1 | tail -n 3 ||
+    lab_fail "tests/rpm/test_gpuhub_page.py failed"
 jh_signin
 U="$JH_U"
 SNAP=/run/gpuhub/snapshot.json
