@@ -85,7 +85,8 @@ c.JupyterHub.load_roles.append({"name": "gpuhub-lab-test", "services": ["gpuhub-
 c.JupyterHub.load_roles.append({"name": "admin", "services": ["gpuhub-lab-test"]})  # may make a user admin
 PY
     echo "+ jupyterhub (shipped config + lab overrides) on $JH_PUB"
-    (cd "$JH_T" && PATH="$JH_VENV/bin:$PATH" GPUHUB_JUPYTERHUB_DIR="$LAB_REPO/rpm/share/jupyterhub" \
+    # No __pycache__ in rpm/share (the RPM ships that directory whole).
+    (cd "$JH_T" && PATH="$JH_VENV/bin:$PATH" PYTHONDONTWRITEBYTECODE=1 GPUHUB_JUPYTERHUB_DIR="$LAB_REPO/rpm/share/jupyterhub" \
         exec "$JH_VENV/bin/jupyterhub" -f "$JH_T/jupyterhub_config.py" >"$JH_T/hub.log" 2>&1) &
     JH_HUB_PID=$!
     for _ in $(seq 150); do
