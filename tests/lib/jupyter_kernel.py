@@ -30,7 +30,10 @@ async def main(base, token, code):
         }))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 90
-        while True:
+        # Done when both the reply (shell) and the kernel's `idle` (iopub) for this cell came: the
+        # reply may overtake the cell's output on the other channel.
+        replied = idle = False
+        while not (replied and idle):
             raw = await asyncio.wait_for(ws.read_message(), max(1, deadline - loop.time()))
             if raw is None:
                 raise SystemExit("the kernel's websocket closed before the cell finished")
@@ -44,7 +47,9 @@ async def main(base, token, code):
                 sys.stdout.write("\n".join(m["content"]["traceback"]) + "\n")
             elif kind == "execute_reply":
                 failed = m["content"]["status"] != "ok"
-                break
+                replied = True
+            elif kind == "status" and m["content"].get("execution_state") == "idle":
+                idle = True
         ws.close()
     finally:
         await http.fetch(HTTPRequest(base + f"api/kernels/{kernel}", method="DELETE", headers=auth, request_timeout=30), raise_error=False)
