@@ -17,7 +17,8 @@
 #     while the utilisations held still: each job gets exactly jump x its share of the GPU's
 #     utilisation at that time. c's GPU draws a constant 300 W plus one jump of 1000 J: c gets
 #     1000 J + 300 W x the time its processes were listed, within 300 W x (1 sample + 0.5 s);
-#   - the human `gpuhub job JOBID` line of each GPU shows those numbers.
+#   - the human `gpuhub job JOBID` line of each GPU shows those numbers;
+#   - while the jobs run, each GPU's `current` is the last sample (utilisation and VRAM now).
 # The agent runs as shipped (job boundaries from slurmctld: it verifies and closes the jobs there,
 # storing the measurements at the close). Attribution is by process only (telemetry.job_map_dir
 # = "": the job map path is spank-dcgm.sh's), so a job is on its GPU exactly while the script
@@ -114,6 +115,17 @@ sleep 1
 half="$(python3 -c "print($HOLD / 2)")"
 phase 12 6 20 4 10 8 30;  T_MARK[1]="$(now)"; sleep "$HOLD"
 phase 18 12 90 10 60 8 30; T_MARK[2]="$(now)"; sleep "$half"
+# While phase 2 holds: each running job's last sample on its GPU (`current`, the live view of the
+# JupyterHub page): c alone on its GPU has the GPU's 90 % and its two processes' 18+12 GiB; a has
+# its processes' 60 % and 10 GiB (not the means of the phases so far).
+for spec in "c 90 30" "a 60 10"; do
+    read -r name util vram <<<"$spec"
+    j="$("$cli" --socket "$sock" job "${JOB[$name]}" --json 2>&1)" || tel_fail "gpuhub job ${JOB[$name]}: $j"
+    jq -e --argjson u "$util" --argjson v "$((vram * GIB))" '.nodes[0].state == "running"
+        and (.nodes[0].gpus[0].current | .util == $u and .vram_bytes == $v and .at > 0)' <<<"$j" >/dev/null ||
+        tel_fail "job $name (${JOB[$name]}): current is not $util % and $vram GiB during phase 2: $(jq -c '.nodes[0].gpus' <<<"$j")"
+done
+echo "  live: c now 90 % and 30 GiB, a now 60 % and 10 GiB (gpuhub job --json: current)"
 jump "$gs" 400000; jump "$gc" 1000000; sleep "$half"           # shares a:b = 60:30
 phase 6 6 50 2 20 16 20;  T_MARK[3]="$(now)"; sleep "$half"
 jump "$gs" 300000; sleep "$half"                                # shares a:b = 20:20

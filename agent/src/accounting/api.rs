@@ -8,6 +8,8 @@
 //! - `GET /v1/jobs/{job_id}` → the job's summary per node, with per-GPU NVML measurements, where
 //!   its allocation came from (`verified`: slurmctld, sacct, unverified, pending) and its
 //!   `anomalies` (`{kind, explain}`; a disagreement with Slurm adds `field, claimed, slurm, used, source`).
+//!   Each GPU of a running job on this node also carries `current`: the last NVML sample
+//!   (`{util, vram_bytes, at}`, at most [`LIVE_MAX_AGE_S`] old; `null` without one), see [`add_live`].
 //!
 //! A user sees their own jobs (the caller's uid from SO_PEERCRED); root and `admin.group` see all.
 
@@ -20,9 +22,9 @@ use serde_json::{Value, json};
 
 use std::collections::BTreeMap;
 
-use super::Anomaly;
 use super::db::{self, JobGpuRow, JobRow};
 use super::usage::{self, UsageBy};
+use super::{Anomaly, GpuView};
 use super::{inference, reconcile};
 use crate::AppState;
 use crate::control::Caller;
@@ -193,12 +195,44 @@ async fn job(State(state): State<AppState>, caller: Caller, Path(job_id): Path<S
         job_id.parse().map_err(|_| err(StatusCode::BAD_REQUEST, format!("`{job_id}` is not a Slurm job id (a number, e.g. 4242)")))?;
     let spg = state.config.file.accounting.shards_per_gpu;
     match job_json(state.store.pool(), &caller, id, spg).await.map_err(store_err)? {
-        Some(v) => Ok(Json(v)),
+        Some(mut v) => {
+            let node = state.config.file.telemetry.effective_node_name();
+            add_live(&mut v, state.telemetry.as_ref(), &node, crate::util::now_us() / 1_000_000);
+            Ok(Json(v))
+        }
         None if caller.admin => Err(err(StatusCode::NOT_FOUND, format!("no job {id} in the accounting records of this node"))),
         None => Err(err(
             StatusCode::NOT_FOUND,
             format!("no job {id} of yours in the accounting records of this node (you see your own jobs; admins see all)"),
         )),
+    }
+}
+
+/// How old a running job's last NVML sample may be to be shown as `current` (older: the job's
+/// processes left the GPU, or telemetry stopped sampling).
+pub const LIVE_MAX_AGE_S: i64 = 60;
+
+/// Adds `current` to each GPU of the running jobs on `node` (this node: the only one whose
+/// samples the agent has) in a `/v1/jobs/{id}` body: `{util, vram_bytes, at}` from the last
+/// NVML sample of the job's processes on that GPU (unix seconds `at`, at most
+/// [`LIVE_MAX_AGE_S`] before `now_s`), or `null` when there is none (no NVML, no process on
+/// the GPU yet). Ended jobs keep only their means and peaks.
+pub fn add_live(body: &mut Value, gpus: &dyn GpuView, node: &str, now_s: i64) {
+    let Some(job_id) = body["job_id"].as_u64().and_then(|j| u32::try_from(j).ok()) else {
+        return;
+    };
+    let stats = gpus.job_gpu_stats(job_id);
+    let Some(nodes) = body["nodes"].as_array_mut() else {
+        return;
+    };
+    for n in nodes.iter_mut().filter(|n| n["state"] == "running" && n["node"] == node) {
+        for g in n["gpus"].as_array_mut().into_iter().flatten() {
+            let current = stats
+                .iter()
+                .find(|s| g["index"].as_u64() == Some(u64::from(s.gpu_index)) && now_s - s.last_seen <= LIVE_MAX_AGE_S)
+                .map_or(Value::Null, |s| json!({"util": s.last_util, "vram_bytes": s.last_vram_bytes, "at": s.last_seen}));
+            g["current"] = current;
+        }
     }
 }
 

@@ -158,6 +158,15 @@ pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitC
                 ),
                 _ => "no NVML measurements".to_string(),
             };
+            // A running job's last sample (the agent's `current`).
+            let measured = match g["current"].as_object() {
+                Some(c) => format!(
+                    "{measured}; now util {:.0} %, VRAM {:.2} GiB",
+                    c.get("util").and_then(Value::as_f64).unwrap_or(0.0),
+                    c.get("vram_bytes").and_then(Value::as_f64).unwrap_or(0.0) / 1073741824.0
+                ),
+                None => measured,
+            };
             output::line(&format!("  GPU {} {}: {measured}", g["index"], sanitize(g["uuid"].as_str().unwrap_or(""))));
         }
         output::line(&format!("  allocation: {}", allocation_source(n["verified"].as_str().unwrap_or("pending"))));

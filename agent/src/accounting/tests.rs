@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use gpuhub_wire::spool::{GpuRef, JobIdentity, QUARANTINE_DIR, RECORDS_DIR, Record, record_file_name};
 use prometheus_client::registry::Registry;
-use serde_json::Value;
+use serde_json::{Value, json};
 
-use super::api::{job_json, usage_json};
+use super::api::{LIVE_MAX_AGE_S, add_live, job_json, usage_json};
 use super::*;
 use crate::control::Caller;
 use crate::store::Store;
@@ -39,6 +39,8 @@ impl GpuView for FakeGpus {
             samples: 10,
             first_seen: 0,
             last_seen: 0,
+            last_util: 77.0,
+            last_vram_bytes: 3 << 30,
         }]
     }
 }
@@ -725,4 +727,34 @@ mod usage_counter_story {
             story(store).await;
         }
     }
+}
+
+#[test]
+fn running_jobs_carry_the_last_sample_per_gpu() {
+    let body = || {
+        json!({"job_id": 11, "nodes": [
+            {"node": "gpu01", "state": "running", "gpus": [{"index": 0}, {"index": 1}]},
+            {"node": "gpu02", "state": "running", "gpus": [{"index": 0}]},
+        ]})
+    };
+    let mut v = body();
+    add_live(&mut v, &FakeGpus, "gpu01", 30);
+    let n = &v["nodes"][0];
+    assert_eq!(n["gpus"][0]["current"], json!({"util": 77.0, "vram_bytes": 3u64 << 30, "at": 0}), "{v:#}");
+    assert!(n["gpus"][1]["current"].is_null(), "no sample of the job on GPU 1: {v:#}");
+    assert!(v["nodes"][1]["gpus"][0].get("current").is_none(), "another node's GPU 0 is not this node's: {v:#}");
+    // A sample older than LIVE_MAX_AGE_S is not current.
+    let mut old = body();
+    add_live(&mut old, &FakeGpus, "gpu01", LIVE_MAX_AGE_S + 1);
+    assert!(old["nodes"][0]["gpus"][0]["current"].is_null(), "{old:#}");
+    // An ended job keeps its means and peaks only.
+    let mut ended = body();
+    ended["nodes"][0]["state"] = json!("ended");
+    add_live(&mut ended, &FakeGpus, "gpu01", 30);
+    assert!(ended["nodes"][0]["gpus"][0].get("current").is_none(), "{ended:#}");
+    // Another job: no samples.
+    let mut other = body();
+    other["job_id"] = json!(12);
+    add_live(&mut other, &FakeGpus, "gpu01", 30);
+    assert!(other["nodes"][0]["gpus"][0]["current"].is_null(), "{other:#}");
 }

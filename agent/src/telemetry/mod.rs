@@ -222,6 +222,12 @@ pub struct JobGpuStats {
     /// Unix seconds of the first and last sample that saw the job on this GPU.
     pub first_seen: i64,
     pub last_seen: i64,
+    /// The last sample (at `last_seen`): SM utilisation (percent) and VRAM (bytes) of the
+    /// job's processes on this GPU, for live views of running jobs.
+    #[serde(default)]
+    pub last_util: f64,
+    #[serde(default)]
+    pub last_vram_bytes: u64,
 }
 
 /// State the sampler threads publish and the accessors read. Short critical sections only.

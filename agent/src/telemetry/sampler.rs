@@ -43,6 +43,8 @@ struct Acc {
     first_seen: i64,
     last_seen: i64,
     last_seen_mono: Instant,
+    last_util: f64,
+    last_vram: u64,
 }
 
 /// Per (job, GPU UUID) accumulators, kept `retention` after the job's last sample.
@@ -69,6 +71,8 @@ impl JobStatsStore {
             first_seen: now,
             last_seen: now,
             last_seen_mono: Instant::now(),
+            last_util: util,
+            last_vram: vram,
         });
         acc.util_sum += util;
         acc.samples += 1;
@@ -76,6 +80,8 @@ impl JobStatsStore {
         acc.energy_j += energy_j;
         acc.last_seen = now;
         acc.last_seen_mono = Instant::now();
+        acc.last_util = util;
+        acc.last_vram = vram;
     }
 
     /// The job's statistics, one entry per GPU, by GPU index.
@@ -93,6 +99,8 @@ impl JobStatsStore {
                 samples: a.samples,
                 first_seen: a.first_seen,
                 last_seen: a.last_seen,
+                last_util: a.last_util,
+                last_vram_bytes: a.last_vram,
             })
             .collect();
         out.sort_by_key(|s| s.gpu_index);

@@ -246,6 +246,9 @@ fn two_shard_jobs_on_one_gpu_each_get_their_own_vram_and_util() {
     assert_eq!(a[0].gpu_uuid, UUID0);
     assert!((a[0].mean_util - 30.0).abs() < 1e-9, "{a:?}");
     assert_eq!(a[0].peak_vram_bytes, 10 * GIB);
+    // The last sample, for live views: the job's processes' utilisation and VRAM now.
+    assert!((a[0].last_util - 30.0).abs() < 1e-9 && a[0].last_vram_bytes == 10 * GIB, "{a:?}");
+    assert!((c[0].last_util - 90.0).abs() < 1e-9 && c[0].last_vram_bytes == 40 * GIB, "{c:?}");
     assert!(a[0].samples >= 3, "{a:?}");
     assert!(a[0].energy_joules > 0.0 && b[0].energy_joules > 0.0, "{a:?} {b:?}");
     let ratio = b[0].energy_joules / a[0].energy_joules;

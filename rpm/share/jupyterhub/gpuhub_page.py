@@ -96,6 +96,36 @@ def gib(n):
     return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) else "-"
 
 
+def num(n):
+    return isinstance(n, (int, float)) and not isinstance(n, bool)
+
+
+def hours(h):
+    return f"{h:.1f}" if num(h) else "-"
+
+
+def utc(s):
+    return datetime.datetime.fromtimestamp(s, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if num(s) else ""
+
+
+def quota_state(q):
+    if q.get("held"):
+        return "used up: new GPU jobs wait (running ones go on)"
+    return "ok" if (q.get("percent") or 0) < 80 else "nearly used up"
+
+
+def gpu_line(g):
+    """One GPU of a job: the agent's last sample (`current`, running jobs) and the job's mean and peak."""
+    cur = g.get("current")
+    if isinstance(cur, dict) and num(cur.get("util")):
+        now = f"now {cur['util']:.0f} % util, {gib(cur.get('vram_bytes'))} VRAM"
+    else:
+        now = "now: no sample (no GPU telemetry for this job)"
+    mean = f"{g['mean_util']:.1f} %" if num(g.get("mean_util")) else "-"
+    shards = f" ({g['shards']} shards)" if g.get("shards") else ""
+    return f"GPU {g.get('index')}{shards}: {now}; mean {mean}, peak {gib(g.get('peak_vram_bytes'))}"
+
+
 class PageHandler(HubOAuthenticated, web.RequestHandler):
     def form_token(self, name):
         return hmac.new(FORM_SECRET, name.encode(), hashlib.sha256).hexdigest()
@@ -153,18 +183,15 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             for job_id, user, jname, partition, gres in jobs:
                 detail, _ = gpuhub_json(run_as, "job", job_id)
                 node = (detail or {}).get("nodes", [{}])[0] if detail else {}
-                gpus = "<br>".join(
-                    f"GPU {e(g.get('index'))}: {e(round(g['mean_util'], 1) if isinstance(g.get('mean_util'), (int, float)) else '-')} % util, "
-                    f"peak VRAM {e(gib(g.get('peak_vram_bytes')))}" + (f" ({e(g.get('shards'))} shards)" if g.get("shards") else "")
-                    for g in node.get("gpus", [])
-                ) or "-"
+                gpus = "<br>".join(e(gpu_line(g)) for g in node.get("gpus", [])) or "-"
                 shards = node.get("shards") or 0
                 rows.append([e(job_id), e(user), e(jname), e(partition), e(gres),
                              e(f"{shards} shards" if shards else f"{node.get('gpu_count', 0)} GPUs"), gpus])
-            parts.append(table(["job", "user", "name", "partition", "gres", "billed", "per GPU (mean util, peak VRAM)"], rows))
+            parts.append(table(["job", "user", "name", "partition", "gres", "billed",
+                                "per GPU: utilisation and VRAM now (job mean, peak)"], rows))
 
         usage, err = gpuhub_json(run_as, "usage", "--since", month_since())
-        parts.append("<h2>GPU-hours this month</h2>")
+        parts.append("<h2>GPU-hours this month and quota</h2>")
         if err:
             parts.append(f"<p>{e(err)}</p>")
         else:
@@ -172,6 +199,18 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
                      e(f"{r.get('gpu_seconds', 0) / 3600:.2f}"), e(f"{r.get('shard_seconds', 0) / 3600:.2f}")]
                     for r in usage.get("rows", [])]
             parts.append(table(["user", "jobs", "GPU-equivalent hours", "GPU-hours", "shard-hours"], rows))
+        quota, err = gpuhub_json(run_as, "quota")
+        if err:
+            parts.append(f"<p>quota: {e(err)}</p>")
+        elif not quota.get("quotas"):
+            parts.append("<p>No GPU-hour quota covers you.</p>" if run_as else "<p>No GPU-hour quota is set.</p>")
+        else:
+            rows = [[e(q.get("quota")), e(q.get("period")), e(hours(q.get("used_gpu_hours"))), e(hours(q.get("limit_gpu_hours"))),
+                     e(f"{q.get('percent', 0):.0f} %"), e(quota_state(q)), e(utc(q.get("resets_s")) or "rolling"),
+                     e(hours(q.get("forecast_gpu_hours")))]
+                    for q in quota["quotas"]]
+            parts.append("<h3>Quota" + ("s" if run_as is None else "") + "</h3>"
+                         + table(["quota", "period", "used GPU-hours", "limit", "used", "state", "resets", "forecast"], rows))
 
         models, err = gpuhub_json(run_as, "models", "list")
         parts.append("<h2>Models</h2>")
@@ -181,13 +220,22 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             rows = [[e(m.get("name")), e(m.get("state")), e(", ".join(m.get("aliases") or []) or "-")] for m in models.get("models", [])]
             parts.append(table(["model", "state", "aliases"], rows))
         names, err = gpuhub_json(run_as, "names", "list")
-        if not err:
+        if err:
+            parts.append(f"<p>names: {e(err)}</p>")
+        else:
             rows = []
             for n in names.get("names", []):
+                if n.get("kind") == "unknown":  # a name callers tried that does not exist
+                    continue
                 state = n.get("state", "")
-                flag = f"{state}: use {n.get('replacement') or n.get('target') or '-'}" if state in ("deprecated", "retired") else state
-                rows.append([e(n.get("name")), e(n.get("model") or n.get("target")), e(flag)])
-            parts.append("<h3>Names you may call</h3>" + table(["name", "model", "state"], rows))
+                if state in ("deprecated", "retired"):
+                    flag = f"{state.upper()}: use {n.get('replacement') or '(ask the admins)'} instead"
+                    if n.get("sunset"):
+                        flag += f"; {'removed' if state == 'deprecated' else 'retired'} on {n['sunset']}"
+                else:
+                    flag = state
+                rows.append([e(n.get("name")), e(n.get("kind")), e(n.get("serves") or "-"), e(flag)])
+            parts.append("<h3>Names you may call</h3>" + table(["name", "kind", "serves", "state"], rows))
 
         keys, err = gpuhub_json(run_as, "keys", "list")
         parts.append("<h2>Gateway keys</h2>")
