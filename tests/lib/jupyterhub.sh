@@ -68,7 +68,7 @@ c.ConfigurableHTTPProxy.command = ["$JH_VENV/bin/configurable-http-proxy"]
 c.JupyterHub.db_url = "sqlite:///$JH_T/jupyterhub.sqlite"
 c.JupyterHub.cookie_secret_file = "$JH_T/cookie_secret"
 c.GpuhubSSOAuthenticator.shared_secret_file = "$JH_T/sso-secret"
-c.GpuhubSSOAuthenticator.trusted_proxies = ["127.0.0.2"]
+c.GpuhubSSOAuthenticator.trusted_proxies = ["127.0.0.1", "127.0.0.2"]  # curl from .2; the browser (jupyterhub-lab) from .1
 c.GpuhubSSOAuthenticator.user_map = {"lab.user@example.org": "$JH_U"}
 c.GpuhubSSOAuthenticator.local_part_domains = ["example.org"]
 c.SlurmSpawner.req_prologue = "export PATH=$JH_VENV/bin:\$PATH"
