@@ -389,10 +389,17 @@ pub(super) fn validate(
         if m.max_replicas > 1 && m.launcher != LauncherKind::Slurm {
             return Err((
                 format!("{key}.max_replicas"),
-                format!("`{}` has max_replicas = {} but replicas run as Slurm jobs (spread over the nodes); set launcher = \"slurm\" or max_replicas = 1", m.name, m.max_replicas),
+                format!(
+                    "`{}` has max_replicas = {} but replicas run as Slurm jobs (spread over the nodes); set launcher = \"slurm\" or max_replicas = 1",
+                    m.name, m.max_replicas
+                ),
             ));
         }
-        for (k, v) in [("target_in_flight", u64::from(m.target_in_flight)), ("probe_interval_s", m.probe_interval_s), ("unhealthy_after", u64::from(m.unhealthy_after))] {
+        for (k, v) in [
+            ("target_in_flight", u64::from(m.target_in_flight)),
+            ("probe_interval_s", m.probe_interval_s),
+            ("unhealthy_after", u64::from(m.unhealthy_after)),
+        ] {
             if v == 0 {
                 return Err((format!("{key}.{k}"), "must be at least 1".into()));
             }
@@ -464,6 +471,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("models[0].command") && e.contains("{port}"), "{e}");
+    }
+
+    #[test]
+    fn replicas_are_checked_with_key_paths() {
+        let entry = |launcher: &str, extra: &str| {
+            format!(
+                "[[models]]\nname = \"m\"\nlauncher = \"{launcher}\"\ncommand = \"srv --port {{port}} --key-file {{api_key_file}}\"\n{extra}"
+            )
+        };
+        let ok = Config::from_toml(&entry("slurm", "")).unwrap();
+        let m = &ok.file.models[0];
+        assert_eq!((m.min_replicas, m.max_replicas), (0, 1), "one worker, unloaded when idle, as before replicas");
+        let ok =
+            Config::from_toml(&entry("slurm", "min_replicas = 1\nmax_replicas = 2\ntarget_in_flight = 2\nscale_up_after_s = 1\n")).unwrap();
+        assert_eq!((ok.file.models[0].min_replicas, ok.file.models[0].max_replicas), (1, 2));
+        let e = Config::from_toml(&entry("slurm", "min_replicas = 3\nmax_replicas = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].min_replicas") && e.contains("more than max_replicas"), "{e}");
+        let e = Config::from_toml(&entry("slurm", "max_replicas = 0\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].max_replicas") && e.contains("at least 1"), "{e}");
+        let e = Config::from_toml(&entry("local", "max_replicas = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].max_replicas") && e.contains("launcher = \"slurm\""), "{e}");
+        let e = Config::from_toml(&entry("slurm", "probe_interval_s = 0\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].probe_interval_s"), "{e}");
+        let e = Config::from_toml(&entry("slurm", "max_replica = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("unknown field `max_replica`") && e.contains("line"), "{e}");
     }
 
     #[test]

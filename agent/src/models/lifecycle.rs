@@ -746,20 +746,21 @@ impl Shared {
         drop(waiting);
         // Least outstanding among the model's ready replicas; its own concurrency slots.
         let (target, instance, route) = self.route(&w, instance);
-        let permit = match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), target.permits.acquire(user)).await {
-            Ok(p) => Some(p),
-            _ => {
-                // Give back the count taken above; the guard below would do it, but no lease.
-                w.in_flight.fetch_sub(1, Ordering::AcqRel);
-                w.bump();
-                return Err(ModelError::Overloaded {
-                    model: m.name.clone(),
-                    in_flight: m.max_concurrency,
-                    queue: m.queue_len,
-                    retry_after_s: 1,
-                });
-            }
-        };
+        let permit =
+            match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), target.permits.acquire(user)).await {
+                Ok(p) => Some(p),
+                _ => {
+                    // Give back the count taken above; the guard below would do it, but no lease.
+                    w.in_flight.fetch_sub(1, Ordering::AcqRel);
+                    w.bump();
+                    return Err(ModelError::Overloaded {
+                        model: m.name.clone(),
+                        in_flight: m.max_concurrency,
+                        queue: m.queue_len,
+                        retry_after_s: 1,
+                    });
+                }
+            };
         Ok(Lease {
             model: m.name.clone(),
             base_url: instance.base_url().unwrap_or_default().to_string(),
@@ -1109,7 +1110,12 @@ impl Shared {
                     // Another replica serves on: the model stays ready.
                     s.instance = Some(next.clone());
                     s.log_tail = tail;
-                    let detail = format!("worker {} died ({how}); replica {} on {} serves on", inst.id, next.id, node.as_deref().unwrap_or("its node"));
+                    let detail = format!(
+                        "worker {} died ({how}); replica {} on {} serves on",
+                        inst.id,
+                        next.id,
+                        node.as_deref().unwrap_or("its node")
+                    );
                     self.transition(&w, &mut s, State::Ready, Some(detail));
                     drop(s);
                     inst = next;
