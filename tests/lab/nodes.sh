@@ -175,6 +175,8 @@ dir = "$NODES_WORKERS/$n"
 
 TOML
     sed "s/^slurm_node_name = .*/slurm_node_name = \"$n\"/" "$NODES_REPO/tests/lab/agent.toml"
+    # A test's own catalog entries for this agent (tests/system/multinode-replicas.sh).
+    if [ -n "${GPUHUB_LAB_NODES_EXTRA:-}" ]; then cat "$GPUHUB_LAB_NODES_EXTRA"; fi
 }
 
 nodes_agent_healthy() { curl -sf --max-time 2 "http://$(nodes_ip "$1"):8400/healthz" >/dev/null 2>&1; }

@@ -243,7 +243,7 @@ pub fn upstream_error(lease: &crate::models::Lease, e: upstream::UpstreamError) 
         return GatewayError::ResponseTooLarge { model: lease.model.clone(), limit, what: "" };
     }
     let what = if e.is_connect() {
-        "cannot connect to its worker (it may have stopped; retry: the next call goes to another replica or restarts it)"
+        "cannot connect to its worker (the worker died or stopped; retry: the next call goes to another replica or restarts it)"
     } else if matches!(e, upstream::UpstreamError::Protocol(_)) {
         "its worker's answer was not valid HTTP/1.1"
     } else {
