@@ -9,7 +9,7 @@
 #  2. killing one replica's job mid-call fails that call with a 502 naming the model and the
 #     worker that died, and the next call succeeds on the other replica;
 #  3. idle: back to 0 replicas (no worker job left, the model `unloaded`).
-# Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
+# Restores the one-node lab at exit. About 120 s (two lab re-ups of ~30 s each).
 # timeout: 300
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -72,7 +72,7 @@ GPUHUB_LAB_NODES=2 GPUHUB_LAB_BUILD=0 "$REPO/tests/lab/up.sh" 2>&1 | grep -E '^\
 GPUHUB_LAB_NODES_EXTRA="$EXTRA" "$NODES_SH" agent-start gpu01 60 || fail "gpu01's agent did not start with $MODEL"
 nodes_agent_healthy gpu02 || fail "gpu02's agent does not answer /healthz"
 
-models() { nodes_exec gpu01 "$REPO/target/release/gpuhub" models --json 2>/dev/null | jq -c ".models[] | select(.name == \"$MODEL\")"; }
+models() { nodes_exec gpu01 "$REPO/target/release/gpuhub" models list --json 2>/dev/null | jq -c ".models[] | select(.name == \"$MODEL\")"; }
 
 # calls N ROUNDS WORDS: a job of $LAB_USER on gpu02 runs ROUNDS rounds of N concurrent calls
 # through gpu01's gateway (its injected credential); prints one HTTP status per call, then the

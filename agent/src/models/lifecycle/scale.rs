@@ -89,6 +89,9 @@ impl Route {
     /// there until a probe passes again.
     pub(super) fn failed(&self) {
         let p = Policy::of(&self.target.cfg);
+        if p.max <= 1 {
+            return; // one worker: nothing to route around (and no probe to clear it)
+        }
         let mut pr = lock(&self.target.rep.probe);
         pr.failures = pr.failures.max(p.unhealthy_after);
         pr.health = Health::Unhealthy;
@@ -177,8 +180,14 @@ impl Shared {
         let p = Policy::of(&w.cfg);
         let first = if w.rep.is_extra { self.worker(&w.cfg.name) } else { Some(w.clone()) };
         let Some(first) = first else { return true };
-        let extras = lock(&first.rep.extras).iter().filter(|e| live(e.lock().state)).count() as u32;
-        if w.rep.is_extra { 1 + extras > p.min.max(1) } else { extras == 0 && p.may_retire(1) }
+        if w.rep.is_extra {
+            let extras = lock(&first.rep.extras).iter().filter(|e| live(e.lock().state)).count() as u32;
+            1 + extras > p.min.max(1)
+        } else {
+            // The first replica goes last: not while another is still draining (one at a time).
+            let others = lock(&first.rep.extras).iter().filter(|e| live(e.lock().state) || e.lock().state == State::Draining).count();
+            others == 0 && p.may_retire(1)
+        }
     }
 
     /// The first replica died: a ready replica takes its place (the model stays ready).
