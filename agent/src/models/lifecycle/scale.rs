@@ -185,7 +185,13 @@ impl Shared {
             1 + extras > p.min.max(1)
         } else {
             // The first replica goes last: not while another is still draining (one at a time).
-            let others = lock(&first.rep.extras).iter().filter(|e| live(e.lock().state) || e.lock().state == State::Draining).count();
+            let others = lock(&first.rep.extras)
+                .iter()
+                .filter(|e| {
+                    let st = e.lock().state;
+                    live(st) || st == State::Draining
+                })
+                .count();
             others == 0 && p.may_retire(1)
         }
     }
