@@ -6,7 +6,7 @@
 #     scales to 2 replicas, one on gpu01 and one on gpu02 (`gpuhub models --json` and squeue's
 #     node list), the store holds one row per replica, both replicas serve calls
 #     (least-outstanding routing: each had calls in flight), and no call fails;
-#  2. killing one replica's job mid-call fails that call with a 502 naming the model and the
+#  2. killing one replica's worker (SIGKILL, its job ends) mid-call fails that call with a 502 naming the model and the
 #     worker that died, and the next call succeeds on the other replica;
 #  3. idle: back to 0 replicas (no worker job left, the model `unloaded`).
 # Restores the one-node lab at exit. About 120 s (two lab re-ups of ~30 s each).
@@ -147,8 +147,13 @@ for _ in $(seq 80); do
 done
 [ -n "$victim" ] || fail "the long call never reached a replica"
 survivor="$(models | jq -r --arg v "$victim" '.replicas[] | select(.job_id != $v) | .job_id')"
-echo "   scancel $victim (serving the call); $survivor serves on"
-scancel "$victim"
+# The victim's worker process dies (SIGKILL; its job ends with it): scancel's SIGTERM would let
+# the worker finish the call first.
+read -r vnode vurl < <(models | jq -r --arg v "$victim" '.replicas[] | select(.job_id == $v) | "\(.node) \(.base_url)"')
+vpid="$(nodes_exec "$vnode" ss -Hltnp "sport = :${vurl##*:}" | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n1)"
+[ -n "$vpid" ] || fail "cannot find the process of replica $victim listening at $vurl on $vnode"
+echo "   kill -9 the worker of replica $victim (pid $vpid on $vnode, serving the call); $survivor serves on"
+kill -9 "$vpid"
 wait "$kill_pid" || true
 code="$(head -n1 "$OUT/killed.txt")"
 [ "$code" = 502 ] || fail "the call to the killed replica got '$code', not 502: $(cat "$OUT/killed.txt")"
