@@ -9,7 +9,7 @@
 #  2. killing one replica's worker (SIGKILL, its job ends) mid-call fails that call with a 502 naming the model and the
 #     worker that died, and the next call succeeds on the other replica;
 #  3. idle: back to 0 replicas (no worker job left, the model `unloaded`).
-# Restores the one-node lab at exit. About 120 s (two lab re-ups of ~30 s each).
+# Restores the one-node lab at exit. 95 s under tests/run-all.sh (two lab re-ups of ~30 s each).
 # timeout: 300
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
