@@ -180,6 +180,8 @@ dir = "$NODES_WORKERS/$n"
 TOML
     sed -e "s/^slurm_node_name = .*/slurm_node_name = \"$n\"/" \
         -e "s/^idle_timeout_s = 120\$/idle_timeout_s = ${NODES_IDLE_TIMEOUT_S:-120}/" "$NODES_REPO/tests/lab/agent.toml"
+    # A test's own catalog entries for this agent (tests/system/multinode-replicas.sh).
+    if [ -n "${GPUHUB_LAB_NODES_EXTRA:-}" ]; then cat "$GPUHUB_LAB_NODES_EXTRA"; fi
 }
 
 # The [cluster] section when NODES_GATEWAY_NODES names the gateway nodes (space-separated;

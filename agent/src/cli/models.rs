@@ -187,6 +187,20 @@ async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
             s(&m["production_alias"])
         ));
     }
+    for m in models.iter().filter(|m| m["replicas"].as_array().is_some_and(|r| r.len() > 1)) {
+        output::line(&format!("\n{} replicas:", s(&m["name"])));
+        for r in m["replicas"].as_array().into_iter().flatten() {
+            output::line(&format!(
+                "  worker {} on {} ({}): {}, {}, {} in flight",
+                s(&r["job_id"]),
+                s(&r["node"]),
+                s(&r["base_url"]),
+                s(&r["state"]),
+                s(&r["health"]),
+                r["in_flight"].as_u64().unwrap_or(0)
+            ));
+        }
+    }
     for m in &models {
         let tail: Vec<&str> = m["log_tail"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
         if m["state"] == "failed" && !tail.is_empty() {

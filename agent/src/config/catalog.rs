@@ -167,6 +167,24 @@ pub struct ModelConfig {
     /// Requests waiting beyond `max_concurrency` (or for a load); over it: 429.
     #[serde(default = "default_queue")]
     pub queue_len: u32,
+    /// Replicas kept once started (0: the model unloads when idle). See models/replicas.rs.
+    #[serde(default)]
+    pub min_replicas: u32,
+    /// Replicas (workers) at most; above 1 the model scales up under load (`launcher = "slurm"`).
+    #[serde(default = "default_max_replicas")]
+    pub max_replicas: u32,
+    /// In-flight calls per ready replica above which the model scales up.
+    #[serde(default = "default_target_in_flight")]
+    pub target_in_flight: u32,
+    /// Seconds `target_in_flight` must stay exceeded before another replica starts.
+    #[serde(default = "default_scale_up_after")]
+    pub scale_up_after_s: u64,
+    /// Seconds between health probes of each ready replica.
+    #[serde(default = "default_probe_interval")]
+    pub probe_interval_s: u64,
+    /// Failed probes in a row after which a replica is `unhealthy` (no calls until one passes).
+    #[serde(default = "default_unhealthy_after")]
+    pub unhealthy_after: u32,
     /// Health endpoint polled (with the worker's key) while loading (default: the template's,
     /// else `/health`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -224,6 +242,21 @@ fn default_queue() -> u32 {
 }
 fn default_load_timeout() -> u64 {
     ModelConfig::DEFAULT_LOAD_TIMEOUT_S
+}
+fn default_max_replicas() -> u32 {
+    1
+}
+fn default_target_in_flight() -> u32 {
+    4
+}
+fn default_scale_up_after() -> u64 {
+    5
+}
+fn default_probe_interval() -> u64 {
+    5
+}
+fn default_unhealthy_after() -> u32 {
+    3
 }
 
 /// Validates one entry made from MLflow registry tags (models/registry.rs) as a `[[models]]`
@@ -344,6 +377,33 @@ pub(super) fn validate(
         if m.max_concurrency == 0 {
             return Err((format!("{key}.max_concurrency"), "must be at least 1".into()));
         }
+        if m.max_replicas == 0 {
+            return Err((format!("{key}.max_replicas"), "must be at least 1 (min_replicas = 0 lets the model unload when idle)".into()));
+        }
+        if m.min_replicas > m.max_replicas {
+            return Err((
+                format!("{key}.min_replicas"),
+                format!("{} is more than max_replicas ({}); lower min_replicas or raise max_replicas", m.min_replicas, m.max_replicas),
+            ));
+        }
+        if m.max_replicas > 1 && m.launcher != LauncherKind::Slurm {
+            return Err((
+                format!("{key}.max_replicas"),
+                format!(
+                    "`{}` has max_replicas = {} but replicas run as Slurm jobs (spread over the nodes); set launcher = \"slurm\" or max_replicas = 1",
+                    m.name, m.max_replicas
+                ),
+            ));
+        }
+        for (k, v) in [
+            ("target_in_flight", u64::from(m.target_in_flight)),
+            ("probe_interval_s", m.probe_interval_s),
+            ("unhealthy_after", u64::from(m.unhealthy_after)),
+        ] {
+            if v == 0 {
+                return Err((format!("{key}.{k}"), "must be at least 1".into()));
+            }
+        }
         if !m.worker.health_path.starts_with('/') {
             return Err((format!("{key}.health_path"), format!("`{}` must start with /", m.worker.health_path)));
         }
@@ -411,6 +471,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("models[0].command") && e.contains("{port}"), "{e}");
+    }
+
+    #[test]
+    fn replicas_are_checked_with_key_paths() {
+        let entry = |launcher: &str, extra: &str| {
+            format!(
+                "[[models]]\nname = \"m\"\nlauncher = \"{launcher}\"\ncommand = \"srv --port {{port}} --key-file {{api_key_file}}\"\n{extra}"
+            )
+        };
+        let ok = Config::from_toml(&entry("slurm", "")).unwrap();
+        let m = &ok.file.models[0];
+        assert_eq!((m.min_replicas, m.max_replicas), (0, 1), "one worker, unloaded when idle, as before replicas");
+        let ok =
+            Config::from_toml(&entry("slurm", "min_replicas = 1\nmax_replicas = 2\ntarget_in_flight = 2\nscale_up_after_s = 1\n")).unwrap();
+        assert_eq!((ok.file.models[0].min_replicas, ok.file.models[0].max_replicas), (1, 2));
+        let e = Config::from_toml(&entry("slurm", "min_replicas = 3\nmax_replicas = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].min_replicas") && e.contains("more than max_replicas"), "{e}");
+        let e = Config::from_toml(&entry("slurm", "max_replicas = 0\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].max_replicas") && e.contains("at least 1"), "{e}");
+        let e = Config::from_toml(&entry("local", "max_replicas = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].max_replicas") && e.contains("launcher = \"slurm\""), "{e}");
+        let e = Config::from_toml(&entry("slurm", "probe_interval_s = 0\n")).unwrap_err().to_string();
+        assert!(e.contains("models[0].probe_interval_s"), "{e}");
+        let e = Config::from_toml(&entry("slurm", "max_replica = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("unknown field `max_replica`") && e.contains("line"), "{e}");
     }
 
     #[test]

@@ -243,12 +243,15 @@ pub fn upstream_error(lease: &crate::models::Lease, e: upstream::UpstreamError) 
         return GatewayError::ResponseTooLarge { model: lease.model.clone(), limit, what: "" };
     }
     let what = if e.is_connect() {
-        "cannot connect to its worker (it may have stopped; the next call restarts it)"
+        "cannot connect to its worker (the worker died or stopped; retry: the next call goes to another replica or restarts it)"
     } else if matches!(e, upstream::UpstreamError::Protocol(_)) {
         "its worker's answer was not valid HTTP/1.1"
     } else {
-        "the connection to its worker broke off"
+        "the connection to its worker broke off (the worker died or was stopped mid-call); retry: the next call goes to another replica or restarts it"
     };
+    if !matches!(e, upstream::UpstreamError::Protocol(_)) {
+        lease.upstream_failed();
+    }
     tracing::warn!(model = %lease.model, upstream = %lease.base_url, error = %e, "upstream request failed");
     GatewayError::Upstream { model: lease.model.clone(), what: what.into() }
 }

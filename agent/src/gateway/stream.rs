@@ -742,6 +742,7 @@ mod tests {
             idle_timeout_s: 600,
             log_tail: vec![],
             waiting: 1,
+            replicas: vec![],
         };
         let c = loading_comment("big", Some(&st), 12);
         assert_eq!(

@@ -43,7 +43,9 @@ use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
 use crate::store::{Store, WorkerRow};
 use crate::telemetry::{GpuInfo, GpuJob};
 
+mod scale;
 mod switchover;
+pub use scale::ReplicaStatus;
 pub use switchover::Switch;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -114,6 +116,18 @@ struct InFlightGuard {
     /// The instance the call goes to: a worker replaced by a promotion drains until no lease
     /// holds its instance ([`switchover`]).
     _instance: Option<Arc<Instance>>,
+    /// The replica the call went to ([`scale`]).
+    route: Option<scale::Route>,
+}
+
+impl Lease {
+    /// The call could not reach its worker (refused, broken off): the replica gets no call
+    /// until a health probe passes again, so the next call goes to another replica.
+    pub fn upstream_failed(&self) {
+        if let Some(r) = &self._guard.route {
+            r.failed();
+        }
+    }
 }
 
 impl Drop for InFlightGuard {
@@ -161,6 +175,8 @@ pub struct ModelStatus {
     /// The last lines of the worker's log (failed workers).
     pub log_tail: Vec<String>,
     pub waiting: u32,
+    /// Each running worker of the model (more than one with `max_replicas` > 1).
+    pub replicas: Vec<ReplicaStatus>,
 }
 
 #[derive(Debug)]
@@ -194,11 +210,23 @@ pub(crate) struct Worker {
     permits: Arc<FairQueue>,
     /// Left the catalog (or was replaced by a changed entry): draining out, no metrics.
     leaving: AtomicBool,
+    /// Further replicas, routing and health ([`scale`]).
+    rep: scale::Replicas,
 }
 
 impl Worker {
     fn new(cfg: Arc<ModelConfig>) -> Worker {
+        Worker::with_role(cfg, false)
+    }
+
+    /// A further replica of a model (started by scaling).
+    fn new_replica(cfg: Arc<ModelConfig>) -> Worker {
+        Worker::with_role(cfg, true)
+    }
+
+    fn with_role(cfg: Arc<ModelConfig>, is_extra: bool) -> Worker {
         Worker {
+            rep: scale::Replicas::new(&cfg, is_extra),
             permits: FairQueue::new(cfg.max_concurrency as usize),
             cfg,
             st: Mutex::new(WState {
@@ -392,6 +420,7 @@ impl ModelManager {
         });
         shared.heartbeat();
         shared.adopt_all().await;
+        shared.start_min_replicas();
         ModelManager { shared }
     }
 
@@ -585,6 +614,7 @@ impl Shared {
 
     fn status(&self, w: &Worker) -> ModelStatus {
         let m = &w.cfg;
+        let replicas = self.replica_statuses(w);
         let s = w.lock();
         let catalog = self.catalog.load();
         ModelStatus {
@@ -603,6 +633,7 @@ impl Shared {
             idle_timeout_s: m.idle_timeout_s,
             log_tail: s.log_tail.clone(),
             waiting: w.waiting.load(Ordering::Relaxed),
+            replicas,
         }
     }
 
@@ -622,6 +653,7 @@ impl Shared {
             }
             if let Some(rt) = &self.rt
                 && !w.leaving.load(Ordering::Acquire)
+                && !w.rep.is_extra
             {
                 rt.metrics.set_state(&w.cfg.name, Some(from), to);
             }
@@ -633,7 +665,7 @@ impl Shared {
         let m = w.cfg.clone();
         let total = w.in_flight.load(Ordering::Acquire) + w.waiting.fetch_add(1, Ordering::AcqRel);
         let waiting = WaitGuard(w.clone());
-        if total >= m.max_concurrency + m.queue_len {
+        if total >= m.max_concurrency.saturating_mul(self.ready_replicas(&w).max(1)) + m.queue_len {
             let retry_after_s = if w.lock().state == State::Ready { 1 } else { 5 };
             return Err(ModelError::Overloaded {
                 model: m.name.clone(),
@@ -651,7 +683,7 @@ impl Shared {
                 base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
                 api_key: m.api_key.clone(),
                 version: None,
-                _guard: InFlightGuard { worker: w, _permit: permit, _instance: None },
+                _guard: InFlightGuard { worker: w, _permit: permit, _instance: None, route: None },
             });
         }
         let Some(rt) = &self.rt else {
@@ -713,26 +745,29 @@ impl Shared {
             }
         };
         drop(waiting);
-        let permit = match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), w.permits.acquire(user)).await {
-            Ok(p) => Some(p),
-            _ => {
-                // Give back the count taken above; the guard below would do it, but no lease.
-                w.in_flight.fetch_sub(1, Ordering::AcqRel);
-                w.bump();
-                return Err(ModelError::Overloaded {
-                    model: m.name.clone(),
-                    in_flight: m.max_concurrency,
-                    queue: m.queue_len,
-                    retry_after_s: 1,
-                });
-            }
-        };
+        // Least outstanding among the model's ready replicas; its own concurrency slots.
+        let (target, instance, route) = self.route(&w, instance);
+        let permit =
+            match tokio::time::timeout_at(deadline.max(Instant::now() + Duration::from_secs(60)), target.permits.acquire(user)).await {
+                Ok(p) => Some(p),
+                _ => {
+                    // Give back the count taken above; the guard below would do it, but no lease.
+                    w.in_flight.fetch_sub(1, Ordering::AcqRel);
+                    w.bump();
+                    return Err(ModelError::Overloaded {
+                        model: m.name.clone(),
+                        in_flight: m.max_concurrency,
+                        queue: m.queue_len,
+                        retry_after_s: 1,
+                    });
+                }
+            };
         Ok(Lease {
             model: m.name.clone(),
             base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
-            _guard: InFlightGuard { worker: w, _permit: permit, _instance: Some(instance) },
+            _guard: InFlightGuard { worker: w, _permit: permit, _instance: Some(instance), route: Some(route) },
         })
     }
 
@@ -747,7 +782,9 @@ impl Shared {
             Err(message) => Err(LoadFailure { message, tail: Vec::new(), counts: false, instance: None }),
             Ok(flight) => {
                 let uid = rt.user.as_ref().map(|u| u.uid).unwrap_or(u32::MAX);
-                let r = match single_flight::borrow(rt.store.as_ref(), &rt.owner, &w.cfg, uid).await {
+                // An extra replica is a new job of this agent's by definition: never borrowed.
+                let borrowed = if w.rep.is_extra { None } else { single_flight::borrow(rt.store.as_ref(), &rt.owner, &w.cfg, uid).await };
+                let r = match borrowed {
                     Some(inst) => Ok((inst, None)),
                     None => self.load_inner(rt, &w).await,
                 };
@@ -885,6 +922,7 @@ impl Shared {
             user,
             version,
             orphan_after_s: m.idle_timeout_s.max(15),
+            exclude: w.rep.exclude(),
             proof_timeout_s: m.load_timeout_s,
             agent_exe: rt.agent_exe.clone(),
         };
@@ -1058,12 +1096,12 @@ impl Shared {
 
     /// Watches a ready worker: crash → restart on the next call (or failed after repeated
     /// crashes); idle past `idle_timeout_s` with nothing in flight → unload.
-    async fn supervise(self: &Arc<Self>, w: Arc<Worker>, inst: Arc<Instance>) {
+    async fn supervise(self: &Arc<Self>, w: Arc<Worker>, mut inst: Arc<Instance>) {
         let Some(rt) = &self.rt else { return };
         let period = if inst.launcher == LauncherKind::Slurm { Duration::from_millis(1000) } else { Duration::from_millis(200) };
         let idle = Duration::from_secs(w.cfg.idle_timeout_s);
         let stable_after = Duration::from_secs(60);
-        let ready_at = Instant::now();
+        let mut ready_at = Instant::now();
         let mut uses = single_flight::UseTracker::default();
         loop {
             tokio::select! {
@@ -1090,6 +1128,24 @@ impl Shared {
                     self.transition(&w, &mut s, State::Unloaded, detail);
                     return;
                 }
+                if !w.rep.is_extra
+                    && let Some((next, node)) = self.promote_replica(&w)
+                {
+                    // Another replica serves on: the model stays ready.
+                    s.instance = Some(next.clone());
+                    s.log_tail = tail;
+                    let detail = format!(
+                        "worker {} died ({how}); replica {} on {} serves on",
+                        inst.id,
+                        next.id,
+                        node.as_deref().unwrap_or("its node")
+                    );
+                    self.transition(&w, &mut s, State::Ready, Some(detail));
+                    drop(s);
+                    inst = next;
+                    ready_at = Instant::now();
+                    continue;
+                }
                 if ready_at.elapsed() > stable_after {
                     s.failures = 0;
                 }
@@ -1107,10 +1163,11 @@ impl Shared {
                 }
                 return;
             }
+            self.tick_replicas(rt, &w).await;
             let (idle_for, busy) = (w.lock().last_used.elapsed(), w.busy());
             // Calls through other gateways count too (a borrowed worker records its own here).
             let elsewhere = uses.used_elsewhere(rt.store.as_ref(), &inst, idle_for, busy, idle).await;
-            if !busy && idle_for >= idle && !elsewhere {
+            if !busy && idle_for >= idle && !elsewhere && self.may_idle_unload(&w) {
                 self.unload(&w, &format!("idle for {}s (idle_timeout_s)", idle.as_secs())).await;
                 return;
             }
@@ -1142,6 +1199,9 @@ impl Shared {
         }
         rt.launchers.stop(&inst).await;
         self.forget(&w.cfg.name, &inst).await;
+        if !w.rep.is_extra {
+            Box::pin(self.stop_replicas(w, reason)).await;
+        }
         let mut s = w.lock();
         if s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) {
             s.instance = None;
@@ -1505,6 +1565,7 @@ impl Shared {
         };
         let mut adopted_jobs = Vec::new();
         let mut kept_keys = Vec::new();
+        let mut adopting: Vec<String> = Vec::new();
         let uid = rt.user.as_ref().map(|u| u.uid).ok();
         for row in rows {
             let w = self.worker(&row.model).filter(|w| launcher_name(w.cfg.launcher) == row.launcher);
@@ -1547,6 +1608,12 @@ impl Shared {
                 kept_keys.push(k.clone());
             }
             let inst = Arc::new(inst);
+            if adopting.contains(&row.model) {
+                // A further replica of a model whose first one is adopted just above.
+                self.adopt_replica(rt, &w, inst);
+                continue;
+            }
+            adopting.push(row.model.clone());
             {
                 let mut s = w.lock();
                 s.attempt += 1;

@@ -2,7 +2,9 @@
 //! `gpuhub_model_state{model,state}` (1 for the current state, 0 for the others),
 //! `gpuhub_model_transitions_total{model,from,to}`, `gpuhub_model_load_duration_seconds{model}`
 //! (first call to ready), `gpuhub_model_evictions_total{model}` and
-//! `gpuhub_model_alias_mismatch{model}` (MLflow's @production moved outside gpuhub's gate).
+//! `gpuhub_model_alias_mismatch{model}` (MLflow's @production moved outside gpuhub's gate),
+//! `gpuhub_model_replicas{model,state}` (replicas `ready`, `starting`, and of the ready ones
+//! `unhealthy`; models with `max_replicas` > 1).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -40,6 +42,7 @@ pub struct ModelMetrics {
     load: LoadHistograms,
     evictions: Family<ModelLabel, Counter>,
     alias_mismatch: Family<ModelLabel, Gauge>,
+    replicas: Family<StateLabels, Gauge>,
 }
 
 fn load_buckets() -> Histogram {
@@ -55,6 +58,7 @@ impl ModelMetrics {
             load: Family::new_with_constructor(load_buckets as fn() -> Histogram),
             evictions: Family::default(),
             alias_mismatch: Family::default(),
+            replicas: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuhub");
         r.register(
@@ -70,7 +74,19 @@ impl ModelMetrics {
             "1 when MLflow's @production points elsewhere than the version gpuhub promoted (moved outside gpuhub's gate); gpuhub keeps serving its promoted version",
             m.alias_mismatch.clone(),
         );
+        r.register(
+            "model_replicas",
+            "Replicas of a model (max_replicas > 1) by state: ready, starting, and unhealthy (ready ones failing their health probes)",
+            m.replicas.clone(),
+        );
         m
+    }
+
+    /// A model's replica counts (see `gpuhub_model_replicas`).
+    pub fn replicas(&self, model: &str, ready: u32, starting: u32, unhealthy: u32) {
+        for (state, n) in [("ready", ready), ("starting", starting), ("unhealthy", unhealthy)] {
+            self.replicas.get_or_create(&StateLabels { model: model.to_string(), state }).set(i64::from(n));
+        }
     }
 
     pub fn alias_mismatch(&self, model: &str, mismatch: bool) {
@@ -97,6 +113,9 @@ impl ModelMetrics {
         self.evictions.remove(&ModelLabel { model: model.to_string() });
         self.load.remove(&ModelLabel { model: model.to_string() });
         self.alias_mismatch.remove(&ModelLabel { model: model.to_string() });
+        for state in ["ready", "starting", "unhealthy"] {
+            self.replicas.remove(&StateLabels { model: model.to_string(), state });
+        }
     }
 
     pub fn load_seconds(&self, model: &str, secs: f64) {

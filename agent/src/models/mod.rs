@@ -10,6 +10,7 @@
 //! - [`registry`]: catalog entries from registry tags (`served_by=gateway`, `gpuhub.*`).
 //! - [`inventory`]: every registered model (served or not) for `gpuhub models registry`.
 //! - [`artifacts`]: a version's weights, downloaded into a bounded content-addressed cache.
+//! - [`replicas`]: replica scaling policy, least-outstanding routing, spread over nodes, health.
 //! - [`routes`]: the OpenAI routes a model serves (the gateway forwards nothing else).
 //! - [`metrics`]: `gpuhub_model_*` series.
 //! - [`sync`]: the catalog follows agent.toml reloads and registry polls.
@@ -27,6 +28,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod mlflow;
 pub mod registry;
+pub mod replicas;
 pub mod routes;
 pub mod single_flight;
 pub mod sync;

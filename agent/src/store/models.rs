@@ -23,11 +23,12 @@ pub struct WorkerRow {
 }
 
 impl Store {
+    /// Records (or updates) one worker; a model's replicas are one row each.
     pub async fn put_worker(&self, w: &WorkerRow) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO model_workers (owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-             ON CONFLICT (owner, model) DO UPDATE SET launcher = excluded.launcher, instance_id = excluded.instance_id, \
+             ON CONFLICT (owner, model, instance_id) DO UPDATE SET launcher = excluded.launcher, \
              base_url = excluded.base_url, api_key = excluded.api_key, version = excluded.version, \
              log_path = excluded.log_path, started_us = excluded.started_us",
         )
@@ -78,7 +79,7 @@ impl Store {
     pub async fn workers(&self, owner: &str) -> Result<Vec<WorkerRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers \
-             WHERE owner IN ($1, '') ORDER BY model, owner DESC",
+             WHERE owner IN ($1, '') ORDER BY model, owner DESC, started_us, instance_id",
         )
         .bind(owner)
         .fetch_all(self.pool())
@@ -137,12 +138,19 @@ mod tests {
                 started_us: 1_700_000_000_000_000,
             };
             store.put_worker(&w).await.unwrap();
+            // A second replica of the same model on the same agent: a row of its own.
+            let first = w.clone();
             w.instance_id = "43".into();
             w.version = None;
+            w.started_us += 1;
             store.put_worker(&w).await.unwrap();
-            assert_eq!(store.workers("gpu01").await.unwrap(), vec![w.clone()], "{:?}", store.backend());
+            assert_eq!(store.workers("gpu01").await.unwrap(), vec![first.clone(), w.clone()], "{:?}", store.backend());
+            // Updating a replica (its address once known) keeps the other.
+            w.base_url = "http://10.77.0.12:9001".into();
+            store.put_worker(&w).await.unwrap();
+            assert_eq!(store.workers("gpu01").await.unwrap(), vec![first.clone(), w.clone()]);
             store.delete_worker("gpu01", "demo-chat", "42").await.unwrap();
-            assert_eq!(store.workers("gpu01").await.unwrap().len(), 1, "an older instance id must not delete the newer row");
+            assert_eq!(store.workers("gpu01").await.unwrap(), vec![w.clone()], "deleting one replica keeps the other");
 
             // A second agent's worker of the same model: its own row, invisible to the first.
             let other = WorkerRow { owner: "gpu02".into(), instance_id: "77".into(), ..w.clone() };

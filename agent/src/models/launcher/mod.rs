@@ -54,6 +54,9 @@ pub struct LaunchSpec {
     pub version: Option<String>,
     /// A Slurm worker stops itself after this long without an agent heartbeat.
     pub orphan_after_s: u64,
+    /// Slurm nodes the job must not run on (`sbatch --exclude`): where the model's other
+    /// replicas run ([`crate::models::replicas::exclude_nodes`]).
+    pub exclude: Vec<String>,
     /// How long a Slurm job waits for its worker to listen before it gives up proving the port
     /// (`gpuhub-agent worker-proof`): the model's load timeout.
     pub proof_timeout_s: u64,

@@ -61,6 +61,12 @@ pub struct JobInfo {
     pub reason: String,
 }
 
+/// A Slurm node name as squeue/sinfo print it (letters, digits, `-`, `_`, `.`): anything else
+/// never reaches a job script.
+fn valid_node_name(n: &str) -> bool {
+    !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
 pub fn job_name(model: &str) -> String {
     format!("gpuhub-worker-{model}")
 }
@@ -159,6 +165,10 @@ impl Slurm {
             if let Some(v) = v {
                 s.push_str(&format!("#SBATCH --{flag}={v}\n"));
             }
+        }
+        let exclude: Vec<&str> = spec.exclude.iter().map(String::as_str).filter(|n| valid_node_name(n)).collect();
+        if !exclude.is_empty() {
+            s.push_str(&format!("#SBATCH --exclude={}\n", exclude.join(",")));
         }
         s.push_str(&format!("#SBATCH --chdir={}\n", spec.workdir.as_deref().unwrap_or(&spec.dir).display()));
         s.push_str("umask 027\n");
@@ -275,6 +285,21 @@ impl Slurm {
             Err(e) => return Err(e),
         };
         Ok(parse_squeue(&out).into_iter().find(|j| j.id == id))
+    }
+
+    /// The node a running job runs on (`None` while it pends or once it ended).
+    pub async fn node_of(&self, id: &str) -> Result<Option<String>, LaunchError> {
+        let out = self.run("squeue", &["-h".into(), "-j".into(), id.into(), "-o".into(), "%N".into()]).await?;
+        Ok(out.lines().map(str::trim).find(|n| !n.is_empty() && valid_node_name(n)).map(str::to_string))
+    }
+
+    /// The nodes of `slurm.worker_partition` (all nodes without one) that can run a job.
+    pub async fn up_nodes(&self) -> Result<Vec<String>, LaunchError> {
+        let mut args: Vec<String> = vec!["-h".into(), "-N".into(), "-o".into(), "%N|%t".into()];
+        if let Some(p) = &self.cfg.worker_partition {
+            args.extend(["-p".to_string(), p.clone()]);
+        }
+        Ok(crate::models::replicas::up_nodes(&self.run("sinfo", &args).await?))
     }
 
     /// Every job this agent's workers dir owns (pending or running).
@@ -481,6 +506,7 @@ mod tests {
             },
             version: None,
             orphan_after_s: 60,
+            exclude: Vec::new(),
             proof_timeout_s: 90,
             agent_exe: "/usr/bin/gpuhub-agent".into(),
         }
@@ -518,6 +544,17 @@ mod tests {
             shim.contains("export PATH=/w/keys/m_x.") && shim.contains(".bin:\"$PATH\"") && !shim.contains("read -r API_KEY"),
             "{shim}"
         );
+    }
+
+    #[test]
+    fn a_replica_excludes_the_nodes_of_the_others_and_nothing_odd_reaches_the_script() {
+        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into(), owner: "gpu01".into() };
+        let mut sp = spec(std::path::Path::new("/w"), KeyDelivery::default());
+        assert!(!slurm.script(&sp).contains("--exclude"), "no replica elsewhere: no exclusion");
+        sp.exclude = vec!["gpu01".into(), "gpu02".into(), "x;rm -rf /".into()];
+        let s = slurm.script(&sp);
+        assert!(s.contains("#SBATCH --exclude=gpu01,gpu02\n"), "{s}");
+        assert!(!s.contains("rm -rf"), "{s}");
     }
 
     #[test]

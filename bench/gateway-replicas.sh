@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Gateway with two replicas on two nodes (#18): wrk against one worker directly and through
+# gpu01's gateway serving a model with two replicas (min_replicas = max_replicas = 2: one job on
+# gpu01, one on gpu02; least-outstanding routing between them), in one run. Prints, per paced
+# pair (direct, then gateway) and as medians:
+#   - added p50/p99 latency at ~RATE requests/s (wrk's delay() paces each connection),
+#   - the gateway's CPU-seconds per 1000 requests (utime+stime of gpu01's agent, /proc/PID/stat).
+# The upstream is the repo's test worker (answers from memory), as in bench/gateway.sh.
+#   sudo bench/gateway-replicas.sh          DURATION=10 RATE=2000 CONNS=20 REPEAT=3 by default
+# It holds /run/gpuhub-run-all.lock (the lab is shared), switches the lab to two nodes
+# (GPUHUB_LAB_NODES=2 tests/lab/up.sh) and restores the one-node lab at exit.
+# Needs: cargo build --release; wrk (apt). Results go to stdout; copy them to BENCHMARKS.md.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${GPUHUB_BENCH_LOCKED:-}" ]; then
+    exec env GPUHUB_BENCH_LOCKED=1 flock -o /run/gpuhub-run-all.lock "$0" "$@"
+fi
+. "$REPO/tests/lib/lab.sh"
+. "$REPO/tests/lab/nodes.sh"
+lab_require
+command -v wrk >/dev/null || { echo "wrk not installed (apt-get install wrk)" >&2; exit 1; }
+DURATION="${DURATION:-10}"; RATE="${RATE:-2000}"; CONNS="${CONNS:-20}"; REPEAT="${REPEAT:-3}"
+NODES_SH="$REPO/tests/lab/nodes.sh"
+PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
+DIR="$(mktemp -d /tmp/gpuhub-bench-replicas.XXXXXX)"
+MODEL=bench-r
+
+restore() {
+    local jobs
+    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    [ -n "${jobs// /}" ] && lab_cancel $jobs
+    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$REPO/tests/lab/up.sh" >"$DIR/restore.log" 2>&1 ||
+        { cat "$DIR/restore.log" >&2; echo "the one-node lab did not come back (tests/lab/up.sh)" >&2; }
+    rm -rf "$DIR"
+}
+lab_cleanup_add restore
+lab_wait_gpus_free 240
+
+cat > "$DIR/models.toml" <<'TOML'
+
+[[models]]
+name = "bench-r"
+launcher = "slurm"
+command = "/usr/local/libexec/gpuhub/gpuhub-test-worker --model {model} --host {host} --port {port} --api-key-file {api_key_file}"
+resources = { shards = 2, vram_gib = 8.0 }
+idle_timeout_s = 600
+load_timeout_s = 60
+health_path = "/health"
+max_concurrency = 64
+min_replicas = 2
+max_replicas = 2
+TOML
+GPUHUB_LAB_NODES=2 GPUHUB_LAB_BUILD=0 "$REPO/tests/lab/up.sh" >"$DIR/up.log" 2>&1 || { tail -n 30 "$DIR/up.log" >&2; exit 1; }
+"$NODES_SH" agent-stop gpu01
+GPUHUB_LAB_NODES_EXTRA="$DIR/models.toml" "$NODES_SH" agent-start gpu01 60
+GW_PID="$(cat "$NODES_DIR/gpu01/agent.pid")"
+GW="http://$(nodes_ip gpu01):8400"
+models() { nodes_exec gpu01 "$REPO/target/release/gpuhub" models list --json 2>/dev/null | jq -c ".models[] | select(.name == \"$MODEL\")"; }
+m=""
+for _ in $(seq 240); do   # min_replicas = 2: both start with the agent
+    m="$(models || true)"
+    [ "$(jq '[.replicas[] | select(.state == "ready")] | length' <<<"$m" 2>/dev/null)" = 2 ] && break
+    sleep 0.5
+done
+[ "$(jq '[.replicas[] | select(.state == "ready")] | length' <<<"$m")" = 2 ] || { echo "no 2 ready replicas: $m" >&2; exit 1; }
+[ "$(jq -r '[.replicas[].node] | sort | join(",")' <<<"$m")" = "gpu01,gpu02" ] || { echo "replicas not one per node: $m" >&2; exit 1; }
+# The direct target: the replica on gpu02 (the gateway on gpu01 reaches it over the bridge too).
+DIRECT="$(jq -r '.replicas[] | select(.node == "gpu02") | .base_url' <<<"$m")"
+JOB2="$(jq -r '.replicas[] | select(.node == "gpu02") | .job_id' <<<"$m")"
+WKEY="$("${PSQL[@]}" -c "SELECT api_key FROM model_workers WHERE instance_id = '$JOB2'")"
+KEY="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys create --user bench --app wrk | tail -n 1)"
+cat >"$DIR/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.body = os.getenv("BODY")
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. os.getenv("AUTH")
+local d = tonumber(os.getenv("DELAY_MS") or "0")
+function delay() return d end
+LUA
+TICK="$(getconf CLK_TCK)"
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n }'; }
+run() {   # run NAME URL AUTH -> P50 P99 RPS REQS
+    local out non2xx
+    out="$(BODY="$BODY" AUTH="$3" DELAY_MS="$DELAY" wrk -t2 -c"$CONNS" -d"${DURATION}s" --latency -s "$DIR/post.lua" "$2/v1/chat/completions")"
+    echo "$out" >"$DIR/wrk-$1.txt"
+    P50="$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")"
+    P99="$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")"
+    RPS="$(echo "$out" | awk '/Requests\/sec/ {print $2}')"
+    REQS="$(echo "$out" | awk '/requests in/ {print $1}')"
+    non2xx="$(echo "$out" | awk '/Non-2xx/ {print $NF}')"
+    [ -z "$non2xx" ] || { echo "$1: $non2xx non-2xx answers: $(cat "$DIR/wrk-$1.txt")" >&2; exit 1; }
+}
+BODY="{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}]}"
+DELAY=$(( CONNS * 1000 / RATE ))
+echo "gateway with 2 replicas on 2 nodes: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), wrk -t2, ${DURATION}s per run, $CONNS connections at ~$RATE req/s"
+echo "replicas: $(jq -c '[.replicas[] | {job_id, node, base_url}]' <<<"$m"); direct: $DIRECT (gpu02); gateway: $GW (gpu01, pid $GW_PID)"
+median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+: >"$DIR/pairs"
+for i in $(seq "$REPEAT"); do
+    run "direct-$i" "$DIRECT" "$WKEY"; D50=$P50; D99=$P99
+    C0="$(cpu_ticks "$GW_PID")"
+    run "gateway-$i" "$GW" "$KEY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
+    C1="$(cpu_ticks "$GW_PID")"
+    awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v grps="$GRPS" -v tick="$TICK" -v c="$((C1 - C0))" -v reqs="$GREQS" \
+        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000) }' >>"$DIR/pairs"
+done
+col() { awk -v c="$1" '{ print $c }' "$DIR/pairs" | median; }
+addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$DIR/pairs" | median; }
+echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000):"
+sed 's/^/    /' "$DIR/pairs"
+awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
+    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" 'BEGIN {
+    printf "median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", n, d50, d99, grps, g50, g99, a50, a99
+    printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
+}'
+echo "replicas after the runs: $(models | jq -c '[.replicas[] | {node, state, health}]')"
