@@ -60,7 +60,8 @@ models() { nodes_exec gpu01 "$REPO/target/release/gpuhub" models list --json 2>/
 m=""
 for _ in $(seq 240); do   # min_replicas = 2: both start with the agent
     m="$(models || true)"
-    [ "$(jq '[.replicas[] | select(.state == "ready")] | length' <<<"$m" 2>/dev/null)" = 2 ] && break
+    # Ready, and each replica's node known (the agent learns it from squeue on its next tick).
+    [ "$(jq '[.replicas[] | select(.state == "ready" and .node != null)] | length' <<<"$m" 2>/dev/null)" = 2 ] && break
     sleep 0.5
 done
 [ "$(jq '[.replicas[] | select(.state == "ready")] | length' <<<"$m")" = 2 ] || { echo "no 2 ready replicas: $m" >&2; exit 1; }
