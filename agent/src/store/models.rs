@@ -7,6 +7,29 @@ use sqlx::Row;
 
 use super::{Store, StoreError};
 
+/// The columns of `model_workers` that [`worker_rows`] reads, in its order.
+pub(super) const WORKER_COLUMNS: &str = "owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us";
+
+/// [`WorkerRow`]s from rows that selected [`WORKER_COLUMNS`].
+pub(super) fn worker_rows(rows: &[sqlx::any::AnyRow]) -> Result<Vec<WorkerRow>, StoreError> {
+    rows.iter()
+        .map(|r| {
+            Ok(WorkerRow {
+                owner: r.try_get(0)?,
+                model: r.try_get(1)?,
+                launcher: r.try_get(2)?,
+                instance_id: r.try_get(3)?,
+                base_url: r.try_get(4)?,
+                api_key: r.try_get(5)?,
+                version: r.try_get(6)?,
+                log_path: r.try_get(7)?,
+                started_us: r.try_get(8)?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(StoreError::from)
+}
+
 /// One live worker as the store remembers it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerRow {
@@ -77,29 +100,13 @@ impl Store {
     /// The workers `owner` manages: its own rows and the owner-less rows from before owners
     /// existed (it takes those over: they come from the one agent that ran then).
     pub async fn workers(&self, owner: &str) -> Result<Vec<WorkerRow>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers \
-             WHERE owner IN ($1, '') ORDER BY model, owner DESC, started_us, instance_id",
-        )
+        let rows = sqlx::query(&format!(
+            "SELECT {WORKER_COLUMNS} FROM model_workers WHERE owner IN ($1, '') ORDER BY model, owner DESC, started_us, instance_id"
+        ))
         .bind(owner)
         .fetch_all(self.pool())
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(WorkerRow {
-                    owner: r.try_get(0)?,
-                    model: r.try_get(1)?,
-                    launcher: r.try_get(2)?,
-                    instance_id: r.try_get(3)?,
-                    base_url: r.try_get(4)?,
-                    api_key: r.try_get(5)?,
-                    version: r.try_get(6)?,
-                    log_path: r.try_get(7)?,
-                    started_us: r.try_get(8)?,
-                })
-            })
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(StoreError::from)
+        worker_rows(&rows)
     }
 
     /// The agent that owns the worker whose Slurm job is `job_id`, if another agent than

@@ -53,30 +53,15 @@ impl Store {
     /// The workers of `model` that agents other than `owner` own and whose address is known
     /// (ready, or adopted), newest first.
     pub async fn others_workers(&self, owner: &str, model: &str) -> Result<Vec<WorkerRow>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us FROM model_workers \
-             WHERE model = $1 AND owner NOT IN ($2, '') AND base_url <> '' ORDER BY started_us DESC",
-        )
+        let rows = sqlx::query(&format!(
+            "SELECT {} FROM model_workers WHERE model = $1 AND owner NOT IN ($2, '') AND base_url <> '' ORDER BY started_us DESC",
+            super::models::WORKER_COLUMNS
+        ))
         .bind(model)
         .bind(owner)
         .fetch_all(self.pool())
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(WorkerRow {
-                    owner: r.try_get(0)?,
-                    model: r.try_get(1)?,
-                    launcher: r.try_get(2)?,
-                    instance_id: r.try_get(3)?,
-                    base_url: r.try_get(4)?,
-                    api_key: r.try_get(5)?,
-                    version: r.try_get(6)?,
-                    log_path: r.try_get(7)?,
-                    started_us: r.try_get(8)?,
-                })
-            })
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(StoreError::from)
+        super::models::worker_rows(&rows)
     }
 
     /// Records that worker `instance_id` was used at `used_us` (a later time only moves it on).
