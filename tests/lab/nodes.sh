@@ -193,6 +193,35 @@ nodes_cluster_toml() {
     printf '\n[cluster]\ngateway_nodes = [%s]\n' "$list"
 }
 
+# For tests/system/multinode-*.sh (after tests/lib/lab.sh):
+# nodes_test_fail MSG: FAIL: MSG, then the last lines of each node's agent and slurmd logs; exit 1.
+nodes_test_fail() {
+    echo "FAIL: $*" >&2
+    local f
+    for f in "$NODES_DIR"/gpu0?/agent.log "$NODES_DIR"/gpu0?/slurmd/slurmd.log; do
+        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 20 "$f" >&2; }
+    done
+    exit 1
+}
+
+# nodes_test_restore: cancels every job and brings the one-node lab back, once (a test's exit
+# cleanup); a test's NODES_* settings are dropped first.
+NODES_TEST_RESTORED=0
+nodes_test_restore() {
+    [ "$NODES_TEST_RESTORED" = 1 ] && return 0
+    NODES_TEST_RESTORED=1
+    local jobs log
+    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    [ -n "${jobs// /}" ] && lab_cancel $jobs
+    echo "== restoring the one-node lab"
+    unset NODES_GATEWAY_NODES NODES_IDLE_TIMEOUT_S GPUHUB_LAB_NODES_EXTRA
+    log="$(mktemp /tmp/gpuhub-nodes-restore.XXXXXX)"
+    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$NODES_REPO/tests/lab/up.sh" >"$log" 2>&1 ||
+        { cat "$log" >&2; rm -f "$log"; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
+    rm -f "$log"
+}
+
 # nodes_is_gateway NODE: whether NODE's agent runs the gateway.
 nodes_is_gateway() { [ -z "${NODES_GATEWAY_NODES:-}" ] || [[ " $NODES_GATEWAY_NODES " == *" $1 "* ]]; }
 

@@ -28,29 +28,8 @@ unset NODES_GATEWAY_NODES
 G1="http://$(nodes_ip gpu01):8400"
 G2="http://$(nodes_ip gpu02):8400"
 
-fail() {
-    echo "FAIL: $*" >&2
-    for f in "$NODES_DIR"/gpu0?/agent.log; do
-        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
-    done
-    exit 1
-}
-
-restored=0
-restore() {
-    [ "$restored" = 1 ] && return 0
-    restored=1
-    local jobs
-    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
-    # shellcheck disable=SC2086
-    [ -n "${jobs// /}" ] && lab_cancel $jobs
-    echo "== restoring the one-node lab"
-    unset NODES_GATEWAY_NODES NODES_IDLE_TIMEOUT_S
-    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$REPO/tests/lab/up.sh" >/tmp/gpuhub-multigw-restore.log 2>&1 ||
-        { cat /tmp/gpuhub-multigw-restore.log >&2; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
-    rm -f /tmp/gpuhub-multigw-restore.log
-}
-lab_cleanup_add restore
+fail() { nodes_test_fail "$@"; }
+lab_cleanup_add nodes_test_restore
 lab_wait_gpus_free 240
 
 echo "== two nodes, the gateway on both"
@@ -127,5 +106,5 @@ nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr"
     fail "gpuhub usage --calls on gpu02 does not show the calls through gpu01's gateway"
 echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
 
-restore || exit 1
+nodes_test_restore || exit 1
 echo "PASS: two gateways start one worker per model and share it; the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"

@@ -23,28 +23,8 @@ lab_user
 NODES_SH="$REPO/tests/lab/nodes.sh"
 PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
 
-fail() {
-    echo "FAIL: $*" >&2
-    for f in "$NODES_DIR"/gpu0?/agent.log "$NODES_DIR"/gpu0?/slurmd/slurmd.log; do
-        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
-    done
-    exit 1
-}
-
-restored=0
-restore() {
-    [ "$restored" = 1 ] && return 0
-    restored=1
-    local jobs
-    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
-    # shellcheck disable=SC2086
-    [ -n "${jobs// /}" ] && lab_cancel $jobs
-    echo "== restoring the one-node lab"
-    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$REPO/tests/lab/up.sh" >/tmp/gpuhub-multinode-restore.log 2>&1 ||
-        { cat /tmp/gpuhub-multinode-restore.log >&2; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
-    rm -f /tmp/gpuhub-multinode-restore.log
-}
-lab_cleanup_add restore
+fail() { nodes_test_fail "$@"; }
+lab_cleanup_add nodes_test_restore
 lab_wait_gpus_free 240
 
 echo "== two nodes: GPUHUB_LAB_NODES=2 tests/lab/up.sh"
@@ -168,5 +148,5 @@ for b in bad: print("MISMATCH:", b)
 sys.exit(1 if bad else 0)
 PY
 
-restore || exit 1
+nodes_test_restore || exit 1
 echo "PASS: jobs on gpu02 reach gpu01's gateway and are attributed; workers on gpu02 serve gpu01's gateway; each agent keeps to its own workers; usage over both nodes equals sacct"

@@ -23,27 +23,11 @@ EXTRA=/tmp/gpuhub-replicas-models.toml
 OUT=/tmp/gpuhub-replicas
 MODEL=dots-r
 
-fail() {
-    echo "FAIL: $*" >&2
-    for f in "$NODES_DIR"/gpu01/agent.log; do
-        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 25 "$f" >&2; }
-    done
-    exit 1
-}
-
-restored=0
+fail() { nodes_test_fail "$@"; }
 restore() {
-    [ "$restored" = 1 ] && return 0
-    restored=1
-    local jobs
-    jobs="$(squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')"
-    # shellcheck disable=SC2086
-    [ -n "${jobs// /}" ] && lab_cancel $jobs
-    echo "== restoring the one-node lab"
-    GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$REPO/tests/lab/up.sh" >/tmp/gpuhub-replicas-restore.log 2>&1 ||
-        { cat /tmp/gpuhub-replicas-restore.log >&2; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
-    rm -f /tmp/gpuhub-replicas-restore.log "$EXTRA"
+    rm -f "$EXTRA"
     rm -rf "$OUT"
+    nodes_test_restore
 }
 lab_cleanup_add restore
 lab_wait_gpus_free 240
