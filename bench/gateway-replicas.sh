@@ -71,28 +71,9 @@ DIRECT="$(jq -r '.replicas[] | select(.node == "gpu02") | .base_url' <<<"$m")"
 JOB2="$(jq -r '.replicas[] | select(.node == "gpu02") | .job_id' <<<"$m")"
 WKEY="$("${PSQL[@]}" -c "SELECT api_key FROM model_workers WHERE instance_id = '$JOB2'")"
 KEY="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys create --user bench --app wrk | tail -n 1)"
-cat >"$DIR/post.lua" <<'LUA'
-wrk.method = "POST"
-wrk.body = os.getenv("BODY")
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer " .. os.getenv("AUTH")
-local d = tonumber(os.getenv("DELAY_MS") or "0")
-function delay() return d end
-LUA
-TICK="$(getconf CLK_TCK)"
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n }'; }
-run() {   # run NAME URL AUTH -> P50 P99 RPS REQS
-    local out non2xx
-    out="$(BODY="$BODY" AUTH="$3" DELAY_MS="$DELAY" wrk -t2 -c"$CONNS" -d"${DURATION}s" --latency -s "$DIR/post.lua" "$2/v1/chat/completions")"
-    echo "$out" >"$DIR/wrk-$1.txt"
-    P50="$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")"
-    P99="$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")"
-    RPS="$(echo "$out" | awk '/Requests\/sec/ {print $2}')"
-    REQS="$(echo "$out" | awk '/requests in/ {print $1}')"
-    non2xx="$(echo "$out" | awk '/Non-2xx/ {print $NF}')"
-    [ -z "$non2xx" ] || { echo "$1: $non2xx non-2xx answers: $(cat "$DIR/wrk-$1.txt")" >&2; exit 1; }
-}
+WRK_DIR="$DIR"
+. "$REPO/bench/lib/wrk.sh"
+run() { wrk_run "$1" "$2" "$3" "$BODY" "$CONNS" "$DELAY" || exit 1; }   # run NAME URL AUTH -> P50 P99 RPS REQS
 BODY="{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}]}"
 DELAY=$(( CONNS * 1000 / RATE ))
 echo "gateway with 2 replicas on 2 nodes: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), wrk -t2, ${DURATION}s per run, $CONNS connections at ~$RATE req/s"

@@ -17,30 +17,10 @@ gw_config
 gw_start
 KEY="$(gw_key bench wrk)"
 DIRECT="http://$GW_WORKER_ADDR"
-cat >"$GW_DIR/post.lua" <<'LUA'
-wrk.method = "POST"
-wrk.body = os.getenv("BODY")
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer " .. os.getenv("AUTH")
-local d = tonumber(os.getenv("DELAY_MS") or "0")
-function delay() return d end
-LUA
-TICK="$(getconf CLK_TCK)"
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n }'; }
-
+WRK_DIR="$GW_DIR"
+. "$(dirname "$0")/lib/wrk.sh"
 # run NAME URL AUTH BODY CONNS DELAY_MS -> sets P50 P99 RPS REQS
-run() {
-    local out
-    out="$(BODY="$4" AUTH="$3" DELAY_MS="$6" wrk -t2 -c"$5" -d"${DURATION}s" --latency -s "$GW_DIR/post.lua" "$2/v1/chat/completions")"
-    echo "$out" >"$GW_DIR/wrk-$1.txt"
-    P50="$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")"
-    P99="$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")"
-    RPS="$(echo "$out" | awk '/Requests\/sec/ {print $2}')"
-    REQS="$(echo "$out" | awk '/requests in/ {print $1}')"
-    local non2xx; non2xx="$(echo "$out" | awk '/Non-2xx/ {print $NF}')"
-    [ -z "$non2xx" ] || gw_fail "$1: $non2xx non-2xx answers (see $GW_DIR/wrk-$1.txt)"
-}
+run() { wrk_run "$@" || gw_fail "$1: the benchmark got non-2xx answers"; }
 
 echo "gateway benchmark: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start, wrk -t2, ${DURATION}s per run, paced runs: $CONNS connections at ~$RATE req/s"
 echo "upstream: gpuhub-test-worker at $DIRECT; gateway: $GW_URL (pid $GW_AGENT_PID)"
