@@ -83,7 +83,7 @@ pub async fn usage_json(
         .filter(|(j, _)| by != UsageBy::User || !workers.contains_key(&(j.node.clone(), j.job_id)))
         .cloned()
         .collect();
-    let mut wjobs = inference::window(pool, &all, &workers, since_us, now).await?;
+    let mut wjobs = inference::window(pool, &all, &workers, since_us, now, None).await?;
     if !caller.admin {
         for w in &mut wjobs {
             w.shares.retain(|s| s.user == caller.user);

@@ -28,6 +28,7 @@ use serde::Serialize;
 use sqlx::AnyPool;
 
 use super::db::{self, JobGpuRow, JobRow};
+use super::live_callers::LiveCallers;
 use super::usage::{billed, overlap_us};
 
 /// The caller of a worker job that served no call (its loading and idle time).
@@ -147,31 +148,48 @@ pub async fn worker_jobs(pool: &AnyPool, since_us: i64) -> Result<BTreeMap<(Stri
 
 /// The calls of `model` whose interval overlaps `[from_us, to_us]`, per (user, app).
 pub async fn callers(pool: &AnyPool, model: &str, from_us: i64, to_us: i64) -> Result<BTreeMap<(String, String), Busy>, sqlx::Error> {
+    callers_between(pool, model, from_us, from_us.saturating_sub(MAX_CALL_US), to_us.saturating_add(1)).await
+}
+
+/// The calls of `model` that started in `[start_us, before_us)` and ran into `from_us` or
+/// later, per (user, app) (a range of [`callers`]' rows: ranges add up).
+pub async fn callers_between(
+    pool: &AnyPool,
+    model: &str,
+    from_us: i64,
+    start_us: i64,
+    before_us: i64,
+) -> Result<BTreeMap<(String, String), Busy>, sqlx::Error> {
     let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
         "SELECT user_name, app, CAST(SUM(CASE WHEN latency_us > overhead_us THEN latency_us - overhead_us ELSE 0 END) AS BIGINT), \
          CAST(SUM(calls) AS BIGINT) FROM usage_log \
-         WHERE resolved_model = $1 AND time_us >= $2 AND time_us <= $3 AND time_us + latency_us >= $4 GROUP BY user_name, app",
+         WHERE resolved_model = $1 AND time_us >= $2 AND time_us < $3 AND time_us + latency_us >= $4 GROUP BY user_name, app",
     )
     .bind(model)
-    .bind(from_us.saturating_sub(MAX_CALL_US))
-    .bind(to_us)
+    .bind(start_us)
+    .bind(before_us)
     .bind(from_us)
     .fetch_all(pool)
     .await?;
     Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
 }
 
-/// A worker job's split, computed now from the usage log (live, or to be stored).
+/// A worker job's split, computed now from the usage log (live, or to be stored); with
+/// `live`, from its kept sums and the rows after them.
 pub async fn compute(
     pool: &AnyPool,
     job: &JobRow,
     gpus: &[JobGpuRow],
     model: &str,
     now_us: i64,
+    live: Option<&LiveCallers>,
 ) -> Result<(i64, i64, Vec<Share>), sqlx::Error> {
     let (g, s) = job_totals(job, gpus, now_us);
     let (from, to) = call_window(job, now_us);
-    let c = callers(pool, model, from, to).await?;
+    let c = match live {
+        Some(live) => live.callers(pool, &(job.node.clone(), job.job_id), model, from, to, now_us).await?,
+        None => callers(pool, model, from, to).await?,
+    };
     Ok((g, s, split(g, s, &c)))
 }
 
@@ -191,7 +209,7 @@ pub async fn settle(pool: &AnyPool, node: &str, now_us: i64) -> Result<usize, sq
     let mut done = 0;
     for (job_id, model) in due {
         let Some((job, gpus)) = db::job(pool, job_id).await?.into_iter().find(|(j, _)| j.node == node) else { continue };
-        let (g, s, shares) = compute(pool, &job, &gpus, &model, now_us).await?;
+        let (g, s, shares) = compute(pool, &job, &gpus, &model, now_us, None).await?;
         if store_split(pool, &job, &model, g, s, &shares, now_us).await? {
             done += 1;
             tracing::info!(
@@ -310,6 +328,7 @@ pub async fn window(
     workers: &BTreeMap<(String, i64), String>,
     since_us: i64,
     now_us: i64,
+    live: Option<&LiveCallers>,
 ) -> Result<Vec<WindowJob>, sqlx::Error> {
     let (settled, mut stored_shares) = stored(pool, since_us).await?;
     let mut out = Vec::new();
@@ -318,7 +337,7 @@ pub async fn window(
         let Some(model) = workers.get(&key) else { continue };
         let is_settled = settled.contains(&key);
         let shares =
-            if is_settled { stored_shares.remove(&key).unwrap_or_default() } else { compute(pool, job, gpus, model, now_us).await?.2 };
+            if is_settled { stored_shares.remove(&key).unwrap_or_default() } else { compute(pool, job, gpus, model, now_us, live).await?.2 };
         let whole = overlap_us(job, i64::MIN, now_us);
         let part = overlap_us(job, since_us, now_us);
         let shares: Vec<Share> = shares

@@ -37,6 +37,7 @@ pub mod db;
 pub mod inference;
 pub mod ingest;
 pub mod job_map;
+pub mod live_callers;
 pub mod reconcile;
 pub mod slurm;
 pub mod usage;

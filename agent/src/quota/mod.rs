@@ -75,11 +75,19 @@ pub struct Quotas {
     pass_lock: tokio::sync::Mutex<bool>,
     notes: Mutex<BTreeMap<u32, String>>,
     last: Arc<Mutex<metrics::LastPass>>,
+    /// Live worker jobs' callers, kept between passes.
+    live: crate::accounting::live_callers::LiveCallers,
 }
 
 impl Quotas {
     pub fn new(sacctmgr: slurm::Sacctmgr) -> Self {
-        Quotas { sacctmgr, pass_lock: tokio::sync::Mutex::new(false), notes: Mutex::new(BTreeMap::new()), last: Arc::default() }
+        Quotas {
+            sacctmgr,
+            pass_lock: tokio::sync::Mutex::new(false),
+            notes: Mutex::new(BTreeMap::new()),
+            last: Arc::default(),
+            live: Default::default(),
+        }
     }
 
     /// The Prometheus collector of the last pass (register it once).
@@ -136,7 +144,7 @@ impl Quotas {
             let u = match by_since.get(&since_us) {
                 Some(u) => u.clone(),
                 None => {
-                    let u = usage::usage_since(state.store.pool(), since_us, now_us, spg).await?;
+                    let u = usage::usage_since(state.store.pool(), since_us, now_us, spg, Some(&self.live)).await?;
                     by_since.insert(since_us, u.clone());
                     u
                 }
@@ -178,6 +186,7 @@ impl Quotas {
             }
             statuses.push(status(q, &key, start_s, resets_s, now_s, used_us, limit_us, config_us, admin_us, topup_us, held, users, note));
         }
+        self.live.sweep();
         self.apply(state, &want, *first).await;
         *first = false;
         let notes: BTreeMap<u32, String> = notes.into_iter().map(|(k, (_, n))| (k, n)).collect();

@@ -7,6 +7,7 @@ use sqlx::AnyPool;
 
 use crate::accounting::db::{self, JobGpuRow, JobRow};
 use crate::accounting::inference;
+use crate::accounting::live_callers::LiveCallers;
 use crate::accounting::usage::{billed, overlap_us};
 use crate::config::{QuotaPeriod, QuotaTarget};
 
@@ -92,12 +93,13 @@ pub fn sum_jobs(
     Usage { per_user: clamp(u), per_account: clamp(a) }
 }
 
-/// [`Usage`] from the store for `[since_us, now_us]`.
-pub async fn usage_since(pool: &AnyPool, since_us: i64, now_us: i64, spg: u32) -> Result<Usage, sqlx::Error> {
+/// [`Usage`] from the store for `[since_us, now_us]`; live worker jobs' callers from `live`'s
+/// kept sums (the quota pass).
+pub async fn usage_since(pool: &AnyPool, since_us: i64, now_us: i64, spg: u32, live: Option<&LiveCallers>) -> Result<Usage, sqlx::Error> {
     let jobs = db::jobs_since(pool, since_us, None).await?;
     let workers = inference::worker_jobs(pool, since_us).await?;
     let mut shares: BTreeMap<String, (i64, i64)> = BTreeMap::new();
-    for w in inference::window(pool, &jobs, &workers, since_us, now_us).await? {
+    for w in inference::window(pool, &jobs, &workers, since_us, now_us, live).await? {
         for s in w.shares {
             let e = shares.entry(s.user).or_default();
             e.0 += s.gpu_us;
