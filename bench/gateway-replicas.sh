@@ -37,6 +37,8 @@ restore() {
 lab_cleanup_add restore
 lab_wait_gpus_free 240
 
+# The agents pass quotas at the production default (the lab's 2 s is for the quota tests).
+export NODES_QUOTA_INTERVAL_MS=60000
 cat > "$DIR/models.toml" <<'TOML'
 
 [[models]]

@@ -6,6 +6,7 @@
 #   - the gateway's CPU-seconds per 1000 requests (utime+stime from /proc/<pid>/stat),
 # and the streamed-chunk forwarding delay (bench/gateway_chunks.py).
 #   bench/gateway.sh                 DURATION=10 RATE=2000 CONNS=20 REPEAT=3 by default
+#   STORE=postgres://... bench/gateway.sh   the same on a PostgreSQL store (default: SQLite)
 # Needs: cargo build --release; wrk (apt). Results go to stdout; copy them to BENCHMARKS.md.
 set -euo pipefail
 source "$(dirname "$0")/../tests/lib/gateway.sh"
@@ -13,7 +14,7 @@ command -v wrk >/dev/null || gw_fail "wrk not installed (apt-get install wrk)"
 DURATION="${DURATION:-10}"; RATE="${RATE:-2000}"; CONNS="${CONNS:-20}"; REPEAT="${REPEAT:-3}"
 gw_init
 gw_worker demo-chat
-gw_config
+gw_config ${STORE:+"$STORE"}
 gw_start
 KEY="$(gw_key bench wrk)"
 DIRECT="http://$GW_WORKER_ADDR"
@@ -72,7 +73,7 @@ gw_stop
 # model's tokens) and stamps each one (--stamp-chunks), read directly and through the gateway.
 kill "${GW_PIDS[0]}" 2>/dev/null || true
 gw_worker demo-chat --token-delay-ms 100 --stamp-chunks
-gw_config
+gw_config ${STORE:+"$STORE"}
 gw_start
 KEY="$(gw_key bench chunks)"
 echo "stream chunk forwarding (worker sends a chunk every 100 ms): $(python3 "$GW_REPO/bench/gateway_chunks.py" "http://$GW_WORKER_ADDR" worker-key "$GW_URL" "$KEY" 15)"

@@ -11,7 +11,9 @@
 # node's address (workers.host = "node") and write to /var/lib/gpuhub-lab-workers/gpuNN.
 #
 # NODES_GATEWAY_NODES="gpu01" gives the agents `[cluster] gateway_nodes` (unset: both run a
-# gateway); NODES_IDLE_TIMEOUT_S shortens the lab models' idle timeout (tests/system/multinode-gateways.sh).
+# gateway); NODES_IDLE_TIMEOUT_S shortens the lab models' idle timeout (tests/system/multinode-gateways.sh);
+# NODES_QUOTA_INTERVAL_MS sets the agents' quota refresh (the lab's 2000 is for the quota tests;
+# bench/gateway-replicas.sh runs the production default).
 #
 # Sourced by up.sh and down.sh (functions only). Run directly:
 #   tests/lab/nodes.sh exec NODE CMD...     run CMD inside NODE (its namespaces)
@@ -179,7 +181,8 @@ dir = "$NODES_WORKERS/$n"
 
 TOML
     sed -e "s/^slurm_node_name = .*/slurm_node_name = \"$n\"/" \
-        -e "s/^idle_timeout_s = 120\$/idle_timeout_s = ${NODES_IDLE_TIMEOUT_S:-120}/" "$NODES_REPO/tests/lab/agent.toml"
+        -e "s/^idle_timeout_s = 120\$/idle_timeout_s = ${NODES_IDLE_TIMEOUT_S:-120}/" \
+        -e "s/^quota_interval_ms = .*/quota_interval_ms = ${NODES_QUOTA_INTERVAL_MS:-2000}/" "$NODES_REPO/tests/lab/agent.toml"
     # A test's own catalog entries for this agent (tests/system/multinode-replicas.sh).
     if [ -n "${GPUHUB_LAB_NODES_EXTRA:-}" ]; then cat "$GPUHUB_LAB_NODES_EXTRA"; fi
 }
@@ -215,7 +218,7 @@ nodes_test_restore() {
     # shellcheck disable=SC2086
     [ -n "${jobs// /}" ] && lab_cancel $jobs
     echo "== restoring the one-node lab"
-    unset NODES_GATEWAY_NODES NODES_IDLE_TIMEOUT_S GPUHUB_LAB_NODES_EXTRA
+    unset NODES_GATEWAY_NODES NODES_IDLE_TIMEOUT_S NODES_QUOTA_INTERVAL_MS GPUHUB_LAB_NODES_EXTRA
     log="$(mktemp /tmp/gpuhub-nodes-restore.XXXXXX)"
     GPUHUB_LAB_BUILD=0 GPUHUB_LAB_SMOKE=0 "$NODES_REPO/tests/lab/up.sh" >"$log" 2>&1 ||
         { cat "$log" >&2; rm -f "$log"; echo "FAIL: the one-node lab did not come back (tests/lab/up.sh)" >&2; return 1; }
