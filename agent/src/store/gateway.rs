@@ -36,17 +36,29 @@ const USAGE_COLUMNS: &[&str] = &[
     "key_id",
 ];
 
-/// Rows per INSERT statement. PostgreSQL: 23 columns x 200 rows stays far below its limit of
-/// 65535 bind parameters. SQLite: 23 x 64 = 1472 of its 32766. SQLite gets anonymous `?`
-/// placeholders (see [`usage_insert_sql`]): sqlx asks `sqlite3_bind_parameter_name` for every
-/// bind, which scans the statement's list of *named* parameters, so `$N` placeholders made
-/// binding quadratic in the parameters per statement (at 200 rows it took 40 % of the agent's
-/// CPU under load); anonymous ones are not in that list.
-fn rows_per_statement(backend: super::Backend) -> usize {
-    match backend {
-        super::Backend::Sqlite => 64,
-        super::Backend::Postgres => 200,
+/// The row counts of the INSERT statements a batch of `rows` is written with, largest first.
+/// Each count is one statement text, prepared once per connection and then reused (sqlx keeps
+/// 100 per connection): any count from 1 to 200 made up to 200 texts, so that under load
+/// PostgreSQL parsed and planned a statement of thousands of parameters for most batches.
+/// PostgreSQL: at most 128 rows x 24 columns, far below its limit of 65535 bind parameters.
+/// SQLite: at most 64 x 24 = 1536 of its 32766 (every count up to 64: few enough to stay
+/// prepared); SQLite gets anonymous `?` placeholders (see [`usage_insert_sql`]): sqlx asks
+/// `sqlite3_bind_parameter_name` for every bind, which scans the statement's list of *named*
+/// parameters, so `$N` placeholders made binding quadratic in the parameters per statement
+/// (at 200 rows it took 40 % of the agent's CPU under load); anonymous ones are not in that list.
+fn statement_rows(backend: super::Backend, rows: usize) -> Vec<usize> {
+    let ladder: &[usize] = match backend {
+        super::Backend::Sqlite => &[64],
+        super::Backend::Postgres => &[128, 32, 8, 1],
+    };
+    let mut out = Vec::new();
+    let mut left = rows;
+    while left > 0 {
+        let n = ladder.iter().copied().find(|n| *n <= left).unwrap_or(left);
+        out.push(n);
+        left -= n;
     }
+    out
 }
 
 /// One stored API key (never the key itself).
@@ -202,7 +214,10 @@ impl Store {
         use sqlx::Connection;
         let mut tx = conn.begin().await?;
         let mut learned: Vec<UsageRow> = Vec::new();
-        for chunk in rows.chunks(rows_per_statement(self.backend())) {
+        let mut rest = rows;
+        for n in statement_rows(self.backend(), rows.len()) {
+            let (chunk, after) = rest.split_at(n);
+            rest = after;
             let sql = usage_insert_sql(self.backend(), chunk.len(), learn_ids);
             let mut q = sqlx::query(&sql);
             for r in chunk {
@@ -409,6 +424,20 @@ fn usage_insert_sql(backend: super::Backend, rows: usize, returning: bool) -> St
 mod tests {
     use super::*;
     use crate::store::testing;
+
+    #[test]
+    fn a_batch_is_written_with_few_statement_texts() {
+        use super::super::Backend::{Postgres, Sqlite};
+        assert_eq!(statement_rows(Postgres, 90), [32, 32, 8, 8, 8, 1, 1]);
+        assert_eq!(statement_rows(Postgres, 300), [128, 128, 32, 8, 1, 1, 1, 1]);
+        assert_eq!(statement_rows(Sqlite, 150), [64, 64, 22]);
+        assert!(statement_rows(Postgres, 0).is_empty());
+        let texts: std::collections::BTreeSet<usize> = (1..=500).flat_map(|n| statement_rows(Postgres, n)).collect();
+        assert_eq!(texts.into_iter().collect::<Vec<_>>(), [1, 8, 32, 128], "every batch size uses the same four statements");
+        for n in 0..=500 {
+            assert_eq!(statement_rows(Postgres, n).iter().sum::<usize>(), n);
+        }
+    }
 
     fn row(id: &str, t: i64, user: &str, status: u16, pt: i64) -> UsageRow {
         UsageRow {
