@@ -81,6 +81,10 @@ DELAY=$(( CONNS * 1000 / RATE ))
 echo "gateway with 2 replicas on 2 nodes: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), wrk -t2, ${DURATION}s per run, $CONNS connections at ~$RATE req/s"
 echo "replicas: $(jq -c '[.replicas[] | {job_id, node, base_url}]' <<<"$m"); direct: $DIRECT (gpu02); gateway: $GW (gpu01, pid $GW_PID)"
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+# The agent's own work without calls (telemetry, Slurm polls, quota pass), for scale: it is
+# counted in the per-call figures below, not taken off them.
+C0="$(cpu_ticks "$GW_PID")"; sleep "$DURATION"; C1="$(cpu_ticks "$GW_PID")"
+IDLE="$(awk -v c="$((C1 - C0))" -v tick="$TICK" -v d="$DURATION" 'BEGIN { printf "%.4f", c / tick / d }')"
 : >"$DIR/pairs"
 for i in $(seq "$REPEAT"); do
     run "direct-$i" "$DIRECT" "$WKEY"; D50=$P50; D99=$P99
@@ -99,4 +103,5 @@ awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a
     printf "median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", n, d50, d99, grps, g50, g99, a50, a99
     printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
 }'
+echo "gpu01's agent without calls: $IDLE CPU-s per second"
 echo "replicas after the runs: $(models | jq -c '[.replicas[] | {node, state, health}]')"
