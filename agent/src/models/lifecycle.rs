@@ -783,7 +783,11 @@ impl Shared {
             Ok(flight) => {
                 let uid = rt.user.as_ref().map(|u| u.uid).unwrap_or(u32::MAX);
                 // An extra replica is a new job of this agent's by definition: never borrowed.
-                let borrowed = if w.rep.is_extra { None } else { single_flight::borrow(rt.store.as_ref(), &rt.owner, &w.cfg, uid).await };
+                let borrowed = if w.rep.is_extra {
+                    None
+                } else {
+                    single_flight::borrow(rt.store.as_ref(), &rt.launchers.slurm, &rt.owner, &w.cfg, uid).await
+                };
                 let r = match borrowed {
                     Some(inst) => Ok((inst, None)),
                     None => self.load_inner(rt, &w).await,
