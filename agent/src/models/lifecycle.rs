@@ -502,7 +502,8 @@ impl ModelManager {
         self.shared.catalog.load()
     }
 
-    /// Serves `new` from now on: new models get a worker (started on their first call);
+    /// Serves `new` from now on: new models get a worker (started on their first call, or at
+    /// once with `min_replicas` >= 1);
     /// models that left drain their calls and stop; a changed entry's running worker drains
     /// while the next call starts the new one. The catalog is swapped after the workers, so a
     /// call never finds a name without its worker.
@@ -563,6 +564,9 @@ impl ModelManager {
         if !change.is_empty() {
             tracing::info!(added = ?change.added, removed = ?change.removed, changed = ?change.changed, "catalog changed");
         }
+        // As at agent start: a model with `min_replicas` >= 1 (added, or its entry changed to
+        // it) loads now, not on its first call.
+        sh.start_min_replicas();
         change
     }
 }

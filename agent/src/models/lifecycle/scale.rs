@@ -333,8 +333,9 @@ impl Shared {
         }
     }
 
-    /// At agent start: a model with `min_replicas` >= 1 loads now, not on its first call
-    /// (scaling then starts the others up to `min_replicas`).
+    /// At agent start and after a catalog change: a model with `min_replicas` >= 1 that is
+    /// unloaded loads now, not on its first call (scaling then starts the others up to
+    /// `min_replicas`).
     pub(super) fn start_min_replicas(self: &Arc<Self>) {
         let Some(rt) = &self.rt else { return };
         for w in self.current_workers() {
@@ -345,7 +346,7 @@ impl Shared {
             rt.tasks.spawn(async move {
                 let name = w.cfg.name.clone();
                 if let Err(e) = me.acquire(w, "").await {
-                    tracing::warn!(model = %name, error = %e, "min_replicas: the model did not load at start; it loads on its first call");
+                    tracing::warn!(model = %name, error = %e, "min_replicas: the model did not load; it loads on its first call");
                 }
             });
         }
