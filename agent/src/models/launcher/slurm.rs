@@ -288,12 +288,21 @@ impl Slurm {
             Some(url) => return Err(format!("job {id} wrote the address {url}, not {}", crate::util::sanitize(base_url))),
             None => return Err(format!("job {id} wrote no address file ({})", theirs.addr_path(model, id).display())),
         }
-        match theirs.read_proof(model, id, uid, port)? {
-            Some(Proof::Worker) => Ok(()),
-            Some(Proof::Other { uid: other }) => {
-                Err(format!("job {id}'s proof says a process of another user (uid {other}) listens on its port {port}"))
+        // A worker on its owner's own node is ready once the kernel there shows its port,
+        // which may be a moment before the job's proof lands: wait a second for it.
+        let mut tries = 10;
+        loop {
+            match theirs.read_proof(model, id, uid, port)? {
+                Some(Proof::Worker) => return Ok(()),
+                Some(Proof::Other { uid: other }) => {
+                    return Err(format!("job {id}'s proof says a process of another user (uid {other}) listens on its port {port}"));
+                }
+                None if tries > 0 => {
+                    tries -= 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                None => return Err(format!("job {id} has not proved its port {port} (no {})", theirs.proof_path(model, id).display())),
             }
-            None => Err(format!("job {id} has not proved its port {port} (no {})", theirs.proof_path(model, id).display())),
         }
     }
 
