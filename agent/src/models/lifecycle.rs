@@ -503,10 +503,10 @@ impl ModelManager {
     }
 
     /// Serves `new` from now on: new models get a worker (started on their first call, or at
-    /// once with `min_replicas` >= 1);
-    /// models that left drain their calls and stop; a changed entry's running worker drains
-    /// while the next call starts the new one. The catalog is swapped after the workers, so a
-    /// call never finds a name without its worker.
+    /// once with `min_replicas` >= 1); models that left drain their calls and stop; a changed
+    /// entry's running worker drains while the next call starts the new one (at once with
+    /// `min_replicas` >= 1). The catalog is swapped after the workers, so a call never finds a
+    /// name without its worker.
     pub async fn apply_catalog(&self, new: Arc<Catalog>) -> CatalogChange {
         let sh = &self.shared;
         let _one = sh.applying.lock().await;
@@ -1271,8 +1271,7 @@ impl Shared {
     }
 
     /// The GPU memory (GiB, by the catalog's `vram_gib`) that the workers counting against
-    /// `w`'s room hold or are loading into.
-    /// `None`: every worker counts.
+    /// `w`'s room hold or are loading into (`w` `None`: every worker counts).
     fn held_gib(&self, w: Option<&Worker>) -> f64 {
         self.all_workers()
             .iter()
