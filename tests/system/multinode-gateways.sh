@@ -80,13 +80,13 @@ open(sys.argv[3], "w").write(str(s.server_address[1]))
 s.serve_forever()
 PY
 touch "$SQ/log" && chown "$LAB_USER" "$SQ/log" "$SQ"
-nsenter -t "$(nodes_holder gpu02)" -m -u -n -- runuser -u "$LAB_USER" -- python3 "$SQ/squat.py" "$(nodes_ip gpu02)" "$SQ/log" "$SQ/port" &
+nsenter -t "$(nodes_holder gpu02)" -m -u -n -- runuser -u "$LAB_USER" -- python3 "$SQ/squat.py" "$(nodes_ip gpu02)" "$SQ/log" "$SQ/port" 2>"$SQ/err" &
 squatter=$!
 lab_cleanup_add "kill \$(cat '$SQ/port.pid' 2>/dev/null) $squatter 2>/dev/null || true"
 cjob="$(cd /tmp && runuser -u "$LAB_USER" -- sbatch --parsable -H -J multigw-stale -t 1 --wrap 'sleep 1')" || fail "cannot submit the stale row's job"
 scancel "$cjob"
 for _ in $(seq 50); do [ -s "$SQ/port" ] && break; sleep 0.1; done
-[ -s "$SQ/port" ] || fail "the squatter did not start"
+[ -s "$SQ/port" ] || fail "the squatter did not start: $(cat "$SQ/err")"
 "${PSQL[@]}" -c "INSERT INTO model_workers (owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us) \
     VALUES ('gpu09', 'dots.ocr', 'slurm', '$cjob', 'http://$(nodes_ip gpu02):$(cat "$SQ/port")', 'gpuhub-worker-stale', NULL, '/dev/null', 1)"
 out="$(calls gpu01 "$G1 $G1 $G2 $G2")" || fail "the calling job did not run: $out"
@@ -145,4 +145,4 @@ nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr"
 echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
 
 nodes_test_restore || exit 1
-echo "PASS: two gateways start one worker per model and share it; the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"
+echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"
