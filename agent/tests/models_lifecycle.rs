@@ -630,3 +630,38 @@ async fn a_catalog_change_drains_models_that_left_and_serves_new_ones_without_a_
     assert!(again.is_empty(), "{again:?}");
     drop((b, c));
 }
+
+/// `min_replicas` >= 1 after a catalog change (`gpuhub models reload`, SIGHUP, a registry poll)
+/// loads the model at once, as at agent start, not on its first call: a model added with it,
+/// and one whose entry is raised to it from 0. A model without it still waits for a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_min_replicas_one_loads_the_model_without_waiting_for_a_call() {
+    let env = Env::new().await;
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "", "")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(m.status("a").unwrap().state, "unloaded", "min_replicas = 0: nothing loads without a call");
+
+    let d = env.dir.path().display();
+    let text = format!(
+        "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{}{}{}",
+        worker_user(),
+        env.model("a", "", "min_replicas = 1"),
+        env.model("b", "", "min_replicas = 1"),
+        env.model("c", "", "")
+    );
+    let new = Config::from_toml(&text).unwrap();
+    let change = m.apply_catalog(Arc::new(Catalog::from_config(&new.file))).await;
+    assert_eq!((change.added, change.changed), (vec!["b".to_string(), "c".to_string()], vec!["a".to_string()]));
+    wait_state(&m, "a", "ready", Duration::from_secs(20)).await;
+    wait_state(&m, "b", "ready", Duration::from_secs(20)).await;
+    assert_eq!(m.status("c").unwrap().state, "unloaded", "min_replicas = 0 still loads on the first call");
+    let (pa, pb) = (m.status("a").unwrap().worker_id.unwrap(), m.status("b").unwrap().worker_id.unwrap());
+    assert!(pid_alive(&pa) && pid_alive(&pb));
+    let lease = m.acquire("b").await.unwrap();
+    assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
+    assert_eq!(m.status("b").unwrap().worker_id.unwrap(), pb, "the call went to the worker the reload started");
+    drop(lease);
+    m.unload("a", "test over").await.unwrap();
+    m.unload("b", "test over").await.unwrap();
+    assert!(!pid_alive(&pa) && !pid_alive(&pb));
+}

@@ -5,7 +5,10 @@
 #  1. gateway role on both nodes: four concurrent first calls to the cold dots.ocr, two through
 #     gpu01's gateway and two through gpu02's, start exactly one worker job (squeue and the
 #     store; single flight through a PostgreSQL advisory lock), and all four succeed; the
-#     gateway that does not own the worker routed to it (its log names the worker);
+#     gateway that does not own the worker routed to it (its log names the worker); a stale
+#     store row of another agent (its job cancelled, its port on gpu02 held by a process of
+#     $LAB_USER answering every health check) is refused before its key is sent: the squatter
+#     sees no request, the refusal is logged with the job;
 #  2. calls that keep coming through the non-owning gateway only keep the worker loaded past its
 #     idle timeout (the owner reads their use from the store); once they stop, the owner
 #     unloads it;
@@ -13,7 +16,7 @@
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
 #     cluster-wide).
-# Restores the one-node lab at exit. About 110 s (two lab re-ups of ~30 s each).
+# Restores the one-node lab at exit. About 115 s (two lab re-ups of ~30 s each).
 # timeout: 300
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -57,7 +60,42 @@ calls() {
 }
 
 echo "== 1. concurrent first calls through both gateways start one worker"
+# A stale row first: agent gpu09's dots.ocr worker, a cancelled job, whose port on gpu02 a
+# process of $LAB_USER holds, answering 200 to anything and logging what it was sent.
+SQ="$(mktemp -d)"; chmod 755 "$SQ"
+lab_cleanup_add "rm -rf '$SQ'"
+cat > "$SQ/squat.py" <<'PY'
+import http.server, os, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        with open(sys.argv[2], "a") as log:
+            log.write(f"{self.command} {self.path} auth={self.headers.get('authorization')}\n")
+        self.send_response(200); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
+    do_GET = do_POST = answer
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer((sys.argv[1], 0), H)
+open(sys.argv[3] + ".pid", "w").write(str(os.getpid()))
+open(sys.argv[3], "w").write(str(s.server_address[1]))
+s.serve_forever()
+PY
+touch "$SQ/log" && chown "$LAB_USER" "$SQ/log" "$SQ"
+nsenter -t "$(nodes_holder gpu02)" -m -u -n -- runuser -u "$LAB_USER" -- python3 "$SQ/squat.py" "$(nodes_ip gpu02)" "$SQ/log" "$SQ/port" 2>"$SQ/err" &
+squatter=$!
+lab_cleanup_add "kill \$(cat '$SQ/port.pid' 2>/dev/null) $squatter 2>/dev/null || true"
+cjob="$(cd /tmp && runuser -u "$LAB_USER" -- sbatch --parsable -H -J multigw-stale -t 1 --wrap 'sleep 1')" || fail "cannot submit the stale row's job"
+scancel "$cjob"
+for _ in $(seq 50); do [ -s "$SQ/port" ] && break; sleep 0.1; done
+[ -s "$SQ/port" ] || fail "the squatter did not start: $(cat "$SQ/err")"
+"${PSQL[@]}" -c "INSERT INTO model_workers (owner, model, launcher, instance_id, base_url, api_key, version, log_path, started_us) \
+    VALUES ('gpu09', 'dots.ocr', 'slurm', '$cjob', 'http://$(nodes_ip gpu02):$(cat "$SQ/port")', 'gpuhub-worker-stale', NULL, '/dev/null', 1)"
 out="$(calls gpu01 "$G1 $G1 $G2 $G2")" || fail "the calling job did not run: $out"
+"${PSQL[@]}" -c "DELETE FROM model_workers WHERE owner = 'gpu09'"
+kill "$(cat "$SQ/port.pid")" "$squatter" 2>/dev/null || true
+[ ! -s "$SQ/log" ] || fail "the stale row's port (job $cjob cancelled) was sent: $(cat "$SQ/log")"
+grep -hE "not routing to another agent's worker.*worker=$cjob\b.*(has ended|not RUNNING)" "$NODES_DIR"/gpu0[12]/agent.log >/dev/null ||
+    fail "no gateway logged why it refused the stale row of cancelled job $cjob"
+echo "   the stale row of cancelled job $cjob: refused (logged), its port's squatter saw no request"
 codes="$(grep -E '^[0-9]{3}$' <<<"$out" | sort | tr '\n' ' ')"
 [ "$codes" = "200 200 200 200 " ] || fail "the four concurrent first calls got: $codes"
 workers="$(squeue -h -n gpuhub-worker-dots.ocr -o %i | tr '\n' ' ')"
@@ -107,4 +145,4 @@ nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr"
 echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
 
 nodes_test_restore || exit 1
-echo "PASS: two gateways start one worker per model and share it; the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"
+echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"

@@ -502,10 +502,11 @@ impl ModelManager {
         self.shared.catalog.load()
     }
 
-    /// Serves `new` from now on: new models get a worker (started on their first call);
-    /// models that left drain their calls and stop; a changed entry's running worker drains
-    /// while the next call starts the new one. The catalog is swapped after the workers, so a
-    /// call never finds a name without its worker.
+    /// Serves `new` from now on: new models get a worker (started on their first call, or at
+    /// once with `min_replicas` >= 1); models that left drain their calls and stop; a changed
+    /// entry's running worker drains while the next call starts the new one (at once with
+    /// `min_replicas` >= 1). The catalog is swapped after the workers, so a call never finds a
+    /// name without its worker.
     pub async fn apply_catalog(&self, new: Arc<Catalog>) -> CatalogChange {
         let sh = &self.shared;
         let _one = sh.applying.lock().await;
@@ -563,6 +564,9 @@ impl ModelManager {
         if !change.is_empty() {
             tracing::info!(added = ?change.added, removed = ?change.removed, changed = ?change.changed, "catalog changed");
         }
+        // As at agent start: a model with `min_replicas` >= 1 (added, or its entry changed to
+        // it) loads now, not on its first call.
+        sh.start_min_replicas();
         change
     }
 }
@@ -578,10 +582,13 @@ impl Shared {
         self.workers.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
     }
 
-    /// Every worker that may hold GPU memory: the catalog's and those draining out of it.
+    /// Every worker that may hold GPU memory: the catalog's and those draining out of it, and
+    /// the extra replicas of each.
     fn all_workers(&self) -> Vec<Arc<Worker>> {
         let mut all = self.current_workers();
         all.extend(self.leaving.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned());
+        let extras: Vec<Arc<Worker>> = all.iter().flat_map(|w| w.rep.extras()).collect();
+        all.extend(extras);
         all
     }
 
@@ -783,7 +790,11 @@ impl Shared {
             Ok(flight) => {
                 let uid = rt.user.as_ref().map(|u| u.uid).unwrap_or(u32::MAX);
                 // An extra replica is a new job of this agent's by definition: never borrowed.
-                let borrowed = if w.rep.is_extra { None } else { single_flight::borrow(rt.store.as_ref(), &rt.owner, &w.cfg, uid).await };
+                let borrowed = if w.rep.is_extra {
+                    None
+                } else {
+                    single_flight::borrow(rt.store.as_ref(), &rt.launchers.slurm, &rt.owner, &w.cfg, uid).await
+                };
                 let r = match borrowed {
                     Some(inst) => Ok((inst, None)),
                     None => self.load_inner(rt, &w).await,
@@ -984,7 +995,7 @@ impl Shared {
                         RunState::Pending(reason) => {
                             // Waiting for GPUs or shards: say who holds them and until when.
                             let held = if reason == "Resources" {
-                                format!("; {}", self.holders(rt, &m.name, &self.room(rt, &m.name, &[])).await)
+                                format!("; {}", self.holders(rt, w, &self.room(rt, Some(w), &[])).await)
                             } else {
                                 String::new()
                             };
@@ -1225,7 +1236,7 @@ impl Shared {
         let mut evicted = Vec::new();
         let mut evicted_jobs: Vec<String> = Vec::new();
         loop {
-            let room = self.room(rt, &w.cfg.name, &evicted_jobs);
+            let room = self.room(rt, Some(w), &evicted_jobs);
             if room.fits(need, gpus_wanted) {
                 if !evicted.is_empty() {
                     tracing::info!(model = %w.cfg.name, evicted = %evicted.join(", "), "unloaded idle models to make room");
@@ -1238,7 +1249,8 @@ impl Shared {
             let victim = self
                 .all_workers()
                 .into_iter()
-                .filter(|o| o.cfg.name != w.cfg.name && o.cfg.resources.vram_gib > 0.0 && !o.busy())
+                // An extra replica's calls are counted on its model's first one: never a victim.
+                .filter(|o| o.cfg.name != w.cfg.name && !o.rep.is_extra && o.cfg.resources.vram_gib > 0.0 && !o.busy())
                 .filter_map(|o| {
                     let s = o.lock();
                     (s.state == State::Ready).then(|| (s.last_used, o.clone()))
@@ -1258,19 +1270,21 @@ impl Shared {
         }
     }
 
+    /// The GPU memory (GiB, by the catalog's `vram_gib`) that the workers counting against
+    /// `w`'s room hold or are loading into (`w` `None`: every worker counts).
+    fn held_gib(&self, w: Option<&Worker>) -> f64 {
+        self.all_workers()
+            .iter()
+            .filter(|o| w.is_none_or(|w| counts_against(o, w)) && o.lock().state.holds_gpu())
+            .map(|o| o.cfg.resources.vram_gib)
+            .sum()
+    }
+
     /// The room for a new worker: the `workers.vram_gib` budget left, and each GPU's free
     /// memory (NVML's, less what workers still loading will take; plus what the jobs in
     /// `evicted` still hold, which NVML's last sample may not have seen leave).
-    fn room(&self, rt: &Runtime, except: &str, evicted: &[String]) -> Room {
-        let others = |pred: fn(State) -> bool| -> f64 {
-            self.all_workers()
-                .iter()
-                .filter(|o| o.cfg.name != except)
-                .filter(|o| pred(o.lock().state))
-                .map(|o| o.cfg.resources.vram_gib)
-                .sum()
-        };
-        let budget_gib = rt.cfg.vram_gib.map(|b| b - others(State::holds_gpu));
+    fn room(&self, rt: &Runtime, w: Option<&Worker>, evicted: &[String]) -> Room {
+        let budget_gib = rt.cfg.vram_gib.map(|b| b - self.held_gib(w));
         let mut gpus: Vec<GpuRoom> = (rt.gpus)()
             .into_iter()
             .map(|g| {
@@ -1290,7 +1304,7 @@ impl Shared {
         // Workers still loading are not in NVML's numbers yet: each takes its share on the
         // GPUs with the most room (where Slurm's first fit is likely to put it).
         if !gpus.is_empty() {
-            for o in self.all_workers().iter().filter(|o| o.cfg.name != except && o.cfg.resources.vram_gib > 0.0) {
+            for o in self.all_workers().iter().filter(|o| w.is_none_or(|w| counts_against(o, w)) && o.cfg.resources.vram_gib > 0.0) {
                 if !matches!(o.lock().state, State::Pending | State::Starting) {
                     continue;
                 }
@@ -1327,7 +1341,7 @@ impl Shared {
                 room.per_gpu()
             )
         };
-        let held = self.holders(rt, &w.cfg.name, room).await;
+        let held = self.holders(rt, w, room).await;
         format!(
             "{numbers}; no idle model can be unloaded; {held}; retry when they free it, or free memory with `gpuhub models unload NAME`"
         )
@@ -1337,11 +1351,11 @@ impl Shared {
     /// workers by model and other Slurm jobs by id, user, since when and until when (the
     /// model's idle timeout, the job's time limit); without NVML, gpuhub's workers and the
     /// running Slurm jobs that hold GPUs or shards.
-    async fn holders(&self, rt: &Runtime, except: &str, room: &Room) -> String {
+    async fn holders(&self, rt: &Runtime, w: &Worker, room: &Room) -> String {
         let mine: Vec<(Arc<Worker>, Arc<Instance>)> = self
             .all_workers()
             .into_iter()
-            .filter(|o| o.cfg.name != except)
+            .filter(|o| counts_against(o, w))
             .filter_map(|o| {
                 let s = o.lock();
                 s.state.holds_gpu().then(|| s.instance.clone().map(|i| (o.clone(), i))).flatten()
@@ -1723,6 +1737,13 @@ impl LoadFailure {
     fn new(message: String) -> LoadFailure {
         LoadFailure { message, tail: Vec::new(), counts: true, instance: None }
     }
+}
+
+/// Whether `o`'s GPU memory counts against the room for `w`: every other worker, except, for a
+/// model's first replica, the workers of its own model (a changed entry's old worker draining
+/// while the new one loads); an extra replica counts its model's other replicas.
+fn counts_against(o: &Worker, w: &Worker) -> bool {
+    !std::ptr::eq(o, w) && (w.rep.is_extra || o.cfg.name != w.cfg.name)
 }
 
 /// One GPU as placement sees it.

@@ -6,23 +6,28 @@
 //!   is in the store, or its start failed; a gateway whose agent dies loses its session and so
 //!   the lock. On SQLite (one node, one agent) there is nothing to take: the single flight is
 //!   the in-process one of [`super::lifecycle`] (one load task per model's worker).
-//! - Then [`borrow`]: a ready worker another agent owns (its row has an address, and its health
-//!   path answers the key from the store) is routed to instead of starting a second one. The
-//!   borrowed [`Instance`] names its owner: this agent never stops or forgets it
-//!   (`Launchers::stop` leaves it alone; the store deletes only own rows).
+//! - Then [`borrow`]: a ready worker another agent owns (its row has an address; Slurm says its
+//!   job runs as the worker account and the job's `.proof` says `ok` for its port; only then
+//!   its health path is asked with the key from the store) is routed to instead of starting a
+//!   second one. The borrowed [`Instance`] names its owner: this agent never stops or forgets
+//!   it (`Launchers::stop` leaves it alone; the store deletes only own rows).
 //! - [`UseTracker`]: a gateway using a borrowed worker writes when it last used it into the
 //!   store; the owner's idle unload reads it, so a worker in use through another gateway is
 //!   not unloaded.
 
+use std::collections::BTreeSet;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::launcher::Instance;
+use super::launcher::proof::{self, PortOwner};
+use super::launcher::slurm::Slurm;
 use super::lifecycle::launcher_name;
 use crate::config::{LauncherKind, ModelConfig};
-use crate::store::{ClusterLock, Store};
+use crate::store::{ClusterLock, Store, WorkerRow};
 
 /// How often a waiting gateway asks for the lock again.
 const POLL: Duration = Duration::from_millis(100);
@@ -86,10 +91,18 @@ pub async fn enter(store: Option<&Store>, model: &str, deadline: Instant, shutdo
     }
 }
 
-/// A ready worker of `m` that another agent than `owner` runs, checked with its key; `None`
-/// when there is none (or the store cannot be read: this agent then starts its own).
-/// Only Slurm workers are shared: a local worker binds its own node's loopback.
-pub async fn borrow(store: Option<&Store>, owner: &str, m: &ModelConfig, uid: u32) -> Option<Instance> {
+/// A ready worker of `m` that another agent than `owner` runs, vouched for and checked with
+/// its key; `None` when there is none (or the store cannot be read: this agent then starts its
+/// own). Only Slurm workers are shared: a local worker binds its own node's loopback.
+///
+/// The store's row alone is not trusted with the key: its worker may have died and another
+/// user may have bound its port since. Before the key goes anywhere, Slurm and the job vouch
+/// for the row ([`Slurm::vouch`]: the job is RUNNING as the worker account, its comment names
+/// the row's owner, and its `.addr` and `.proof` in that owner's workers dir name this address
+/// and say `ok` for this job and port); a worker on this node's loopback must also hold its
+/// port in the kernel's table. Only then does the keyed health probe go out. A refused row is
+/// logged once, with why.
+pub async fn borrow(store: Option<&Store>, slurm: &Slurm, owner: &str, m: &ModelConfig, uid: u32) -> Option<Instance> {
     let store = store?;
     if m.launcher != LauncherKind::Slurm {
         return None;
@@ -103,6 +116,10 @@ pub async fn borrow(store: Option<&Store>, owner: &str, m: &ModelConfig, uid: u3
     };
     let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).pool_max_idle_per_host(0).build().unwrap_or_default();
     for row in rows.into_iter().filter(|r| r.launcher == launcher_name(m.launcher)) {
+        if let Err(why) = vouch(slurm, m, &row, uid).await {
+            refused(m, &row, &why);
+            continue;
+        }
         let url = format!("{}{}", row.base_url.trim_end_matches('/'), m.worker.health_path);
         let healthy = http.get(&url).bearer_auth(&row.api_key).send().await.is_ok_and(|r| r.status().is_success());
         if !healthy {
@@ -118,6 +135,43 @@ pub async fn borrow(store: Option<&Store>, owner: &str, m: &ModelConfig, uid: u3
         return Some(inst);
     }
     None
+}
+
+/// Whether `row` may be sent its key: Slurm and the job's proof vouch for it, and on this
+/// node's loopback the kernel shows the worker account on its port.
+async fn vouch(slurm: &Slurm, m: &ModelConfig, row: &WorkerRow, uid: u32) -> Result<(), String> {
+    slurm.vouch(&m.name, &row.instance_id, uid, &row.owner, &row.base_url).await?;
+    if let Some((host, port)) = proof::host_port(&row.base_url)
+        && proof::is_this_node(&host)
+    {
+        match proof::owner(port, uid) {
+            Ok(PortOwner::Worker) => {}
+            Ok(PortOwner::Nobody) => return Err(format!("nothing listens on its port {port}")),
+            Ok(PortOwner::Other { uid: other }) => {
+                return Err(format!("a process of another user (uid {other}) listens on its port {port}"));
+            }
+            Err(e) => return Err(format!("cannot check who listens on its port {port}: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// Logs a refused row once per worker (each load asks again; the reason rarely changes).
+fn refused(m: &ModelConfig, row: &WorkerRow, why: &str) {
+    static LOGGED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    let key = format!("{}/{}/{}", row.owner, m.name, row.instance_id);
+    let first = {
+        let mut seen = LOGGED.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() >= 1024 {
+            seen.clear();
+        }
+        seen.insert(key)
+    };
+    if first {
+        tracing::warn!(model = %m.name, worker = %row.instance_id, owner = %row.owner, url = %row.base_url, reason = %why, "not routing to another agent's worker: Slurm and its port proof do not vouch for it; its key is not sent");
+    } else {
+        tracing::debug!(model = %m.name, worker = %row.instance_id, owner = %row.owner, reason = %why, "another agent's worker still not vouched for");
+    }
 }
 
 /// What a ready worker's supervisor tells the store, and asks it, each period.
@@ -237,6 +291,136 @@ mod tests {
             held.release().await;
             store.try_cluster_lock(key).await.unwrap().unwrap().release().await;
         }
+    }
+
+    /// Another agent's worker (`gpu02`, job 4242) whose row is in the store and whose health
+    /// path answers: it is borrowed only when Slurm says the job is RUNNING as the worker
+    /// account under `gpu02`'s comment, and its `.addr` and `.proof` in `gpu02`'s workers dir
+    /// name this job and port with `ok`. Otherwise its key is never sent (the server sees no
+    /// request) and nothing is borrowed. `squeue` is a script printing what Slurm prints for
+    /// `-o %i|%j|%T|%r|%U|%k` (real Slurm: tests/system/multinode-gateways.sh).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_agents_worker_is_borrowed_only_when_slurm_and_its_proof_vouch_for_it() {
+        use std::os::unix::fs::PermissionsExt;
+        // The "worker": answers every path, keeps the bearer tokens it was sent.
+        let seen: std::sync::Arc<Mutex<Vec<String>>> = Default::default();
+        let keys = seen.clone();
+        let app = axum::Router::new().fallback(move |h: axum::http::HeaderMap| {
+            let keys = keys.clone();
+            async move {
+                let auth = h.get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+                keys.lock().unwrap().push(auth);
+                "ok"
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        // SAFETY: plain syscall.
+        let me = unsafe { libc::geteuid() };
+        let theirs = tempfile::tempdir().unwrap();
+        let bin = tempfile::tempdir().unwrap();
+        let out = bin.path().join("squeue.out");
+        std::fs::write(
+            bin.path().join("squeue"),
+            format!(
+                "#!/bin/sh\n[ \"$*\" = '-h -j 4242 -o %i|%j|%T|%r|%U|%k' ] || {{ echo \"bad args: $*\" >&2; exit 2; }}\ncat '{}'\n",
+                out.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(bin.path().join("squeue"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let slurm = Slurm {
+            cfg: crate::config::SlurmConfig { bin_dir: Some(bin.path().to_path_buf()), ..Default::default() },
+            dir: "/nonexistent/gpu01".into(),
+            owner: "gpu01".into(),
+        };
+        let cfg = crate::config::Config::from_toml(
+            "[[models]]\nname = \"m\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port} --key-file {api_key_file}\"\n",
+        )
+        .unwrap();
+        let m = &cfg.file.models[0];
+        let url = format!("http://127.0.0.1:{port}");
+        let comment = format!("gpuhub-worker:gpu02:{}", theirs.path().display());
+        let job = |state: &str, uid: u32, comment: &str| format!("4242|gpuhub-worker-m|{state}|None|{uid}|{comment}\n");
+        let addr = format!("127.0.0.1 {port} 4242\n");
+        let ok = format!("4242 {port} ok\n");
+        // What, squeue's line, the .addr and .proof files, whether it is borrowed.
+        type Case<'a> = (&'a str, String, Option<String>, Option<String>, bool);
+        let cases: Vec<Case> = vec![
+            ("vouched for", job("RUNNING", me, &comment), Some(addr.clone()), Some(ok.clone()), true),
+            ("the job has ended", String::new(), Some(addr.clone()), Some(ok.clone()), false),
+            ("the job is completing", job("COMPLETING", me, &comment), Some(addr.clone()), Some(ok.clone()), false),
+            ("the job is another user's", job("RUNNING", me.wrapping_add(1), &comment), Some(addr.clone()), Some(ok.clone()), false),
+            (
+                "the job is another agent's",
+                job("RUNNING", me, &comment.replace("gpu02", "gpu03")),
+                Some(addr.clone()),
+                Some(ok.clone()),
+                false,
+            ),
+            ("no proof", job("RUNNING", me, &comment), Some(addr.clone()), None, false),
+            (
+                "the proof names another port",
+                job("RUNNING", me, &comment),
+                Some(addr.clone()),
+                Some(format!("4242 {} ok\n", port ^ 1)),
+                false,
+            ),
+            ("the proof names another job", job("RUNNING", me, &comment), Some(addr.clone()), Some(format!("4241 {port} ok\n")), false),
+            (
+                "the proof names a squatter",
+                job("RUNNING", me, &comment),
+                Some(addr.clone()),
+                Some(format!("4242 {port} uid 1001\n")),
+                false,
+            ),
+            (
+                "the job wrote another address",
+                job("RUNNING", me, &comment),
+                Some(format!("127.0.0.1 {} 4242\n", port ^ 1)),
+                Some(ok.clone()),
+                false,
+            ),
+        ];
+        for (store, _dir) in testing::stores().await {
+            store
+                .put_worker(&WorkerRow {
+                    owner: "gpu02".into(),
+                    model: "m".into(),
+                    launcher: "slurm".into(),
+                    instance_id: "4242".into(),
+                    base_url: url.clone(),
+                    api_key: "gpuhub-worker-secret".into(),
+                    version: None,
+                    log_path: "/tmp/m.4242.log".into(),
+                    started_us: 1,
+                })
+                .await
+                .unwrap();
+            for (what, line, addr_file, proof_file, borrowed) in &cases {
+                seen.lock().unwrap().clear();
+                std::fs::write(&out, line).unwrap();
+                for (ext, body) in [("addr", addr_file), ("proof", proof_file)] {
+                    let path = theirs.path().join(format!("m.4242.{ext}"));
+                    match body {
+                        Some(b) => std::fs::write(&path, b).unwrap(),
+                        None => drop(std::fs::remove_file(&path)),
+                    }
+                }
+                let got = borrow(Some(&store), &slurm, "gpu01", m, me).await;
+                let sent = seen.lock().unwrap().clone();
+                if *borrowed {
+                    let inst = got.unwrap_or_else(|| panic!("{:?}: {what}: not borrowed", store.backend()));
+                    assert_eq!((inst.borrowed_from.as_deref(), inst.base_url()), (Some("gpu02"), Some(url.as_str())));
+                    assert_eq!(sent, vec!["Bearer gpuhub-worker-secret".to_string()], "{what}: one keyed health probe");
+                } else {
+                    assert!(got.is_none(), "{:?}: {what}: borrowed all the same", store.backend());
+                    assert!(sent.is_empty(), "{:?}: {what}: the worker's key was sent: {sent:?}", store.backend());
+                }
+            }
+        }
+        server.abort();
     }
 
     #[tokio::test]

@@ -52,14 +52,22 @@ pub enum Proof {
     Other { uid: u32 },
 }
 
-/// One of this agent's worker jobs as `squeue` lists it.
-#[derive(Debug, Clone)]
+/// One worker job as `squeue` lists it ([`SQUEUE_FORMAT`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobInfo {
     pub id: String,
     pub name: String,
     pub state: String,
     pub reason: String,
+    /// The uid the job runs as (`None` when squeue printed none).
+    pub uid: Option<u32>,
+    /// The job's comment: `gpuhub-worker:<owner>:<dir>` for a worker job.
+    pub comment: String,
 }
+
+/// How `squeue -o` prints a [`JobInfo`]: id, name, state, reason, uid, comment (last: the
+/// only field that may hold a `|`).
+const SQUEUE_FORMAT: &str = "%i|%j|%T|%r|%U|%k";
 
 /// A Slurm node name as squeue/sinfo print it (letters, digits, `-`, `_`, `.`): anything else
 /// never reaches a job script.
@@ -260,6 +268,44 @@ impl Slurm {
         let Some(text) = read_worker_file(&path, uid)? else { return Ok(None) };
         parse_addr(&text, id).map(Some).map_err(|e| format!("{}: {e}", path.display()))
     }
+
+    /// Whether Slurm and the job itself vouch that job `id` is `model`'s worker, run by another
+    /// agent (`owner`) at `base_url`: the job is RUNNING as the worker account (`uid`), named
+    /// for `model`, with a comment that names `owner` and its workers dir; in that dir the
+    /// job's `.addr` names `base_url` and its `.proof` says `ok` for this job and port. `Err`
+    /// says what is wrong; the caller then never sends the worker's key. The owner's workers
+    /// dir comes from the job's comment (Slurm's word, set at submission): a worker job writes
+    /// there from whatever node it runs on, so it is on a filesystem every node sees.
+    pub async fn vouch(&self, model: &str, id: &str, uid: u32, owner: &str, base_url: &str) -> Result<(), String> {
+        let port = super::proof::host_port(base_url)
+            .map(|(_, p)| p)
+            .ok_or_else(|| format!("`{}` is not an http://HOST:PORT address", crate::util::sanitize(base_url)))?;
+        let job = self.job(id).await.map_err(|e| format!("cannot ask Slurm about job {id}: {e}"))?;
+        let dir = vouched_dir(job.as_ref(), model, id, uid, owner)?;
+        let theirs = Slurm { cfg: self.cfg.clone(), dir, owner: owner.to_string() };
+        match theirs.read_addr(model, id, uid)? {
+            Some(url) if url == base_url => {}
+            Some(url) => return Err(format!("job {id} wrote the address {url}, not {}", crate::util::sanitize(base_url))),
+            None => return Err(format!("job {id} wrote no address file ({})", theirs.addr_path(model, id).display())),
+        }
+        // A worker on its owner's own node is ready once the kernel there shows its port,
+        // which may be a moment before the job's proof lands: wait a second for it.
+        let mut tries = 10;
+        loop {
+            match theirs.read_proof(model, id, uid, port)? {
+                Some(Proof::Worker) => return Ok(()),
+                Some(Proof::Other { uid: other }) => {
+                    return Err(format!("job {id}'s proof says a process of another user (uid {other}) listens on its port {port}"));
+                }
+                None if tries > 0 => {
+                    tries -= 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                None => return Err(format!("job {id} has not proved its port {port} (no {})", theirs.proof_path(model, id).display())),
+            }
+        }
+    }
+
     /// One job's state. A job squeue no longer lists has ended.
     pub async fn poll(&self, inst: &Instance) -> RunState {
         match self.job(&inst.id).await {
@@ -278,7 +324,7 @@ impl Slurm {
     }
 
     pub async fn job(&self, id: &str) -> Result<Option<JobInfo>, LaunchError> {
-        let out = match self.run("squeue", &["-h".into(), "-j".into(), id.into(), "-o".into(), "%i|%j|%T|%r".into()]).await {
+        let out = match self.run("squeue", &["-h".into(), "-j".into(), id.into(), "-o".into(), SQUEUE_FORMAT.into()]).await {
             Ok(o) => o,
             // A job purged from slurmctld's memory: "Invalid job id specified".
             Err(LaunchError::Command { message, .. }) if message.contains("Invalid job id") => return Ok(None),
@@ -304,13 +350,9 @@ impl Slurm {
 
     /// Every job this agent's workers dir owns (pending or running).
     pub async fn own_jobs(&self) -> Result<Vec<JobInfo>, LaunchError> {
-        let out = self.run("squeue", &["-h".into(), "-o".into(), "%i|%j|%T|%r|%k".into()]).await?;
+        let out = self.run("squeue", &["-h".into(), "-o".into(), SQUEUE_FORMAT.into()]).await?;
         let comment = self.comment();
-        Ok(out
-            .lines()
-            .filter(|l| l.rsplit('|').next().map(str::trim) == Some(comment.as_str()))
-            .filter_map(|l| parse_squeue(l).into_iter().next())
-            .collect())
+        Ok(parse_squeue(&out).into_iter().filter(|j| j.comment == comment).collect())
     }
 
     /// Running jobs that hold GPUs or shards (`ids`: just those jobs, whatever they hold), with
@@ -346,6 +388,28 @@ impl Slurm {
     pub async fn cancel(&self, id: &str) {
         if let Err(e) = self.run("scancel", &[id.to_string()]).await {
             tracing::error!(job = %id, error = %e, "scancel failed; the worker job may still hold its GPU");
+        }
+    }
+}
+
+/// The workers dir of agent `owner`, from job `id`'s squeue line, when Slurm vouches that the
+/// job is a running worker of `model` that `owner` submitted as the worker account `uid`.
+fn vouched_dir(job: Option<&JobInfo>, model: &str, id: &str, uid: u32, owner: &str) -> Result<PathBuf, String> {
+    let Some(j) = job.filter(|j| j.id == id) else { return Err(format!("Slurm job {id} has ended")) };
+    if j.state != "RUNNING" {
+        return Err(format!("Slurm job {id} is {}, not RUNNING", crate::util::sanitize(&j.state)));
+    }
+    if j.uid != Some(uid) {
+        let runs_as = j.uid.map_or_else(|| "an unknown uid".to_string(), |u| format!("uid {u}"));
+        return Err(format!("Slurm job {id} runs as {runs_as}, not as the worker account (uid {uid})"));
+    }
+    if j.name != job_name(model) {
+        return Err(format!("Slurm job {id} is named `{}`, not `{}`", crate::util::sanitize(&j.name), job_name(model)));
+    }
+    match j.comment.strip_prefix(COMMENT_PREFIX).and_then(|r| r.split_once(':')) {
+        Some((o, dir)) if o == owner && dir.starts_with('/') => Ok(PathBuf::from(dir)),
+        _ => {
+            Err(format!("Slurm job {id}'s comment `{}` is not `{COMMENT_PREFIX}{owner}:<workers dir>`", crate::util::sanitize(&j.comment)))
         }
     }
 }
@@ -460,15 +524,18 @@ fn parse_holder(line: &str) -> Option<HolderJob> {
     })
 }
 
+/// Parses `squeue -h -o` [`SQUEUE_FORMAT`] output, one job a line.
 fn parse_squeue(out: &str) -> Vec<JobInfo> {
     out.lines()
         .filter_map(|l| {
-            let mut f = l.trim().split('|');
+            let mut f = l.trim().splitn(6, '|');
             Some(JobInfo {
                 id: f.next()?.to_string(),
                 name: f.next()?.to_string(),
                 state: f.next()?.to_string(),
                 reason: f.next().unwrap_or("").to_string(),
+                uid: f.next().and_then(|u| u.trim().parse().ok()),
+                comment: f.next().unwrap_or("").trim().to_string(),
             })
         })
         .collect()
@@ -620,6 +687,22 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         std::os::unix::fs::symlink("/etc/hostname", &path).unwrap();
         assert!(slurm.read_addr("m", "42", me).is_err(), "a link is never followed");
+    }
+
+    #[test]
+    fn squeue_lines_carry_the_jobs_uid_and_comment() {
+        let jobs = parse_squeue("41|gpuhub-worker-m|RUNNING|None|990|gpuhub-worker:gpu02:/w/a|b\n42|x|PENDING|Priority||\n");
+        assert_eq!(jobs.len(), 2);
+        assert_eq!((jobs[0].uid, jobs[0].comment.as_str()), (Some(990), "gpuhub-worker:gpu02:/w/a|b"));
+        assert_eq!((jobs[1].uid, jobs[1].reason.as_str(), jobs[1].comment.as_str()), (None, "Priority", ""));
+        let dir = |j: &JobInfo, owner: &str| vouched_dir(Some(j), "m", "41", 990, owner);
+        assert_eq!(dir(&jobs[0], "gpu02").unwrap(), PathBuf::from("/w/a|b"));
+        assert!(dir(&jobs[0], "gpu03").unwrap_err().contains("is not `gpuhub-worker:gpu03:<workers dir>`"));
+        assert!(vouched_dir(Some(&jobs[0]), "m", "41", 991, "gpu02").unwrap_err().contains("not as the worker account (uid 991)"));
+        assert!(vouched_dir(Some(&jobs[0]), "other", "41", 990, "gpu02").unwrap_err().contains("not `gpuhub-worker-other`"));
+        assert!(vouched_dir(Some(&jobs[1]), "m", "42", 990, "gpu02").unwrap_err().contains("PENDING, not RUNNING"));
+        assert!(vouched_dir(None, "m", "41", 990, "gpu02").unwrap_err().contains("has ended"));
+        assert!(vouched_dir(Some(&jobs[0]), "m", "4", 990, "gpu02").unwrap_err().contains("has ended"), "another job's line");
     }
 
     #[test]

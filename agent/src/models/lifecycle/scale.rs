@@ -54,6 +54,11 @@ impl Replicas {
         }
     }
 
+    /// The further replicas of a model's first replica (none on an extra one).
+    pub(super) fn extras(&self) -> Vec<Arc<Worker>> {
+        lock(&self.extras).clone()
+    }
+
     pub(super) fn exclude(&self) -> Vec<String> {
         lock(&self.exclude).clone()
     }
@@ -297,8 +302,13 @@ impl Shared {
         *lock(&e.rep.exclude) = replicas::exclude_nodes(&used, &up);
         // The same version as the first replica: replicas of one model serve one version.
         let version = w.lock().instance.as_ref().and_then(|i| i.version.clone());
+        // Room for it, as for the first replica: the workers.vram_gib budget and the GPUs,
+        // counting the model's other replicas (idle models are evicted to make room).
         let result = match rt.user.clone() {
-            Ok(user) => self.launch(rt, &e, user, Vec::new(), version).await,
+            Ok(user) => match self.place(rt, &e).await {
+                Ok(evicted) => self.launch(rt, &e, user, evicted, version).await,
+                Err(message) => Err(LoadFailure { message, tail: Vec::new(), counts: false, instance: None }),
+            },
             Err(err) => Err(LoadFailure::new(format!("workers.user: {err}"))),
         };
         match result {
@@ -333,8 +343,9 @@ impl Shared {
         }
     }
 
-    /// At agent start: a model with `min_replicas` >= 1 loads now, not on its first call
-    /// (scaling then starts the others up to `min_replicas`).
+    /// At agent start and after a catalog change: a model with `min_replicas` >= 1 that is
+    /// unloaded loads now, not on its first call (scaling then starts the others up to
+    /// `min_replicas`).
     pub(super) fn start_min_replicas(self: &Arc<Self>) {
         let Some(rt) = &self.rt else { return };
         for w in self.current_workers() {
@@ -345,7 +356,7 @@ impl Shared {
             rt.tasks.spawn(async move {
                 let name = w.cfg.name.clone();
                 if let Err(e) = me.acquire(w, "").await {
-                    tracing::warn!(model = %name, error = %e, "min_replicas: the model did not load at start; it loads on its first call");
+                    tracing::warn!(model = %name, error = %e, "min_replicas: the model did not load; it loads on its first call");
                 }
             });
         }
@@ -378,4 +389,62 @@ async fn probe(r: &Worker, inst: &Instance) -> bool {
         .send()
         .await
         .is_ok_and(|resp| resp.status().is_success())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::RwLock;
+
+    use super::super::counts_against;
+    use super::*;
+    use crate::config::Config;
+    use crate::models::catalog::{Catalog, LiveCatalog};
+    use crate::models::gate::Promoted;
+
+    /// An extra replica's placement counts what the model's other replicas hold (the first one
+    /// and the extras ready or starting) against the `workers.vram_gib` budget, as it counts
+    /// other models; the first replica's own placement leaves its model's workers out, as
+    /// before (a changed entry's old worker drains while the new one loads).
+    #[tokio::test]
+    async fn an_extra_replica_counts_the_models_other_replicas_against_the_room() {
+        let cfg = Config::from_toml(
+            "[[models]]\nname = \"r\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port} --key-file {api_key_file}\"\nresources = { shards = 2, vram_gib = 8.0 }\nmax_replicas = 3\n\
+             [[models]]\nname = \"o\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port} --key-file {api_key_file}\"\nresources = { shards = 1, vram_gib = 2.0 }\n",
+        )
+        .unwrap();
+        let catalog = Arc::new(Catalog::from_config(&cfg.file));
+        let workers: BTreeMap<String, Arc<Worker>> = catalog.models().map(|m| (m.name.clone(), Arc::new(Worker::new(m.clone())))).collect();
+        let shared = Shared {
+            catalog: Arc::new(LiveCatalog::new(catalog)),
+            workers: RwLock::new(workers),
+            leaving: Mutex::new(Vec::new()),
+            applying: tokio::sync::Mutex::new(()),
+            registry_launcher: None,
+            rt: None,
+            promoted: Arc::new(Promoted::load(None).await),
+        };
+        let first = shared.worker("r").unwrap();
+        let other = shared.worker("o").unwrap();
+        first.lock().state = State::Ready;
+        other.lock().state = State::Ready;
+        let ready = Arc::new(Worker::new_replica(first.cfg.clone()));
+        ready.lock().state = State::Ready;
+        let starting = Arc::new(Worker::new_replica(first.cfg.clone()));
+        starting.lock().state = State::Pending;
+        lock(&first.rep.extras).extend([ready.clone(), starting.clone()]);
+
+        let all = shared.all_workers();
+        assert!(all.iter().any(|w| Arc::ptr_eq(w, &ready)) && all.iter().any(|w| Arc::ptr_eq(w, &starting)), "extras hold GPU memory too");
+        // The starting replica's room: the first (8) and the ready extra (8) of its model, and `o` (2).
+        assert_eq!(shared.held_gib(Some(&starting)), 18.0);
+        assert!(!counts_against(&starting, &starting), "not itself");
+        // The first replica's room leaves its own model out; `o`'s counts every replica of `r`.
+        assert_eq!(shared.held_gib(Some(&first)), 2.0);
+        assert_eq!(shared.held_gib(Some(&other)), 24.0);
+        // A stopped extra holds nothing.
+        ready.lock().state = State::Unloaded;
+        assert_eq!(shared.held_gib(Some(&starting)), 10.0);
+    }
 }

@@ -82,7 +82,7 @@ impl Shared {
             // The room for a second worker, the running one counted (no eviction for a switch).
             let _one = rt.placement.lock().await;
             let need = w.cfg.resources.vram_gib;
-            let room = self.room(rt, "", &[]);
+            let room = self.room(rt, None, &[]);
             if need > 0.0 && !room.fits(need, w.cfg.resources.gpus) {
                 let numbers = match room.budget_gib {
                     Some(b) if need > b + 1e-9 => format!("{:.1} GiB of workers.vram_gib free", b.max(0.0)),
