@@ -104,4 +104,16 @@ awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a
     printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
 }'
 echo "gpu01's agent without calls: $IDLE CPU-s per second"
+# The single-node gateway's own bench (bench/gateway.sh: loopback, SQLite, a static upstream),
+# plain calls, right after on the same machine: its targets are the ones this one is held to,
+# and this VM's speed drifts from day to day.
+REF="$(MODES=plain QUICK=1 DURATION="$DURATION" REPEAT="$REPEAT" RATE="$RATE" CONNS="$CONNS" "$REPO/bench/gateway.sh" 2>&1)" ||
+    { echo "$REF" >&2; exit 1; }
+echo "single-node reference (bench/gateway.sh, plain, right after):"
+grep -E 'paced pairs|^ +[0-9]|median of|cpu:' <<<"$REF" | sed 's/^/    /'
+R99="$(sed -n 's/.*paced, median.*added p50 [0-9-]* us, p99 \([0-9-]*\) us.*/\1/p' <<<"$REF")"
+RCPU="$(sed -n 's/.*cpu: *gateway \([0-9.]*\) CPU-s.*/\1/p' <<<"$REF")"
+awk -v a99="$(addcol 4 2)" -v cpu="$(col 6)" -v r99="$R99" -v rcpu="$RCPU" 'BEGIN {
+    printf "two replicas on two nodes against the single-node gateway, same run: added p99 %+.0f us (%.0f against %.0f), CPU per 1000 x%.2f (%.3f against %.3f)\n", a99 - r99, a99, r99, cpu / rcpu, cpu, rcpu
+}'
 echo "replicas after the runs: $(models | jq -c '[.replicas[] | {node, state, health}]')"

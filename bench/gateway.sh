@@ -7,6 +7,8 @@
 # and the streamed-chunk forwarding delay (bench/gateway_chunks.py).
 #   bench/gateway.sh                 DURATION=10 RATE=2000 CONNS=20 REPEAT=3 by default
 #   STORE=postgres://... bench/gateway.sh   the same on a PostgreSQL store (default: SQLite)
+#   MODES=plain QUICK=1 bench/gateway.sh     plain calls' paced pairs only (no saturated runs, no
+#                                            chunk delays): bench/gateway-replicas.sh's reference
 # Needs: cargo build --release; wrk (apt). Results go to stdout; copy them to BENCHMARKS.md.
 set -euo pipefail
 source "$(dirname "$0")/../tests/lib/gateway.sh"
@@ -30,7 +32,7 @@ WORKER_PID="${GW_PIDS[0]}"
 # Paced pairs alternate direct and gateway REPEAT times; the medians are printed (one shared
 # 2-core VM drifts by +-15 % between minutes, so one pair proves little).
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
-for mode in plain stream; do
+for mode in ${MODES:-plain stream}; do
     if [ "$mode" = plain ]; then
         BODY='{"model":"demo-chat","messages":[{"role":"user","content":"hello"}]}'
     else
@@ -50,14 +52,17 @@ for mode in plain stream; do
     done
     col() { awk -v c="$1" '{ print $c }' "$GW_DIR/pairs-$mode" | median; }
     addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$GW_DIR/pairs-$mode" | median; }
-    run "$mode-direct-max" "$DIRECT" worker-key "$BODY" 32 0; DMAX=$RPS
-    run "$mode-gateway-max" "$GW_URL" "$KEY" "$BODY" 32 0; GMAX=$RPS
+    DMAX=0; GMAX=0
+    if [ -z "${QUICK:-}" ]; then
+        run "$mode-direct-max" "$DIRECT" worker-key "$BODY" 32 0; DMAX=$RPS
+        run "$mode-gateway-max" "$GW_URL" "$KEY" "$BODY" 32 0; GMAX=$RPS
+    fi
     echo "$mode  paced pairs (direct p50 p99 | gateway p50 p99 us | direct, gateway req/s | gateway, worker CPU-s per 1000):"
     sed 's/^/        /' "$GW_DIR/pairs-$mode"
     awk -v m="$mode" -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
         -v grps="$(col 6)" -v dmax="$DMAX" -v gmax="$GMAX" -v cpu="$(col 7)" -v wcpu="$(col 8)" -v n="$REPEAT" 'BEGIN {
         printf "%-6s paced, median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", m, n, d50, d99, grps, g50, g99, a50, a99
-        printf "%-6s max:   direct %.0f req/s, gateway %.0f req/s, ratio %.2f\n", m, dmax, gmax, gmax / dmax
+        if (dmax > 0) printf "%-6s max:   direct %.0f req/s, gateway %.0f req/s, ratio %.2f\n", m, dmax, gmax, gmax / dmax
         printf "%-6s cpu:   gateway %.3f CPU-s per 1000 requests (median); for scale, the worker answering the direct run: %.3f\n", m, cpu, wcpu
     }'
 done
@@ -66,9 +71,11 @@ done
 pct() { gw_rows "SELECT $1 FROM usage_log WHERE status = 200 AND streamed = $2 ORDER BY $1 LIMIT 1 OFFSET (SELECT COUNT(*) * $3 / 100 FROM usage_log WHERE status = 200 AND streamed = $2)"; }
 sleep 1
 for s in 0 1; do
+    [ "$s" = 0 ] || [[ " ${MODES:-stream} " == *" stream "* ]] || continue
     echo "usage rows (streamed=$s): overhead_us p50 $(pct overhead_us $s 50) p99 $(pct overhead_us $s 99); upstream_ttfb_us p50 $(pct upstream_ttfb_us $s 50)"
 done
 gw_stop
+[ -z "${QUICK:-}" ] || exit 0
 # Streamed chunks: a worker that waits 100 ms between chunks (an idle gap, as between a real
 # model's tokens) and stamps each one (--stamp-chunks), read directly and through the gateway.
 kill "${GW_PIDS[0]}" 2>/dev/null || true
