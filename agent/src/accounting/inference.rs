@@ -336,8 +336,11 @@ pub async fn window(
         let key = (job.node.clone(), job.job_id);
         let Some(model) = workers.get(&key) else { continue };
         let is_settled = settled.contains(&key);
-        let shares =
-            if is_settled { stored_shares.remove(&key).unwrap_or_default() } else { compute(pool, job, gpus, model, now_us, live).await?.2 };
+        let shares = if is_settled {
+            stored_shares.remove(&key).unwrap_or_default()
+        } else {
+            compute(pool, job, gpus, model, now_us, live).await?.2
+        };
         let whole = overlap_us(job, i64::MIN, now_us);
         let part = overlap_us(job, since_us, now_us);
         let shares: Vec<Share> = shares

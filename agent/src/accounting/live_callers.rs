@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use sqlx::AnyPool;
 
-use super::inference::{callers_between, Busy, MAX_CALL_US};
+use super::inference::{Busy, MAX_CALL_US, callers_between};
 
 /// Rows that started this long ago are taken as written.
 pub const LATE_US: i64 = 10 * 60 * 1_000_000;
@@ -106,7 +106,7 @@ mod tests {
     use super::*;
     use crate::accounting::inference::callers;
     use crate::gateway::usage_log::UsageRow;
-    use crate::store::{testing, Store};
+    use crate::store::{Store, testing};
 
     const S: i64 = 1_000_000;
 
