@@ -665,3 +665,24 @@ async fn a_reload_to_min_replicas_one_loads_the_model_without_waiting_for_a_call
     m.unload("b", "test over").await.unwrap();
     assert!(!pid_alive(&pa) && !pid_alive(&pb));
 }
+
+/// A node without the gateway role (`[cluster] gateway_nodes`) starts no `min_replicas`
+/// worker, at start or after a reload: no call reaches it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_gateway_role_starts_no_min_replicas() {
+    let env = Env::new().await;
+    let role = "[gateway]\npublic_url = \"http://gpu99:8400\"\n[cluster]\ngateway_nodes = [\"gpu99\"]\n";
+    let (m, _reg, _t, _tasks) = env.manager(role, &env.model("a", "", "min_replicas = 1")).await;
+    let d = env.dir.path().display();
+    let text = format!(
+        "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\n{role}{}{}",
+        worker_user(),
+        env.model("a", "", "min_replicas = 1"),
+        env.model("b", "", "min_replicas = 1"),
+    );
+    let new = Config::from_toml(&text).unwrap();
+    m.apply_catalog(Arc::new(Catalog::from_config(&new.file))).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(m.status("a").unwrap().state, "unloaded", "not a gateway node: min_replicas starts nothing");
+    assert_eq!(m.status("b").unwrap().state, "unloaded", "nor after a reload");
+}

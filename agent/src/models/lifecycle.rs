@@ -287,6 +287,9 @@ struct Runtime {
     shutdown: CancellationToken,
     /// One placement decision at a time (held while evicting, never while loading).
     placement: tokio::sync::Mutex<()>,
+    /// This node runs the gateway (`[cluster] gateway_nodes`): only then does it start workers
+    /// of its own accord (`min_replicas`); a node without the role serves no calls.
+    gateway: bool,
 }
 
 struct Shared {
@@ -408,6 +411,7 @@ impl ModelManager {
             tasks: deps.tasks,
             shutdown: deps.shutdown,
             placement: tokio::sync::Mutex::new(()),
+            gateway: deps.config.is_gateway(),
         };
         let shared = Arc::new(Shared {
             catalog: live,

@@ -345,9 +345,9 @@ impl Shared {
 
     /// At agent start and after a catalog change: a model with `min_replicas` >= 1 that is
     /// unloaded loads now, not on its first call (scaling then starts the others up to
-    /// `min_replicas`).
+    /// `min_replicas`). Not on a node without the gateway role: nothing there would call them.
     pub(super) fn start_min_replicas(self: &Arc<Self>) {
-        let Some(rt) = &self.rt else { return };
+        let Some(rt) = self.rt.as_ref().filter(|rt| rt.gateway) else { return };
         for w in self.current_workers() {
             if w.cfg.min_replicas == 0 || w.cfg.launcher == LauncherKind::Static || w.lock().state != State::Unloaded {
                 continue;
