@@ -1289,6 +1289,11 @@ impl Shared {
     /// `evicted` still hold, which NVML's last sample may not have seen leave).
     fn room(&self, rt: &Runtime, w: Option<&Worker>, evicted: &[String]) -> Room {
         let budget_gib = rt.cfg.vram_gib.map(|b| b - self.held_gib(w));
+        // An extra replica Slurm keeps off this node: this node's GPUs are not its room, only
+        // the budget is.
+        if w.is_some_and(|w| kept_off(w, &rt.owner)) {
+            return Room { budget_gib, gpus: Vec::new() };
+        }
         let mut gpus: Vec<GpuRoom> = (rt.gpus)()
             .into_iter()
             .map(|g| {
@@ -1748,6 +1753,12 @@ impl LoadFailure {
 /// while the new one loads); an extra replica counts its model's other replicas.
 fn counts_against(o: &Worker, w: &Worker) -> bool {
     !std::ptr::eq(o, w) && (w.rep.is_extra || o.cfg.name != w.cfg.name)
+}
+
+/// Whether `w` is an extra replica that Slurm is told to keep off `node` (`--exclude`: a
+/// replica of its model runs there), so that `node`'s GPUs are not its room.
+fn kept_off(w: &Worker, node: &str) -> bool {
+    w.rep.is_extra && w.rep.exclude().iter().any(|n| n == node)
 }
 
 /// One GPU as placement sees it.

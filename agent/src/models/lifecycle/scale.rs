@@ -397,7 +397,7 @@ mod tests {
     use std::collections::BTreeMap;
     use std::sync::RwLock;
 
-    use super::super::counts_against;
+    use super::super::{counts_against, kept_off};
     use super::*;
     use crate::config::Config;
     use crate::models::catalog::{Catalog, LiveCatalog};
@@ -446,5 +446,23 @@ mod tests {
         // A stopped extra holds nothing.
         ready.lock().state = State::Unloaded;
         assert_eq!(shared.held_gib(Some(&starting)), 10.0);
+    }
+
+    /// An extra replica that Slurm keeps off a node (`--exclude`, where another replica runs)
+    /// is not placed by that node's GPUs: on a node whose GPUs the first replica fills, the
+    /// second one, bound for another node, must not be refused.
+    #[test]
+    fn an_extra_replica_kept_off_this_node_is_not_placed_by_its_gpus() {
+        let cfg = Config::from_toml(
+            "[[models]]\nname = \"r\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port} --key-file {api_key_file}\"\nresources = { gpus = 1, vram_gib = 120.0 }\nmax_replicas = 2\n",
+        )
+        .unwrap();
+        let m = Arc::new(cfg.file.models[0].clone());
+        let (first, extra) = (Worker::new(m.clone()), Worker::new_replica(m));
+        *lock(&extra.rep.exclude) = vec!["gpu01".to_string()];
+        assert!(kept_off(&extra, "gpu01"), "the first replica's node");
+        assert!(!kept_off(&extra, "gpu02"), "a node it may land on: its GPUs are its room");
+        *lock(&first.rep.exclude) = vec!["gpu01".to_string()];
+        assert!(!kept_off(&first, "gpu01"), "a first replica is placed as before");
     }
 }
