@@ -55,13 +55,19 @@ impl Env {
         )
     }
 
-    async fn manager(&self, workers: &str, models: &str) -> (ModelManager, Registry, CancellationToken, TaskTracker) {
+    /// The test agent's config: its dirs, `[workers]` (with `workers`: more keys, or further
+    /// sections) and `models`.
+    fn config(&self, workers: &str, models: &str) -> Config {
         let d = self.dir.path().display();
         let text = format!(
             "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{workers}\n{models}",
             worker_user()
         );
-        let config = Config::from_toml(&text).unwrap();
+        Config::from_toml(&text).unwrap()
+    }
+
+    async fn manager(&self, workers: &str, models: &str) -> (ModelManager, Registry, CancellationToken, TaskTracker) {
+        let config = self.config(workers, models);
         let mut registry = Registry::default();
         let (token, tasks) = (CancellationToken::new(), TaskTracker::new());
         let catalog = Arc::new(Catalog::from_config(&config.file));
@@ -641,15 +647,8 @@ async fn a_reload_to_min_replicas_one_loads_the_model_without_waiting_for_a_call
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(m.status("a").unwrap().state, "unloaded", "min_replicas = 0: nothing loads without a call");
 
-    let d = env.dir.path().display();
-    let text = format!(
-        "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{}{}{}",
-        worker_user(),
-        env.model("a", "", "min_replicas = 1"),
-        env.model("b", "", "min_replicas = 1"),
-        env.model("c", "", "")
-    );
-    let new = Config::from_toml(&text).unwrap();
+    let new =
+        env.config("", &[env.model("a", "", "min_replicas = 1"), env.model("b", "", "min_replicas = 1"), env.model("c", "", "")].concat());
     let change = m.apply_catalog(Arc::new(Catalog::from_config(&new.file))).await;
     assert_eq!((change.added, change.changed), (vec!["b".to_string(), "c".to_string()], vec!["a".to_string()]));
     wait_state(&m, "a", "ready", Duration::from_secs(20)).await;
@@ -673,14 +672,7 @@ async fn a_node_without_the_gateway_role_starts_no_min_replicas() {
     let env = Env::new().await;
     let role = "[gateway]\npublic_url = \"http://gpu99:8400\"\n[cluster]\ngateway_nodes = [\"gpu99\"]\n";
     let (m, _reg, _t, _tasks) = env.manager(role, &env.model("a", "", "min_replicas = 1")).await;
-    let d = env.dir.path().display();
-    let text = format!(
-        "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\n{role}{}{}",
-        worker_user(),
-        env.model("a", "", "min_replicas = 1"),
-        env.model("b", "", "min_replicas = 1"),
-    );
-    let new = Config::from_toml(&text).unwrap();
+    let new = env.config(role, &[env.model("a", "", "min_replicas = 1"), env.model("b", "", "min_replicas = 1")].concat());
     m.apply_catalog(Arc::new(Catalog::from_config(&new.file))).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(m.status("a").unwrap().state, "unloaded", "not a gateway node: min_replicas starts nothing");
