@@ -138,11 +138,11 @@ impl KeyCache {
         };
     }
 
-    fn get(&self, hash: &str) -> Option<ApiKeyRecord> {
-        match self.keys.read() {
-            Ok(g) => g.get(hash).cloned(),
-            Err(p) => p.into_inner().get(hash).cloned(),
-        }
+    /// `f` of the record with this hash, under the read lock (no copy of the whole record on
+    /// every call).
+    fn with<R>(&self, hash: &str, f: impl FnOnce(&ApiKeyRecord) -> R) -> Option<R> {
+        let g = self.keys.read().unwrap_or_else(|p| p.into_inner());
+        g.get(hash).map(f)
     }
 }
 
@@ -327,25 +327,25 @@ async fn authenticate_bearer(state: &AppState, token: &str) -> Result<Identity, 
         };
         return job_identity(state, c).await;
     }
-    match state.gateway.keys.get(&hash_key(token)) {
-        Some(k) if k.revoked_us.is_none() => Ok(Identity {
-            user: k.user,
-            app: k.app,
+    let found = state.gateway.keys.with(&hash_key(token), |k| match k.revoked_us {
+        None => Ok(Identity {
+            user: k.user.clone(),
+            app: k.app.clone(),
             job_id: None,
-            models: k.models,
-            key_id: Some(k.id),
+            models: k.models.clone(),
+            key_id: Some(k.id.clone()),
             user_models: None,
             key_rpm: k.rpm,
             key_tokens_per_day: k.tokens_per_day,
         }),
-        Some(k) => Err(GatewayError::Unauthenticated(format!(
+        Some(_) => Err(GatewayError::Unauthenticated(format!(
             "API key {} ({}/{}) was revoked; ask an admin for a new one (`gpuhub keys create`)",
             k.id, k.user, k.app
         ))),
-        None => {
-            Err(GatewayError::Unauthenticated("invalid API key; ask an admin for one (`gpuhub keys create --user USER --app APP`)".into()))
-        }
-    }
+    });
+    found.unwrap_or_else(|| {
+        Err(GatewayError::Unauthenticated("invalid API key; ask an admin for one (`gpuhub keys create --user USER --app APP`)".into()))
+    })
 }
 
 /// A verified token's caller: the uid decides who it is; the name in the token must be that

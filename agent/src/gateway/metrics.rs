@@ -115,7 +115,8 @@ impl GatewayMetrics {
         } else {
             row.requested_name.clone()
         };
-        let labels = CallLabels { model: model.clone(), requested, user: row.user.clone(), app: row.app.clone() };
+        // One label set per call, moved from family to family (lookups take a reference).
+        let labels = CallLabels { model, requested, user: row.user.clone(), app: row.app.clone() };
         self.requests.get_or_create(&labels).inc();
         if row.status >= 400 {
             self.errors
@@ -128,14 +129,15 @@ impl GatewayMetrics {
                 })
                 .inc();
         }
+        let CallLabels { model, user, app, .. } = labels;
+        let mut tl = TokenLabels { model, user, app, kind: "prompt" };
         for (kind, n) in [("prompt", row.prompt_tokens), ("completion", row.completion_tokens)] {
             if n > 0 {
-                self.tokens
-                    .get_or_create(&TokenLabels { model: model.clone(), user: row.user.clone(), app: row.app.clone(), kind })
-                    .inc_by(n as u64);
+                tl.kind = kind;
+                self.tokens.get_or_create(&tl).inc_by(n as u64);
             }
         }
-        let ml = ModelLabel { model };
+        let ml = ModelLabel { model: tl.model };
         self.latency.get_or_create(&ml).observe(row.latency_us as f64 / 1e6);
         self.overhead.get_or_create(&ml).observe(row.overhead_us as f64 / 1e6);
     }

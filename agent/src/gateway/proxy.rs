@@ -79,14 +79,13 @@ pub struct Outgoing {
 }
 
 /// The fallback handler: every `/v1/*` route not handled elsewhere.
-pub async fn forward(
-    State(state): State<AppState>,
-    Extension(meta): Extension<RequestMeta>,
-    Extension(id): Extension<Identity>,
-    req: Request,
-) -> Response {
-    let path = req.uri().path().to_string();
-    let mut call = meta.call(&path, &id);
+pub async fn forward(State(state): State<AppState>, mut req: Request) -> Response {
+    // The auth middleware's per-call facts, taken rather than cloned (as `Extension` would).
+    let (Some(meta), Some(id)) = (req.extensions_mut().remove::<RequestMeta>(), req.extensions_mut().remove::<Identity>()) else {
+        tracing::error!(path = %crate::util::sanitize(req.uri().path()), "a forwarded call reached the proxy without the auth middleware's facts");
+        return GatewayError::Internal { request_id: String::new() }.into_response();
+    };
+    let mut call = meta.call(req.uri().path(), &id);
     // Limits first: a call over one costs nothing more (its body is not read).
     if let Err(e) = state.gateway.fair_use.admit(&state.config.file.gateway.limits, &id, crate::util::now_us()) {
         return call.fail(&state, e);

@@ -84,7 +84,11 @@ impl FairQueue {
             inner.free -= 1;
             inner.grants += 1;
             let grant = inner.grants;
-            let u = inner.users.entry(user.to_string()).or_default();
+            // Looked up before inserting: a user with calls in flight costs no new key.
+            let u = match inner.users.get_mut(user) {
+                Some(u) => u,
+                None => inner.users.entry(user.to_string()).or_default(),
+            };
             u.held += 1;
             u.last_served = grant;
             return Acquire { state: AcquireState::Ready(Some(SlotPermit { queue: Some(self.clone()), user: user.to_string() })) };
