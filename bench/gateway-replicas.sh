@@ -87,16 +87,18 @@ C0="$(cpu_ticks "$GW_PID")"; sleep "$DURATION"; C1="$(cpu_ticks "$GW_PID")"
 IDLE="$(awk -v c="$((C1 - C0))" -v tick="$TICK" -v d="$DURATION" 'BEGIN { printf "%.4f", c / tick / d }')"
 : >"$DIR/pairs"
 for i in $(seq "$REPEAT"); do
+    S0="$(steal_ticks)"
     run "direct-$i" "$DIRECT" "$WKEY"; D50=$P50; D99=$P99
     C0="$(cpu_ticks "$GW_PID")"
     run "gateway-$i" "$GW" "$KEY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
     C1="$(cpu_ticks "$GW_PID")"
-    awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v grps="$GRPS" -v tick="$TICK" -v c="$((C1 - C0))" -v reqs="$GREQS" \
-        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000) }' >>"$DIR/pairs"
+    S1="$(steal_ticks)"
+    awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v grps="$GRPS" -v tick="$TICK" -v c="$((C1 - C0))" -v reqs="$GREQS" -v st="$((S1 - S0))" \
+        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st }' >>"$DIR/pairs"
 done
 col() { awk -v c="$1" '{ print $c }' "$DIR/pairs" | median; }
 addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$DIR/pairs" | median; }
-echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000):"
+echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks):"
 sed 's/^/    /' "$DIR/pairs"
 awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
     -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" 'BEGIN {

@@ -40,15 +40,17 @@ for mode in ${MODES:-plain stream}; do
     fi
     : >"$GW_DIR/pairs-$mode"
     for i in $(seq "$REPEAT"); do
+        S0="$(steal_ticks)"
         W0="$(cpu_ticks "$WORKER_PID")"
         run "$mode-direct-paced-$i" "$DIRECT" worker-key "$BODY" "$CONNS" "$DELAY"; D50=$P50; D99=$P99; DRPS=$RPS; DREQS=$REQS
         W1="$(cpu_ticks "$WORKER_PID")"
         C0="$(cpu_ticks "$GW_AGENT_PID")"
         run "$mode-gateway-paced-$i" "$GW_URL" "$KEY" "$BODY" "$CONNS" "$DELAY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
         C1="$(cpu_ticks "$GW_AGENT_PID")"
-        awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v drps="$DRPS" -v grps="$GRPS" -v tick="$TICK" \
+        S1="$(steal_ticks)"
+        awk -v st="$((S1 - S0))" -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v drps="$DRPS" -v grps="$GRPS" -v tick="$TICK" \
             -v c="$((C1 - C0))" -v reqs="$GREQS" -v w="$((W1 - W0))" -v dreqs="$DREQS" \
-            'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.0f %.4f %.4f\n", d50, d99, g50, g99, drps, grps, (c / tick) / (reqs / 1000), (w / tick) / (dreqs / 1000) }' >>"$GW_DIR/pairs-$mode"
+            'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.0f %.4f %.4f %d\n", d50, d99, g50, g99, drps, grps, (c / tick) / (reqs / 1000), (w / tick) / (dreqs / 1000), st }' >>"$GW_DIR/pairs-$mode"
     done
     col() { awk -v c="$1" '{ print $c }' "$GW_DIR/pairs-$mode" | median; }
     addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$GW_DIR/pairs-$mode" | median; }
@@ -57,7 +59,7 @@ for mode in ${MODES:-plain stream}; do
         run "$mode-direct-max" "$DIRECT" worker-key "$BODY" 32 0; DMAX=$RPS
         run "$mode-gateway-max" "$GW_URL" "$KEY" "$BODY" 32 0; GMAX=$RPS
     fi
-    echo "$mode  paced pairs (direct p50 p99 | gateway p50 p99 us | direct, gateway req/s | gateway, worker CPU-s per 1000):"
+    echo "$mode  paced pairs (direct p50 p99 | gateway p50 p99 us | direct, gateway req/s | gateway, worker CPU-s per 1000 | host steal ticks):"
     sed 's/^/        /' "$GW_DIR/pairs-$mode"
     awk -v m="$mode" -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
         -v grps="$(col 6)" -v dmax="$DMAX" -v gmax="$GMAX" -v cpu="$(col 7)" -v wcpu="$(col 8)" -v n="$REPEAT" 'BEGIN {

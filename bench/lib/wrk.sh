@@ -5,6 +5,9 @@
 #                 calls; sets P50 P99 (us) RPS REQS; wrk's output in $WRK_DIR/wrk-NAME.txt.
 #                 Any non-2xx answer: a message and status 1.
 #   cpu_ticks PID  utime+stime of PID in clock ticks ($TICK per second)
+#   steal_ticks    the host's steal so far, in clock ticks (/proc/stat): time this VM was ready
+#                  to run but the hypervisor ran something else. Printed beside each paced pair:
+#                  a pair with hundreds of ticks ran on a contended host (its CPU figures inflate).
 cat >"$WRK_DIR/post.lua" <<'LUA'
 wrk.method = "POST"
 wrk.body = os.getenv("BODY")
@@ -15,6 +18,7 @@ function delay() return d end
 LUA
 TICK="$(getconf CLK_TCK)"
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+steal_ticks() { awk '/^cpu / {print $9}' /proc/stat; }
 to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n }'; }
 
 wrk_run() {
