@@ -13,7 +13,8 @@
 # NODES_GATEWAY_NODES="gpu01" gives the agents `[cluster] gateway_nodes` (unset: both run a
 # gateway); NODES_IDLE_TIMEOUT_S shortens the lab models' idle timeout (tests/system/multinode-gateways.sh);
 # NODES_QUOTA_INTERVAL_MS sets the agents' quota refresh (the lab's 2000 is for the quota tests;
-# bench/gateway-replicas.sh runs the production default).
+# bench/gateway-replicas.sh runs the production default); NODES_VRAM_GIB gives each agent a
+# `workers.vram_gib` budget (tests/system/multinode-lab.sh).
 #
 # Sourced by up.sh and down.sh (functions only). Run directly:
 #   tests/lab/nodes.sh exec NODE CMD...     run CMD inside NODE (its namespaces)
@@ -178,6 +179,7 @@ $(nodes_cluster_toml)
 [workers]
 host = "node"
 dir = "$NODES_WORKERS/$n"
+${NODES_VRAM_GIB:+vram_gib = $NODES_VRAM_GIB}
 
 TOML
     sed -e "s/^slurm_node_name = .*/slurm_node_name = \"$n\"/" \

@@ -10,6 +10,8 @@
 #     models/single_flight) and starts its own worker of SmolLM2-135M-Instruct; restarting
 #     gpu02's agent adopts its worker and leaves gpu01's alone, restarting gpu01's agent the
 #     other way round (ownership in the store, migration 0014); both still serve afterwards;
+#     each agent's `workers.vram_gib` is 8 GiB, what dots.ocr alone takes: the worker gpu02
+#     routes to is gpu01's, so it does not count against gpu02's budget (SmolLM2 still starts);
 #  4. a shard job on each node: the shard-seconds the store holds for them (read through gpu01's
 #     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum.
 # Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
@@ -22,6 +24,8 @@ lab_require
 lab_user
 NODES_SH="$REPO/tests/lab/nodes.sh"
 PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
+# Each agent may hold 8 GiB of workers: dots.ocr's 8.0 exactly (tests/lab/agent.toml).
+export NODES_VRAM_GIB=8
 
 fail() { nodes_test_fail "$@"; }
 lab_cleanup_add nodes_test_restore
@@ -78,7 +82,13 @@ read -r job2 code2 _ < <(call gpu01 "http://$(nodes_ip gpu02):8400") || fail "th
 [ "$("${PSQL[@]}" -c "SELECT string_agg(owner || ':' || instance_id, ' ') FROM model_workers WHERE model = 'dots.ocr'")" = "gpu01:$w1_job" ] ||
     fail "gpu02's gateway started a second dots.ocr worker instead of routing to gpu01's $w1_job"
 read -r _ code2 _ < <(call gpu01 "http://$(nodes_ip gpu02):8400" SmolLM2-135M-Instruct) || fail "the job on gpu01 did not run"
-[ "$code2" = 200 ] || fail "the SmolLM2-135M-Instruct call to gpu02's gateway got HTTP $code2"
+[ "$code2" = 200 ] || fail "the SmolLM2-135M-Instruct call to gpu02's gateway got HTTP $code2 (see $NODES_DIR/gpu02/agent.log)"
+# gpu02 routes to gpu01's dots.ocr worker: that holds nothing of gpu02's 8 GiB, so SmolLM2 fit
+# without unloading the route to it (which frees no memory here).
+! grep -E "evicting the least recently used idle model.*victim=dots\.ocr" "$NODES_DIR/gpu02/agent.log" ||
+    fail "gpu02's agent counted gpu01's dots.ocr worker, which it only routes to, against its workers.vram_gib and evicted it"
+st="$(nodes_exec gpu02 "$REPO/target/release/gpuhub" models list --json | jq -r '.models[] | select(.name == "dots.ocr") | .state')"
+[ "$st" = ready ] || fail "gpu02's agent shows dots.ocr (gpu01's worker) '$st' after starting SmolLM2, not ready"
 w2_job="$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu02' AND model = 'SmolLM2-135M-Instruct'")"
 [ -n "$w2_job" ] && [ "$w2_job" != "$w1_job" ] || fail "gpu02's agent recorded no worker of its own ('$w2_job'; gpu01's is $w1_job)"
 for n in gpu02 gpu01; do

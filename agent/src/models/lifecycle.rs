@@ -197,6 +197,15 @@ struct WState {
     weights: Option<Weights>,
 }
 
+impl WState {
+    /// Whether this worker holds (or is loading into) GPU memory on this node, against its
+    /// room and `workers.vram_gib`: not once it routes to another agent's worker, whose
+    /// memory is that agent's node's.
+    fn holds_gpu_here(&self) -> bool {
+        self.state.holds_gpu() && !self.instance.as_ref().is_some_and(|i| i.borrowed_from.is_some())
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Worker {
     cfg: Arc<ModelConfig>,
@@ -1257,7 +1266,8 @@ impl Shared {
                 .filter(|o| o.cfg.name != w.cfg.name && !o.rep.is_extra && o.cfg.resources.vram_gib > 0.0 && !o.busy())
                 .filter_map(|o| {
                     let s = o.lock();
-                    (s.state == State::Ready).then(|| (s.last_used, o.clone()))
+                    // Another agent's worker holds nothing here: unloading it frees no room.
+                    (s.state == State::Ready && s.holds_gpu_here()).then(|| (s.last_used, o.clone()))
                 })
                 .min_by_key(|(t, _)| *t)
                 .map(|(_, o)| o);
@@ -1279,7 +1289,7 @@ impl Shared {
     fn held_gib(&self, w: Option<&Worker>) -> f64 {
         self.all_workers()
             .iter()
-            .filter(|o| w.is_none_or(|w| counts_against(o, w)) && o.lock().state.holds_gpu())
+            .filter(|o| w.is_none_or(|w| counts_against(o, w)) && o.lock().holds_gpu_here())
             .map(|o| o.cfg.resources.vram_gib)
             .sum()
     }
@@ -1367,7 +1377,7 @@ impl Shared {
             .filter(|o| counts_against(o, w))
             .filter_map(|o| {
                 let s = o.lock();
-                s.state.holds_gpu().then(|| s.instance.clone().map(|i| (o.clone(), i))).flatten()
+                s.holds_gpu_here().then(|| s.instance.clone().map(|i| (o.clone(), i))).flatten()
             })
             .collect();
         let on_gpus: Vec<String> = room.gpus.iter().flat_map(|g| g.jobs.iter().map(|j| j.job_id.to_string())).collect();
