@@ -380,6 +380,49 @@ async fn a_restarted_agent_adopts_running_workers_instead_of_starting_new_ones()
     );
 }
 
+/// A promotion's switch cut short by a restart leaves two remembered workers of one model on
+/// two versions (replicas serve one). The restarted agent adopts the newer one and stops the
+/// one it was replacing, as the drain would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_the_middle_of_a_switch_adopts_the_new_worker_and_stops_the_old_one() {
+    let env = Env::new().await;
+    let other = Env::new().await;
+    let model = env.model("a", "", "");
+    let owner = gpuhub_agent::telemetry::TelemetryConfig::default().effective_node_name();
+    // Two live workers of `a`: the old one (version 1) by this agent, the new one (version 2)
+    // started by a second manager on another store; both rows in this agent's store, as a
+    // switch leaves them.
+    let mut started = Vec::new();
+    for e in [&env, &other] {
+        let (m, _reg, token, _tasks) = e.manager("", &model).await;
+        drop(m.acquire("a").await.unwrap());
+        started.push((m.status("a").unwrap().worker_id.unwrap(), e.store.workers(&owner).await.unwrap().remove(0)));
+        token.cancel();
+        drop(m);
+    }
+    let (old_pid, mut old_row) = started.remove(0);
+    let (new_pid, mut new_row) = started.remove(0);
+    old_row.version = Some("1".into());
+    new_row.version = Some("2".into());
+    new_row.started_us = old_row.started_us + 1_000_000;
+    env.store.put_worker(&old_row).await.unwrap();
+    env.store.put_worker(&new_row).await.unwrap();
+    assert!(pid_alive(&old_pid) && pid_alive(&new_pid));
+
+    let (m2, _reg, _t, _tasks) = env.manager("", &model).await;
+    wait_state(&m2, "a", "ready", Duration::from_secs(10)).await;
+    assert_eq!(m2.status("a").unwrap().worker_id.as_deref(), Some(new_pid.as_str()), "the newer version's worker is adopted");
+    let t = Instant::now();
+    while pid_alive(&old_pid) && t.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!pid_alive(&old_pid), "the worker the switch was replacing must be stopped, not adopted");
+    let rows: Vec<String> = env.store.workers(&owner).await.unwrap().into_iter().map(|r| r.instance_id).collect();
+    assert_eq!(rows, vec![new_pid.clone()], "only the adopted worker is remembered");
+    m2.unload("a", "test over").await.unwrap();
+    assert!(!pid_alive(&new_pid));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remembered_worker_that_died_is_forgotten_not_adopted() {
     let env = Env::new().await;

@@ -202,7 +202,7 @@ impl WState {
     /// room and `workers.vram_gib`: not once it routes to another agent's worker, whose
     /// memory is that agent's node's.
     fn holds_gpu_here(&self) -> bool {
-        self.state.holds_gpu() && !self.instance.as_ref().is_some_and(|i| i.borrowed_from.is_some())
+        self.state.holds_gpu() && self.instance.as_ref().is_none_or(|i| i.borrowed_from.is_none())
     }
 }
 
@@ -1600,6 +1600,7 @@ impl Shared {
         let mut kept_keys = Vec::new();
         let mut adopting: Vec<String> = Vec::new();
         let uid = rt.user.as_ref().map(|u| u.uid).ok();
+        let serves = self.versions_to_adopt(&rows);
         for row in rows {
             let w = self.worker(&row.model).filter(|w| launcher_name(w.cfg.launcher) == row.launcher);
             let kind = if row.launcher == "slurm" { LauncherKind::Slurm } else { LauncherKind::Local };
@@ -1633,6 +1634,21 @@ impl Shared {
                 self.forget(&row.model, &inst).await;
                 continue;
             };
+            if let Some(version) = serves.get(&row.model)
+                && row.version.as_ref() != Some(version)
+            {
+                // What a promotion's drain would have done had the agent not restarted.
+                tracing::warn!(
+                    model = %row.model,
+                    worker = %row.instance_id,
+                    version = row.version.as_deref().unwrap_or("none"),
+                    serving = %version,
+                    "a worker that a promotion was replacing when the agent stopped; stopping it (its successor is adopted)"
+                );
+                rt.launchers.stop(&inst).await;
+                self.forget(&row.model, &inst).await;
+                continue;
+            }
             tracing::info!(model = %row.model, worker = %row.instance_id, "adopting a worker started before the agent restarted");
             if inst.launcher == LauncherKind::Slurm {
                 adopted_jobs.push(inst.id.clone());
@@ -1684,6 +1700,29 @@ impl Shared {
                 Err(e) => tracing::warn!(error = %e, "cannot list worker jobs to cancel orphans"),
             }
         }
+    }
+
+    /// For each model whose remembered workers run more than one version (replicas serve one:
+    /// only a promotion's switch, cut short by a restart, leaves two), the version to adopt:
+    /// the one gpuhub promoted, else the newest worker's. The others are stopped.
+    fn versions_to_adopt(&self, rows: &[WorkerRow]) -> BTreeMap<String, String> {
+        let mut by_model: BTreeMap<&str, Vec<&WorkerRow>> = BTreeMap::new();
+        for r in rows {
+            by_model.entry(r.model.as_str()).or_default().push(r);
+        }
+        by_model
+            .into_iter()
+            .filter(|(_, rs)| rs.iter().any(|r| r.version != rs[0].version))
+            .filter_map(|(model, rs)| {
+                let promoted = self
+                    .worker(model)
+                    .and_then(|w| w.cfg.mlflow_model.clone())
+                    .and_then(|r| self.promoted.version(&r))
+                    .filter(|v| rs.iter().any(|r| r.version.as_ref() == Some(v)));
+                let newest = || rs.iter().max_by_key(|r| r.started_us).and_then(|r| r.version.clone());
+                Some((model.to_string(), promoted.or_else(newest)?))
+            })
+            .collect()
     }
 
     async fn finish_adoption(self: Arc<Self>, w: Arc<Worker>, inst: Arc<Instance>, attempt: u64) {
