@@ -284,7 +284,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             loop {
                 tokio::select! {
                     _ = hup.recv() => {
-                        tracing::info!("SIGHUP received: reloading the catalog of agent.toml");
+                        tracing::info!("SIGHUP received: reloading the catalog and [gateway.limits] of agent.toml");
                         if let Err(e) = state.catalog_sync.reload(&state).await {
                             tracing::error!(error = %e, "reload refused");
                         }

@@ -6,7 +6,8 @@
 # PostgreSQL (a fresh database of GPUHUB_TEST_PG_URL): a user's and a key's requests per
 # minute and tokens per day are answered 429 with Retry-After and a message that names the
 # limit, and still are after the agent restarts (SIGTERM on SQLite, kill -9 on PostgreSQL: the
-# rows then come back from the usage journal); others are not affected.
+# rows then come back from the usage journal); others are not affected. Changed limits in
+# agent.toml apply to the next call after `gpuhub models reload` (SIGHUP), no restart.
 # timeout: 300
 set -euo pipefail
 source "$(dirname "$0")/../lib/gateway.sh"
@@ -106,6 +107,31 @@ TOML
     expect_429 "$erin" token_limit_exceeded 'has used 36 today' "$until_midnight" "erin after the restart"
     expect_429 "$gina" token_limit_exceeded 'has used 18 today' "$until_midnight" "gina's key after the restart"
     expect_ok "$hal" "hal after the restart"
+    echo "-- [gateway.limits] changed in agent.toml and reloaded (gpuhub models reload, as SIGHUP): the next call sees them"
+    python3 - "$GW_DIR/agent.toml" <<'PY'
+import sys
+p = sys.argv[1]
+text = open(p).read()
+text = text[:text.index("[gateway.limits]")] + '''[gateway.limits]
+rpm = 1000
+[[gateway.limits.users]]
+user = "dave"
+rpm = 600
+[[gateway.limits.users]]
+user = "erin"
+tokens_per_day = 100
+[[gateway.limits.users]]
+user = "hal"
+tokens_per_day = 50
+'''
+open(p, "w").write(text)
+PY
+    "$GW_BIN/gpuhub" --socket "$GW_SOCKET" models reload | tee "$GW_DIR/reload"
+    grep -q '\[gateway.limits\] apply from the next call' "$GW_DIR/reload" || gw_fail "models reload does not say that [gateway.limits] changed"
+    ! grep -q 'next restart' "$GW_DIR/reload" || gw_fail "models reload says a restart is needed for [gateway.limits]"
+    expect_ok "$dave" "dave, his rpm raised to 600"
+    expect_ok "$erin" "erin, her tokens raised to 100 (36 used)"
+    expect_429 "$hal" token_limit_exceeded 'user `hal` may use 50 tokens per day (tokens_per_day, gateway.limits) and has used 54 today' "$until_midnight" "hal, his tokens lowered to 50 (54 used)"
     gw_stop
 }
 

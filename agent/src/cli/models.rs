@@ -40,7 +40,7 @@ pub enum ModelsCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Read agent.toml's [[models]], [roles] and [templates] again, as SIGHUP does (admins).
+    /// Read agent.toml's [[models]], [roles], [templates] and [gateway.limits] again, as SIGHUP does (admins).
     /// A file that does not validate changes nothing; the error says why (exit 2).
     Reload,
 }
@@ -81,6 +81,9 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
                 if names.is_empty() { "none".into() } else { names.join(", ") }
             };
             output::line(&format!("reloaded: added {}; removed {}; changed {}", list("added"), list("removed"), list("changed")));
+            if v["limits"].as_bool() == Some(true) {
+                output::line("[gateway.limits] apply from the next call (the calls and tokens counted so far stay)");
+            }
             let later: Vec<String> =
                 v["needs_restart"].as_array().into_iter().flatten().filter_map(|x| x.as_str()).map(str::to_string).collect();
             if !later.is_empty() {

@@ -101,7 +101,7 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
             "--rpm and --tokens-per-day must be at least 1; leave one out for no limit of the key's own (its user's limits in [gateway.limits] still apply)".to_string(),
         ));
     }
-    key_policy::check_limits(&user, req.rpm, req.tokens_per_day, gateway.limits.for_user(&user)).map_err(policy)?;
+    key_policy::check_limits(&user, req.rpm, req.tokens_per_day, state.gateway.fair_use.user_limits(&user)).map_err(policy)?;
     if !caller.admin {
         let mine = state.store.api_keys_of(&user).await.map_err(store_err)?;
         key_policy::check_count(&caller, &mine, gateway.keys_per_user).map_err(policy)?;

@@ -9,10 +9,11 @@
 //! it ends. Over a limit: 429 with `Retry-After`, the seconds until the limit frees.
 //!
 //! At start the day's tokens and the last minute's calls are reloaded from the usage log, so a
-//! restart resets neither.
+//! restart resets neither. `[gateway.limits]` is read again on SIGHUP (`gpuhub models reload`):
+//! new limits apply to the next call, against the counts so far.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
 
 use super::auth::Identity;
 use super::error::GatewayError;
@@ -89,6 +90,8 @@ impl Tokens {
 #[derive(Debug, Default)]
 pub struct FairUse {
     st: Mutex<State>,
+    /// `[gateway.limits]` as last read.
+    limits: RwLock<LimitsConfig>,
 }
 
 /// A limit that applies to one call: who, what, how much, and where it is set (for messages).
@@ -109,6 +112,21 @@ fn utc(us: i64) -> String {
 }
 
 impl FairUse {
+    /// Limit state under `limits` (`[gateway.limits]`), nothing counted yet.
+    pub fn new(limits: LimitsConfig) -> FairUse {
+        FairUse { st: Mutex::default(), limits: RwLock::new(limits) }
+    }
+
+    /// Applies `[gateway.limits]` as read again; the calls and tokens counted so far stay.
+    pub fn set_limits(&self, limits: LimitsConfig) {
+        *self.limits.write().unwrap_or_else(PoisonError::into_inner) = limits;
+    }
+
+    /// `user`'s requests per minute and tokens per day under `[gateway.limits]` (0: none).
+    pub fn user_limits(&self, user: &str) -> (u32, u64) {
+        self.limits.read().unwrap_or_else(PoisonError::into_inner).for_user(user)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means a panic elsewhere; every update is complete.
         self.st.lock().unwrap_or_else(|p| p.into_inner())
@@ -117,7 +135,8 @@ impl FairUse {
     /// Seeds the state from the usage log at start (`rows` from
     /// [`crate::store::Store::limit_usage`] with this day's start and now - 60 s): the day's
     /// tokens, and the last minute's calls as if they had just come.
-    pub fn reload(&self, cfg: &LimitsConfig, keys: &[crate::store::gateway::ApiKeyRecord], rows: &[LimitUsage], now_us: i64) {
+    pub fn reload(&self, keys: &[crate::store::gateway::ApiKeyRecord], rows: &[LimitUsage], now_us: i64) {
+        let cfg = self.limits.read().unwrap_or_else(PoisonError::into_inner);
         let mut st = self.lock();
         st.day = day_of(now_us);
         let mut calls: HashMap<Subject, i64> = HashMap::new();
@@ -171,11 +190,11 @@ impl FairUse {
 
     /// Admits a call of `id` at `now_us` (counting it against its rate limits), or says which
     /// limit it is over and for how long.
-    pub fn admit(&self, cfg: &LimitsConfig, id: &Identity, now_us: i64) -> Result<(), GatewayError> {
+    pub fn admit(&self, id: &Identity, now_us: i64) -> Result<(), GatewayError> {
         if id.user.is_empty() {
             return Ok(());
         }
-        let (rate, tokens) = Self::applied(cfg, id);
+        let (rate, tokens) = Self::applied(&self.limits.read().unwrap_or_else(PoisonError::into_inner), id);
         if rate.is_empty() && tokens.is_empty() {
             return Ok(());
         }
@@ -279,53 +298,53 @@ mod tests {
     #[test]
     fn rpm_admits_a_burst_then_one_per_interval_and_says_when() {
         let cfg = LimitsConfig { rpm: 3, ..LimitsConfig::default() };
-        let f = FairUse::default();
+        let f = FairUse::new(cfg);
         let alice = Identity { user: "alice".into(), app: "job".into(), ..Identity::default() };
         for _ in 0..3 {
-            f.admit(&cfg, &alice, T0).unwrap();
+            f.admit(&alice, T0).unwrap();
         }
-        let e = f.admit(&cfg, &alice, T0 + 1_000_000).unwrap_err();
+        let e = f.admit(&alice, T0 + 1_000_000).unwrap_err();
         let GatewayError::OverLimit { limit, retry_after_s, ref message } = e else { panic!("{e:?}") };
         assert_eq!((limit, retry_after_s), (Limit::Rpm, 19));
         assert!(message.contains("user `alice` may make 3 requests per minute (rpm, gateway.limits)"), "{message}");
         assert_eq!(e.status().as_u16(), 429);
         assert_eq!(e.code(), "rate_limit_exceeded");
         // 20 s later one more is admitted; other users are not affected.
-        f.admit(&cfg, &alice, T0 + 20_000_000).unwrap();
-        f.admit(&cfg, &Identity { user: "bob".into(), ..Identity::default() }, T0 + 1).unwrap();
-        // A per-user override (0 exempts).
-        let cfg = LimitsConfig {
+        f.admit(&alice, T0 + 20_000_000).unwrap();
+        f.admit(&Identity { user: "bob".into(), ..Identity::default() }, T0 + 1).unwrap();
+        // A per-user override (0 exempts), applied by a reload to the next call.
+        f.set_limits(LimitsConfig {
             rpm: 3,
             users: vec![UserLimits { user: LimitUser("alice".into()), rpm: Some(0), tokens_per_day: None }],
             ..LimitsConfig::default()
-        };
+        });
         for _ in 0..10 {
-            f.admit(&cfg, &alice, T0 + 21_000_000).unwrap();
+            f.admit(&alice, T0 + 21_000_000).unwrap();
         }
     }
 
     #[test]
     fn a_keys_own_rpm_applies_on_top_of_its_users() {
         let cfg = LimitsConfig { rpm: 100, ..LimitsConfig::default() };
-        let f = FairUse::default();
+        let f = FairUse::new(cfg);
         let k = key("k1", "alice", Some(1), None);
-        f.admit(&cfg, &k, T0).unwrap();
-        let e = f.admit(&cfg, &k, T0).unwrap_err();
+        f.admit(&k, T0).unwrap();
+        let e = f.admit(&k, T0).unwrap_err();
         assert!(e.to_string().contains("API key k1 (alice/app) may make 1 requests per minute (rpm, the key's own --rpm)"), "{e}");
         // The user's other credentials still have room.
-        f.admit(&cfg, &key("k2", "alice", None, None), T0).unwrap();
+        f.admit(&key("k2", "alice", None, None), T0).unwrap();
     }
 
     #[test]
     fn tokens_admit_while_under_and_count_when_the_call_ends() {
         let cfg = LimitsConfig { tokens_per_day: 100, ..LimitsConfig::default() };
-        let f = FairUse::default();
+        let f = FairUse::new(cfg);
         let k = key("k1", "alice", None, Some(50));
-        f.admit(&cfg, &k, T0).unwrap();
+        f.admit(&k, T0).unwrap();
         f.count(&used("alice", "k1", 49), T0);
-        f.admit(&cfg, &k, T0).unwrap();
+        f.admit(&k, T0).unwrap();
         f.count(&used("alice", "k1", 10), T0);
-        let e = f.admit(&cfg, &k, T0 + 1_000_000).unwrap_err();
+        let e = f.admit(&k, T0 + 1_000_000).unwrap_err();
         let GatewayError::OverLimit { limit, retry_after_s, ref message } = e else { panic!("{e:?}") };
         assert_eq!(limit, Limit::TokensPerDay);
         assert_eq!(retry_after_s, 23 * 3600 - 1, "until 00:00 UTC");
@@ -333,10 +352,10 @@ mod tests {
         assert!(message.contains("resets at 00:00 UTC"), "{message}");
         // The user's own limit counts every key of hers.
         f.count(&used("alice", "", 41), T0);
-        let e = f.admit(&cfg, &key("k2", "alice", None, None), T0).unwrap_err();
+        let e = f.admit(&key("k2", "alice", None, None), T0).unwrap_err();
         assert!(e.to_string().contains("user `alice` may use 100 tokens per day") && e.to_string().contains("has used 100"), "{e}");
         // A new day starts from zero.
-        f.admit(&cfg, &k, T0 + DAY_US).unwrap();
+        f.admit(&k, T0 + DAY_US).unwrap();
     }
 
     #[test]
@@ -359,14 +378,14 @@ mod tests {
             LimitUsage { user: "alice".into(), key_id: "".into(), tokens: 100, recent_calls: 0 },
             LimitUsage { user: "bob".into(), key_id: "k1".into(), tokens: 5, recent_calls: 1 },
         ];
-        let f = FairUse::default();
-        f.reload(&cfg, &keys, &rows, T0);
+        let f = FairUse::new(cfg);
+        f.reload(&keys, &rows, T0);
         let alice = Identity { user: "alice".into(), ..Identity::default() };
-        assert!(f.admit(&cfg, &alice, T0).unwrap_err().to_string().contains("has used 100 today"));
+        assert!(f.admit(&alice, T0).unwrap_err().to_string().contains("has used 100 today"));
         // bob's key made its one call of the minute before the restart.
-        let e = f.admit(&cfg, &key("k1", "bob", Some(1), None), T0).unwrap_err();
+        let e = f.admit(&key("k1", "bob", Some(1), None), T0).unwrap_err();
         assert!(e.to_string().contains("API key k1"), "{e}");
         // bob himself (rpm 2) has one left.
-        f.admit(&cfg, &Identity { user: "bob".into(), ..Identity::default() }, T0).unwrap();
+        f.admit(&Identity { user: "bob".into(), ..Identity::default() }, T0).unwrap();
     }
 }

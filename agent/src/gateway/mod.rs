@@ -89,7 +89,7 @@ impl Gateway {
         let usage = UsageLog::start(&config.file.paths.state_dir, store.clone(), g.usage_queue, registry)?;
         let keys = auth::KeyCache::default();
         let records = store.api_keys().await.context("cannot load the gateway's API keys from the store")?;
-        let fair_use = fair_use::FairUse::default();
+        let fair_use = fair_use::FairUse::new(g.limits.clone());
         // Rows a killed agent left in the journal count too: they are replayed before a flush
         // is answered (bounded: a store that is down must not hold up the start).
         if tokio::time::timeout(Duration::from_secs(10), usage.flush()).await.is_err() {
@@ -101,7 +101,7 @@ impl Gateway {
             .limit_usage(day, now - 60_000_000)
             .await
             .context("cannot load the day's gateway usage (for [gateway.limits]) from the store")?;
-        fair_use.reload(&g.limits, &records, &used, now);
+        fair_use.reload(&records, &used, now);
         keys.replace(records);
         let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
         upstream.spawn_pruner(Duration::from_secs(15));

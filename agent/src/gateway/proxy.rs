@@ -87,7 +87,7 @@ pub async fn forward(State(state): State<AppState>, mut req: Request) -> Respons
     };
     let mut call = meta.call(req.uri().path(), &id);
     // Limits first: a call over one costs nothing more (its body is not read).
-    if let Err(e) = state.gateway.fair_use.admit(&state.config.file.gateway.limits, &id, crate::util::now_us()) {
+    if let Err(e) = state.gateway.fair_use.admit(&id, crate::util::now_us()) {
         return call.fail(&state, e);
     }
     match prepare(&state, &mut call, &id, req).await {

@@ -1,5 +1,6 @@
 //! Keeps the served catalog in step with its two sources, with no agent restart:
-//! - `agent.toml`'s `[[models]]`, `[roles]` and `[templates]`, read again on SIGHUP and
+//! - `agent.toml`'s `[[models]]`, `[roles]` and `[templates]` (and `[gateway.limits]`, which
+//!   the gateway's fair use takes at once), read again on SIGHUP and
 //!   `gpuhub models reload`; a file that does not validate changes nothing and says why;
 //! - the MLflow registry's models tagged `served_by=gateway` ([`super::registry`]), read every
 //!   `mlflow.registry_poll_s`. A model whose tag is removed leaves the catalog through the
@@ -30,9 +31,6 @@ use super::{Catalog, CatalogChange};
 use crate::AppState;
 use crate::config::{Config, ConfigFile};
 
-/// The sections a reload applies; a change anywhere else needs a restart.
-const RELOADED: [&str; 3] = ["models", "roles", "templates"];
-
 /// What the last registry poll found (for `gpuhub models registry`).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RegistryView {
@@ -50,6 +48,8 @@ pub struct RegistryView {
 #[derive(Debug, Clone, Serialize)]
 pub struct Reloaded {
     pub change: CatalogChange,
+    /// Whether `[gateway.limits]` changed (it applies from the next call).
+    pub limits: bool,
     /// Sections that changed in the file but only take effect at a restart.
     pub needs_restart: Vec<String>,
 }
@@ -165,11 +165,11 @@ impl CatalogSync {
         let _one = self.changing.lock().await;
         let config = Config::load(&path, false).map_err(|e| format!("{e}; the running catalog is unchanged"))?;
         let old = self.file.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let needs_restart = changed_sections(&old, &config.file);
-        let mut file = old.clone();
-        file.models = config.file.models.clone();
-        file.roles = config.file.roles.clone();
-        file.templates = config.file.templates.clone();
+        let (file, limits, needs_restart) = reloaded(&old, &config.file);
+        if limits {
+            state.gateway.fair_use.set_limits(file.gateway.limits.clone());
+            tracing::info!("agent.toml reloaded: [gateway.limits] apply from the next call (the counts so far stay)");
+        }
         *self.file.lock().unwrap_or_else(|p| p.into_inner()) = file.clone();
         let found = self.found.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let entries = match &found {
@@ -184,7 +184,7 @@ impl CatalogSync {
             tracing::warn!(sections = %needs_restart.join(", "), "agent.toml reloaded: these sections changed and take effect at the next restart");
         }
         tracing::info!(path = %path.display(), added = ?change.added, removed = ?change.removed, changed = ?change.changed, "agent.toml reloaded");
-        Ok(Reloaded { change, needs_restart })
+        Ok(Reloaded { change, limits, needs_restart })
     }
 
     /// Builds the registry's entries for `file` and remembers the outcome; tag errors are
@@ -253,14 +253,23 @@ impl CatalogSync {
     }
 }
 
-/// Top-level sections of agent.toml that differ, other than the ones a reload applies.
-fn changed_sections(old: &ConfigFile, new: &ConfigFile) -> Vec<String> {
-    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (serde_json::to_value(old), serde_json::to_value(new))
+/// `old` with what a reload applies taken from `new`: `[[models]]`, `[roles]`,
+/// `[templates]` and `[gateway.limits]`. Also whether the limits changed, and the sections
+/// that still differ (they take effect at the next restart).
+fn reloaded(old: &ConfigFile, new: &ConfigFile) -> (ConfigFile, bool, Vec<String>) {
+    let mut file = old.clone();
+    file.models = new.models.clone();
+    file.roles = new.roles.clone();
+    file.templates = new.templates.clone();
+    file.gateway.limits = new.gateway.limits.clone();
+    let limits = serde_json::to_value(&old.gateway.limits).ok() != serde_json::to_value(&new.gateway.limits).ok();
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (serde_json::to_value(&file), serde_json::to_value(new))
     else {
-        return Vec::new();
+        return (file, limits, Vec::new());
     };
     let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-    keys.into_iter().filter(|k| !RELOADED.contains(&k.as_str()) && a.get(*k) != b.get(*k)).cloned().collect()
+    let later = keys.into_iter().filter(|k| a.get(*k) != b.get(*k)).cloned().collect();
+    (file, limits, later)
 }
 
 #[cfg(test)]
@@ -275,8 +284,14 @@ mod tests {
             "[gateway]\nlisten = \"127.0.0.1:8401\"\n[roles]\nchat = \"\"\n[[models]]\nname = \"m\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9\"\n",
         )
         .unwrap();
-        assert_eq!(changed_sections(&a.file, &b.file), ["gateway"]);
-        assert!(changed_sections(&a.file, &a.file).is_empty());
+        let (file, limits, later) = reloaded(&a.file, &b.file);
+        assert_eq!((limits, later), (false, vec!["gateway".to_string()]));
+        assert_eq!((file.models.len(), file.gateway.listen.as_str()), (1, "127.0.0.1:8400"), "the catalog applies, the listener waits");
+        assert!(reloaded(&a.file, &a.file).2.is_empty());
+        // [gateway.limits] applies at once: it needs no restart.
+        let c = Config::from_toml("[gateway]\nlisten = \"127.0.0.1:8400\"\n[gateway.limits]\nrpm = 5\n").unwrap();
+        let (file, limits, later) = reloaded(&a.file, &c.file);
+        assert_eq!((limits, later, file.gateway.limits.rpm), (true, Vec::<String>::new(), 5));
     }
 
     #[test]
