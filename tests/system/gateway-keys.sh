@@ -62,21 +62,19 @@ PY
     echo "   429 $2, Retry-After $ra: $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["error"]["message"])' "$GW_DIR/body")"
 }
 
+# limits_toml DAVE_RPM ERIN_TOKENS [HAL_TOKENS]: the [gateway.limits] section (default 1000 rpm).
+limits_toml() {
+    printf '[gateway.limits]\nrpm = 1000\n[[gateway.limits.users]]\nuser = "dave"\nrpm = %s\n' "$1"
+    printf '[[gateway.limits.users]]\nuser = "erin"\ntokens_per_day = %s\n' "$2"
+    [ -z "${3:-}" ] || printf '[[gateway.limits.users]]\nuser = "hal"\ntokens_per_day = %s\n' "$3"
+}
+
 limits_round() {
     local store="$1" label="$2" restart="$3"
     echo "== fair use on $label"
     gw_config "$store"
     sed -i "s#$GW_DIR/state#$GW_DIR/state-$label#" "$GW_DIR/agent.toml"
-    cat >>"$GW_DIR/agent.toml" <<'TOML'
-[gateway.limits]
-rpm = 1000
-[[gateway.limits.users]]
-user = "dave"
-rpm = 2
-[[gateway.limits.users]]
-user = "erin"
-tokens_per_day = 30
-TOML
+    limits_toml 2 30 >>"$GW_DIR/agent.toml"
     gw_start
     local dave erin frank gina hal until_midnight
     dave="$(gw_key dave app)"; erin="$(gw_key erin app)"; hal="$(gw_key hal app)"
@@ -108,24 +106,8 @@ TOML
     expect_429 "$gina" token_limit_exceeded 'has used 18 today' "$until_midnight" "gina's key after the restart"
     expect_ok "$hal" "hal after the restart"
     echo "-- [gateway.limits] changed in agent.toml and reloaded (gpuhub models reload, as SIGHUP): the next call sees them"
-    python3 - "$GW_DIR/agent.toml" <<'PY'
-import sys
-p = sys.argv[1]
-text = open(p).read()
-text = text[:text.index("[gateway.limits]")] + '''[gateway.limits]
-rpm = 1000
-[[gateway.limits.users]]
-user = "dave"
-rpm = 600
-[[gateway.limits.users]]
-user = "erin"
-tokens_per_day = 100
-[[gateway.limits.users]]
-user = "hal"
-tokens_per_day = 50
-'''
-open(p, "w").write(text)
-PY
+    sed -i '/^\[gateway.limits\]$/,$d' "$GW_DIR/agent.toml"   # the section is the file's last
+    limits_toml 600 100 50 >>"$GW_DIR/agent.toml"
     "$GW_BIN/gpuhub" --socket "$GW_SOCKET" models reload | tee "$GW_DIR/reload"
     grep -q '\[gateway.limits\] apply from the next call' "$GW_DIR/reload" || gw_fail "models reload does not say that [gateway.limits] changed"
     ! grep -q 'next restart' "$GW_DIR/reload" || gw_fail "models reload says a restart is needed for [gateway.limits]"
