@@ -47,14 +47,17 @@ if seen < 20:
 
 # check_job JOB: every process of Slurm job JOB (but slurmstepd) runs as the worker account.
 check_job() {
-    local job="$1" p n=0 uid comm owner
+    local job="$1" p n=0 uid comm owner status
     owner="$(squeue -h -j "$job" -o %u)"
     [ "$owner" = "$WORKER_USER" ] || fail "Slurm job $job runs as '$owner', expected $WORKER_USER"
     for p in $(scontrol listpids "$job" 2>/dev/null | awk 'NR > 1 {print $1}'); do
-        [ -r "/proc/$p/status" ] || continue
-        comm="$(cat "/proc/$p/comm")"
+        # A process of the job may exit between listpids and this read (a llama.cpp helper,
+        # srun's own): read its status once, and skip it when it is gone.
+        status="$(cat "/proc/$p/status" 2>/dev/null)" || continue
+        [ -n "$status" ] || continue
+        comm="$(awk '/^Name:/ {print $2}' <<<"$status")"
         [ "$comm" = slurmstepd ] && continue
-        uid="$(awk '/^Uid:/ {print $3}' "/proc/$p/status")"
+        uid="$(awk '/^Uid:/ {print $3}' <<<"$status")"
         [ "$uid" = "$worker_uid" ] || fail "process $p ($comm) of worker job $job runs as uid $uid, not $WORKER_USER ($worker_uid)"
         n=$((n + 1))
     done
