@@ -13,6 +13,12 @@
 #   GPUHUB_RPM_PREBUILT_DIR=DIR         with PREBUILT=1: take the artifacts from DIR as they are
 #                                       (no cargo build here; default: target/release, built)
 #   GPUHUB_RPM_LINT=0                   skip rpmlint (not recommended)
+#   GPUHUB_RPM_TARGET_CACHE=DIR         full build: rpmbuild compiles in DIR/KEY (KEY: Cargo.lock,
+#                                       this script, rustc's version), which keeps the compiled
+#                                       third-party crates for the next build on this machine;
+#                                       gpuhub's own crates are compiled from the tarball every
+#                                       time. Default /var/cache/gpuhub/rpm-target where it is
+#                                       writable; "none": compile everything in the build tree
 #   GPUHUB_SLURM_INCLUDE=DIR            build the plugin against the Slurm headers in DIR/slurm/
 #                                       (spank.h, slurm_version.h) instead of the installed ones:
 #                                       gpuhub-spank then Requires that Slurm's major.minor, and
@@ -230,6 +236,19 @@ if [ "$PREBUILT" = 1 ]; then
             die "$prebuilt_dir/$f was built for Slurm $have_mm, but the headers (${SLURM_INCLUDE:-/usr/include}) are $want_mm and the package would require $want_mm; rebuild it against those headers (GPUHUB_SLURM_INCLUDE, see docs/spank.md)"
     done
     args+=(--define "gpuhub_prebuilt_dir $prebuilt_dir")
+fi
+if [ "$PREBUILT" != 1 ]; then
+    target_cache="${GPUHUB_RPM_TARGET_CACHE:-/var/cache/gpuhub/rpm-target}"
+    if [ "$target_cache" != none ] && mkdir -p "$target_cache" 2>/dev/null && [ -w "$target_cache" ]; then
+        rustc_key="$(rustc -V | sha256sum | cut -c1-8)"
+        cargo_target="$target_cache/$lock_key-$rustc_key"
+        # One key at a time: a new Cargo.lock or toolchain starts over (the old one is ~2 GB).
+        find "$target_cache" -mindepth 1 -maxdepth 1 ! -name "$lock_key-$rustc_key" -exec rm -rf {} +
+        log "compiling in $cargo_target ($( [ -d "$cargo_target/release" ] && echo "third-party crates from an earlier build" || echo "first build of this Cargo.lock here"))"
+        args+=(--define "gpuhub_cargo_target_dir $cargo_target")
+    else
+        log "no target cache (GPUHUB_RPM_TARGET_CACHE=$target_cache is 'none' or not writable): rpmbuild compiles every crate"
+    fi
 fi
 # Offline for real: where we may create a network namespace (root, or user namespaces), rpmbuild
 # runs in one without any network, so a build that tried to download would fail here.
