@@ -2,7 +2,9 @@
 # Runs every gpuhub test on this machine, as root, from a fresh clone:
 #   1. installs what is missing (tests/setup/deps.sh: Slurm, munge, libclang, PostgreSQL,
 #      Prometheus, rpm tools, the Python venv with mlflow and openai)
-#   2. builds the workspace (release profile: the plugin, the agent, the CLI, the test worker)
+#   2. builds the workspace (release profile: the plugin, the agent, the CLI, the test worker);
+#      a clone without target/release starts from the machine's compiled third-party crates
+#      (tests/lib/target-cache.sh, /var/cache/gpuhub/cargo-target; GPUHUB_TARGET_CACHE=none: off)
 #   3. starts a throw-away PostgreSQL server and runs the Rust tests on SQLite and PostgreSQL
 #   4. starts the lab (tests/lab/up.sh: real Slurm with slurmdbd accounting + the plugin + the agent)
 #   5. runs every tests/system/*.sh against it, one at a time, with a time limit each
@@ -66,6 +68,8 @@ phase dependencies
 tests/setup/deps.sh || die "installing dependencies failed"
 
 phase "build (release)"
+. tests/lib/target-cache.sh
+target_cache_seed
 cargo build --release --workspace --locked || die "cargo build failed"
 
 phase "PostgreSQL for the storage tests"
@@ -89,6 +93,7 @@ if [ "${GPUHUB_SKIP_CARGO:-0}" != 1 ]; then
         die "the SPANK plugin must not depend on tokio, axum or sqlx"
     fi
 fi
+target_cache_save
 
 phase "lab (with slurmdbd accounting)"
 export GPUHUB_LAB_ACCOUNTING=1 GPUHUB_REQUIRE_SACCT=1
