@@ -1637,13 +1637,15 @@ impl Shared {
             if let Some(version) = serves.get(&row.model)
                 && row.version.as_ref() != Some(version)
             {
-                // What a promotion's drain would have done had the agent not restarted.
+                // What a promotion's drain would have done had the agent not restarted: a switch
+                // under way, or an extra replica still on the old version (a switch replaces the
+                // first worker only; the others idle out).
                 tracing::warn!(
                     model = %row.model,
                     worker = %row.instance_id,
                     version = row.version.as_deref().unwrap_or("none"),
                     serving = %version,
-                    "a worker that a promotion was replacing when the agent stopped; stopping it (its successor is adopted)"
+                    "a worker of a version this model no longer serves (a promotion happened); stopping it, the serving version's worker is adopted"
                 );
                 rt.launchers.stop(&inst).await;
                 self.forget(&row.model, &inst).await;
