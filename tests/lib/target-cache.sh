@@ -14,7 +14,7 @@
 # features differ from the cached build is recompiled. The workspace's crates are never taken
 # from the cache (their fingerprints go by mtime, and a clone's mtimes say nothing about content):
 # `cargo clean -p` removes them from both the seed and what is saved.
-# Needs: cargo, rustc, jq, sha256sum; REPO set and the current directory at the workspace root.
+# Needs: cargo, rustc, jq, sha256sum; the current directory at the workspace root.
 
 target_cache_dir() { echo "${GPUHUB_TARGET_CACHE:-/var/cache/gpuhub/cargo-target}"; }
 target_cache_home() { echo "${CARGO_HOME:-$HOME/.cargo}" | sha256sum | cut -c1-8; }
@@ -57,8 +57,9 @@ target_cache_save() {
     rm -rf "$tmp"; mkdir -p "$tmp"
     # Hard links first (target/ holds ~10 GB, mostly the workspace's), cleaned, then copied for
     # real: cargo rewrites some files in place, which must not reach the cache through a link.
-    if cp -al target/release "$tmp/linked" 2>/dev/null || cp -a target/release "$tmp/linked"; then :; else
-        rm -rf "$tmp"; echo "[target-cache] copying target/release to $dir failed: nothing cached"; return 0
+    if ! cp -al target/release "$tmp/linked" 2>/dev/null; then
+        rm -rf "$tmp/linked"   # another file system: a plain copy
+        cp -a target/release "$tmp/linked" || { rm -rf "$tmp"; echo "[target-cache] copying target/release to $dir failed: nothing cached"; return 0; }
     fi
     mkdir -p "$tmp/t" && mv "$tmp/linked" "$tmp/t/release"
     if target_cache_clean_workspace "$tmp/t" && cp -a --reflink=auto "$tmp/t/release" "$tmp/release"; then
