@@ -4,7 +4,9 @@
 #   - `gpuhub models promote` is eval-gated: a version below the catalog's threshold is refused
 #     with the reason (exit 1), a passing one moves the alias (exit 0);
 #   - the running worker is switched to the promoted version (a second worker, the old one
-#     drained), and the next start serves it too, with no agent restart;
+#     drained), and the next start serves it too, with no agent restart; the model runs two
+#     replicas (min_replicas = 2): the one still on the old version drains and stops after the
+#     switch, and a new one starts on the promoted version;
 #   - an alias moved in MLflow directly does not change what gpuhub serves (its promotion);
 #     `gpuhub models --json` shows the mismatch (tests/system/models-mlflow-promote.sh has more);
 #   - registered models tagged served_by=gateway are discovered (`gpuhub models registry`).
@@ -53,6 +55,8 @@ eval_metric = \"accuracy\"
 eval_threshold = 0.8
 idle_timeout_s = 600
 load_timeout_s = 60
+min_replicas = 2
+max_replicas = 2
 " "[mlflow]
 tracking_uri = \"$MLFLOW_URL\""
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
@@ -64,8 +68,25 @@ expect_version() {
     echo "   ok: $2 served by version $1"
 }
 
-echo "== the first start serves @production"
+# replicas_json: mt-reg's replicas as [{state, version, job_id}].
+replicas_json() {
+    "${CLI[@]}" models list --json | jq -c '[.models[] | select(.name == "mt-reg") | .replicas[]? | {state, version, job_id}]'
+}
+# wait_replicas VERSION: until mt-reg runs exactly two replicas, both ready on VERSION (60 s).
+wait_replicas() {
+    local i
+    for ((i = 0; i < 300; i++)); do
+        replicas_json | jq -e --arg v "$1" 'length == 2 and all(.[]; .state == "ready" and .version == $v)' >/dev/null && return 0
+        sleep 0.2
+    done
+    return 1
+}
+
+echo "== the first start serves @production, on two replicas (min_replicas = 2)"
 expect_version 1 "first start"
+wait_replicas 1 || models_fail "mt-reg should run two ready replicas of version 1, has: $(replicas_json)"
+old_jobs="$(replicas_json | jq -r '.[].job_id' | sort)"
+echo "   ok: replicas $(echo "$old_jobs" | paste -sd' ') on version 1"
 
 echo "== promote a version that fails the eval gate"
 lab_run "${CLI[@]}" models promote mt-reg 2
@@ -78,7 +99,20 @@ lab_run "${CLI[@]}" models promote mt-reg 3
 [ "$LAB_RC" = 0 ] || models_fail "promoting v3 (accuracy 0.95) should succeed, got exit $LAB_RC"
 [ "$(alias_version)" = 3 ] || models_fail "the alias should point at 3, points at $(alias_version)"
 echo "$LAB_OUT" | grep -q 'switched:' || models_fail "the running worker should be switched to version 3: $LAB_OUT"
+echo "$LAB_OUT" | grep -qF '1 further replica(s) on version 1 drain and stop' ||
+    models_fail "the promotion should say the other replica (version 1) drains and stops: $LAB_OUT"
 expect_version 3 "the running worker was switched"
+wait_replicas 3 || models_fail "after the promotion mt-reg should run two ready replicas of version 3, has: $(replicas_json)"
+for j in $old_jobs; do
+    for ((i = 0; i < 100; i++)); do
+        squeue -h -j "$j" -t PD,R,CG 2>/dev/null | grep -q . || break
+        sleep 0.1
+    done
+    squeue -h -j "$j" -t PD,R,CG 2>/dev/null | grep -q . && models_fail "Slurm job $j (a version 1 replica) still runs after the promotion"
+    replicas_json | jq -e --arg j "$j" 'any(.[]; .job_id == $j)' >/dev/null && models_fail "job $j of version 1 is still listed as a replica: $(replicas_json)"
+done
+for n in 1 2 3 4; do expect_version 3 "call $n after the promotion"; done
+echo "   ok: both replicas serve version 3 ($(replicas_json | jq -r '.[].job_id' | paste -sd' ')); the version 1 jobs ended"
 lab_run "${CLI[@]}" models unload mt-reg
 expect_version 3 "the next start"
 

@@ -193,8 +193,9 @@ async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
     for m in models.iter().filter(|m| m["replicas"].as_array().is_some_and(|r| r.len() > 1)) {
         output::line(&format!("\n{} replicas:", s(&m["name"])));
         for r in m["replicas"].as_array().into_iter().flatten() {
+            let version = if r["version"].is_string() { format!(", version {}", s(&r["version"])) } else { String::new() };
             output::line(&format!(
-                "  worker {} on {} ({}): {}, {}, {} in flight",
+                "  worker {} on {} ({}): {}, {}, {} in flight{version}",
                 s(&r["job_id"]),
                 s(&r["node"]),
                 s(&r["base_url"]),

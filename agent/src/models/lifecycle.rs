@@ -151,6 +151,13 @@ impl Drop for WaitGuard {
     }
 }
 
+/// A worker [`Shared::start_drain`] marked draining: its instance, and the receiver that wakes
+/// the drain when its in-flight count changes.
+struct Draining {
+    inst: Arc<Instance>,
+    changed: watch::Receiver<u64>,
+}
+
 /// What `/v1/models`, `gpuhub models` and metrics show per model.
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelStatus {
@@ -1200,17 +1207,29 @@ impl Shared {
 
     /// Drains (waits for in-flight calls, at most `workers.drain_timeout_s`) and stops.
     async fn unload(&self, w: &Arc<Worker>, reason: &str) -> bool {
-        let Some(rt) = &self.rt else { return false };
-        let mut rx = w.changed.subscribe();
-        let inst = {
-            let mut s = w.lock();
-            let Some(inst) = s.instance.clone() else { return false };
-            if s.state != State::Ready {
-                return false;
-            }
-            self.transition(w, &mut s, State::Draining, Some(format!("{reason}; draining")));
-            inst
-        };
+        let Some(draining) = self.start_drain(w, reason) else { return false };
+        self.drain_and_stop(w, draining, reason).await;
+        true
+    }
+
+    /// A ready worker takes no new call from now on (state draining): the first half of
+    /// [`Shared::unload`], for a caller that must know no call is routed there once it returns.
+    fn start_drain(&self, w: &Arc<Worker>, reason: &str) -> Option<Draining> {
+        self.rt.as_ref()?;
+        let changed = w.changed.subscribe();
+        let mut s = w.lock();
+        let inst = s.instance.clone()?;
+        if s.state != State::Ready {
+            return None;
+        }
+        self.transition(w, &mut s, State::Draining, Some(format!("{reason}; draining")));
+        Some(Draining { inst, changed })
+    }
+
+    /// The second half of [`Shared::unload`]: waits for the calls in flight, then stops.
+    async fn drain_and_stop(&self, w: &Arc<Worker>, draining: Draining, reason: &str) {
+        let Some(rt) = &self.rt else { return };
+        let Draining { inst, changed: mut rx } = draining;
         let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
         while w.in_flight.load(Ordering::Acquire) > 0 {
             tokio::select! {
@@ -1233,7 +1252,6 @@ impl Shared {
             s.failures = 0;
             self.transition(w, &mut s, State::Unloaded, Some(reason.to_string()));
         }
-        true
     }
 
     /// Makes room for `w` on the GPUs: evicts idle workers, least recently used first, until

@@ -76,6 +76,8 @@ pub struct ReplicaStatus {
     /// `ready` or `unhealthy` (probes; see `unhealthy_after`).
     pub health: &'static str,
     pub node: Option<String>,
+    /// The model version it serves (MLflow-driven models; replicas of one model serve one).
+    pub version: Option<String>,
     pub base_url: Option<String>,
     /// Calls forwarded to this replica now.
     pub in_flight: u32,
@@ -171,6 +173,7 @@ impl Shared {
                 state: s.state.as_str(),
                 health: lock(&r.rep.probe).health.as_str(),
                 node: lock(&r.rep.node).clone(),
+                version: inst.version.clone(),
                 base_url: inst.base_url().map(str::to_string),
                 in_flight: r.rep.routed.load(Ordering::Relaxed),
                 job_id: Some(inst.id.clone()),
@@ -245,6 +248,7 @@ impl Shared {
             e.retain(|x| matches!(x.lock().state, State::Pending | State::Starting | State::Ready | State::Draining));
             e.clone()
         };
+        self.retire_other_versions(rt, w);
         let now = Instant::now();
         let mut used = Vec::new();
         let (mut ready, mut starting, mut unhealthy) = (0u32, 0u32, 0u32);
@@ -282,6 +286,38 @@ impl Shared {
             tracing::info!(model = %w.cfg.name, ready, in_flight, target = p.target_in_flight, "scaling up: starting another replica");
             self.start_replica(rt, w, used);
         }
+    }
+
+    /// Replicas of one model serve one version: once a promotion has switched the first
+    /// replica ([`super::switchover`]), a ready replica still on the old version drains (new
+    /// calls go to the others) and stops, and scaling starts its successors on the new one.
+    /// A replica that was starting on the old version is retired once ready. Returns how many
+    /// replicas it retired now.
+    pub(super) fn retire_other_versions(self: &Arc<Self>, rt: &Runtime, w: &Arc<Worker>) -> usize {
+        let version = {
+            let s = w.lock();
+            match (&s.instance, s.state) {
+                (Some(i), State::Ready) => i.version.clone(),
+                _ => return 0,
+            }
+        };
+        let mut retired = 0;
+        for e in lock(&w.rep.extras).clone() {
+            let stale = {
+                let s = e.lock();
+                s.instance.as_ref().filter(|i| s.state == State::Ready && i.version != version).map(|i| (i.id.clone(), i.version.clone()))
+            };
+            let Some((id, old)) = stale else { continue };
+            let (old, new) = (old.unwrap_or_else(|| "?".into()), version.clone().unwrap_or_else(|| "?".into()));
+            tracing::info!(model = %w.cfg.name, worker = %id, from = %old, to = %new, "promotion: a replica on the old version drains and stops");
+            let reason = format!("replica {id} serves version {old}, the model now serves version {new} (promotion)");
+            // Draining from now on (route() skips it); its calls in flight finish in the task.
+            let Some(draining) = self.start_drain(&e, &reason) else { continue };
+            let me = self.clone();
+            rt.tasks.spawn(async move { me.drain_and_stop(&e, draining, &reason).await });
+            retired += 1;
+        }
+        retired
     }
 
     fn start_replica(self: &Arc<Self>, rt: &Runtime, w: &Arc<Worker>, used: Vec<String>) {

@@ -3,7 +3,9 @@
 //! running one), a second worker (a second Slurm job) starts on the promoted version next to
 //! it; once it is ready, new calls go to it, the old one finishes its in-flight calls (each
 //! lease holds its instance) and its job ends. Without room, or with no worker running, the
-//! promoted version serves from the next start.
+//! promoted version serves from the next start. A model's further replicas follow its first
+//! one: once it has switched, those on the old version drain and stop, and scaling starts their
+//! successors on the promoted version ([`Shared::retire_other_versions`]).
 //!
 //! While it loads, the new worker is a shadow [`Worker`] among the leaving ones, so other
 //! placements count its GPU memory; after the switch the shadow holds the old worker's memory
@@ -147,6 +149,13 @@ impl Shared {
             let (w2, i2) = (w.clone(), inst.clone());
             rt.tasks.spawn(async move { me.supervise(w2, i2).await });
         }
+        // The model's other replicas are still on the old version: they drain too.
+        let replicas = match self.retire_other_versions(rt, &w) {
+            0 => String::new(),
+            n => format!(
+                "; {n} further replica(s) on version {old_version} drain and stop, and new ones start on version {version} as min_replicas and the load ask"
+            ),
+        };
         {
             let mut s = shadow.lock();
             s.weights = old_weights;
@@ -160,7 +169,7 @@ impl Shared {
         });
         tracing::info!(model = %w.cfg.name, from = %old_version, to = %version, old_worker = %old_id, new_worker = %new_id, "promotion: new calls go to the new worker");
         Switch::Switched(format!(
-            "worker {new_id} (version {version}) takes the new calls; worker {old_id} (version {old_version}) finishes its {in_flight} in-flight call(s) and stops"
+            "worker {new_id} (version {version}) takes the new calls; worker {old_id} (version {old_version}) finishes its {in_flight} in-flight call(s) and stops{replicas}"
         ))
     }
 
