@@ -23,8 +23,9 @@
 //! chunks), `--stamp-chunks` (each chunk carries `x_sent_unix_ns`), `--crash-after N` (the process exits on the call after N answered `/v1` calls),
 //! `--exit-at-start CODE` (fails during startup after printing a log line), `--break-stream-after N`
 //! (a stream breaks off after N content events, without its last event), `--vram-gib`
-//! (reported in `/health`), `--port 0` (pick a free port; the address is printed on stdout and
-//! written to `--report-file`).
+//! (reported in `/health`), `--unhealthy-file PATH` (`/health` answers 503 while PATH exists),
+//! `--port 0` (pick a free port; the address is printed on stdout and written to
+//! `--report-file`).
 //!
 //! The CLI is used by other tests (gateway, models, lab): keep existing flags stable.
 
@@ -107,6 +108,10 @@ struct Args {
     /// llama.cpp's Python server): the gateway must count.
     #[arg(long)]
     no_stream_usage: bool,
+    /// `/health` answers 503 while this file exists (a live server whose engine died: it still
+    /// listens and answers calls, but its health check fails).
+    #[arg(long, value_name = "PATH")]
+    unhealthy_file: Option<PathBuf>,
 }
 
 struct Worker {
@@ -244,6 +249,9 @@ async fn health(State(w): State<Shared>) -> Response {
     let body = json!({"status": "ok", "model": w.args.model, "version": w.args.version, "pid": std::process::id(), "vram_gib": w.args.vram_gib, "test_worker": true});
     if std::time::Instant::now() < w.ready_at {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response();
+    }
+    if w.args.unhealthy_file.as_ref().is_some_and(|p| p.exists()) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unhealthy"}))).into_response();
     }
     Json(body).into_response()
 }
