@@ -398,7 +398,7 @@ impl ModelManager {
         let rt = Runtime {
             launchers: Launchers {
                 local: launcher::local::Local,
-                slurm: launcher::slurm::Slurm { cfg: f.slurm.clone(), dir: dir.clone(), owner: owner.clone() },
+                slurm: launcher::slurm::Slurm::new(f.slurm.clone(), dir.clone(), owner.clone()),
             },
             owner,
             store: deps.store,

@@ -330,11 +330,11 @@ mod tests {
         )
         .unwrap();
         std::fs::set_permissions(bin.path().join("squeue"), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let slurm = Slurm {
-            cfg: crate::config::SlurmConfig { bin_dir: Some(bin.path().to_path_buf()), ..Default::default() },
-            dir: "/nonexistent/gpu01".into(),
-            owner: "gpu01".into(),
-        };
+        let slurm = Slurm::new(
+            crate::config::SlurmConfig { bin_dir: Some(bin.path().to_path_buf()), ..Default::default() },
+            "/nonexistent/gpu01".into(),
+            "gpu01".into(),
+        );
         let cfg = crate::config::Config::from_toml(
             "[[models]]\nname = \"m\"\nlauncher = \"slurm\"\ncommand = \"srv --port {port} --key-file {api_key_file}\"\n",
         )

@@ -14,6 +14,7 @@
 //! shows its account owns the port it answers on ([`proof`]).
 
 pub mod account;
+pub mod job_watch;
 pub mod local;
 pub mod proof;
 pub mod secret;

@@ -19,8 +19,10 @@
 //! (health probe, calls) only after an `ok` proof of this job and port (`read_proof`).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use super::job_watch::JobWatch;
 use super::{Instance, LaunchError, LaunchSpec, RunState, safe_name, shell_quote};
 use crate::config::{LauncherKind, SlurmConfig};
 
@@ -37,6 +39,8 @@ pub struct Slurm {
     pub dir: PathBuf,
     /// The agent that submits (its Slurm node name): named in every job's comment.
     pub owner: String,
+    /// The supervisors' job states, one `squeue` for all ([`Slurm::poll`]).
+    watch: Arc<JobWatch>,
 }
 
 /// `workers.host = "node"`: a Slurm worker binds its node's `NodeAddr` (from `scontrol show
@@ -80,6 +84,10 @@ pub fn job_name(model: &str) -> String {
 }
 
 impl Slurm {
+    pub fn new(cfg: SlurmConfig, dir: PathBuf, owner: String) -> Slurm {
+        Slurm { cfg, dir, owner, watch: Arc::default() }
+    }
+
     fn bin(&self, tool: &str) -> PathBuf {
         match &self.cfg.bin_dir {
             Some(d) => d.join(tool),
@@ -282,7 +290,7 @@ impl Slurm {
             .ok_or_else(|| format!("`{}` is not an http://HOST:PORT address", crate::util::sanitize(base_url)))?;
         let job = self.job(id).await.map_err(|e| format!("cannot ask Slurm about job {id}: {e}"))?;
         let dir = vouched_dir(job.as_ref(), model, id, uid, owner)?;
-        let theirs = Slurm { cfg: self.cfg.clone(), dir, owner: owner.to_string() };
+        let theirs = Slurm::new(self.cfg.clone(), dir, owner.to_string());
         match theirs.read_addr(model, id, uid)? {
             Some(url) if url == base_url => {}
             Some(url) => return Err(format!("job {id} wrote the address {url}, not {}", crate::util::sanitize(base_url))),
@@ -306,9 +314,10 @@ impl Slurm {
         }
     }
 
-    /// One job's state. A job squeue no longer lists has ended.
+    /// One job's state, at most [`super::job_watch::MAX_AGE`] old. A job squeue no longer lists has
+    /// ended.
     pub async fn poll(&self, inst: &Instance) -> RunState {
-        match self.job(&inst.id).await {
+        match self.watched_job(&inst.id).await {
             Ok(Some(j)) => match j.state.as_str() {
                 "PENDING" | "CONFIGURING" | "REQUEUED" => RunState::Pending(j.reason),
                 "RUNNING" => RunState::Running,
@@ -321,6 +330,32 @@ impl Slurm {
                 RunState::Running
             }
         }
+    }
+
+    /// Job `id` as the last `squeue` of every watched job saw it ([`JobWatch`]), running one
+    /// when that answer is stale or did not ask about `id`.
+    async fn watched_job(&self, id: &str) -> Result<Option<JobInfo>, LaunchError> {
+        self.watch.note(id, Instant::now());
+        if let Some(j) = self.watch.fresh(id, Instant::now()) {
+            return Ok(j);
+        }
+        let _one = self.watch.refresh.lock().await;
+        // Another caller's squeue may have answered while this one waited.
+        if let Some(j) = self.watch.fresh(id, Instant::now()) {
+            return Ok(j);
+        }
+        let at = Instant::now();
+        let ids = self.watch.ids(at);
+        let out = match self.run("squeue", &["-h".into(), "-j".into(), ids.join(","), "-o".into(), SQUEUE_FORMAT.into()]).await {
+            Ok(o) => o,
+            // One id, purged from slurmctld's memory (several: squeue lists those it knows).
+            Err(LaunchError::Command { message, .. }) if message.contains("Invalid job id") => String::new(),
+            Err(e) => return Err(e),
+        };
+        let jobs = parse_squeue(&out);
+        let found = jobs.iter().find(|j| j.id == id).cloned();
+        self.watch.store(at, ids, jobs);
+        Ok(found)
     }
 
     pub async fn job(&self, id: &str) -> Result<Option<JobInfo>, LaunchError> {
@@ -581,7 +616,7 @@ mod tests {
 
     #[test]
     fn the_job_script_builds_its_own_environment_and_never_holds_the_key() {
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into(), owner: "gpu01".into() };
+        let slurm = Slurm::new(SlurmConfig::default(), "/w".into(), "gpu01".into());
         let sp = spec(std::path::Path::new("/w"), KeyDelivery { env: Some("VLLM_API_KEY".into()), ..KeyDelivery::default() });
         let s = slurm.script(&sp);
         assert!(!s.contains(&sp.api_key), "the key is in the job script:\n{s}");
@@ -615,7 +650,7 @@ mod tests {
 
     #[test]
     fn a_replica_excludes_the_nodes_of_the_others_and_nothing_odd_reaches_the_script() {
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into(), owner: "gpu01".into() };
+        let slurm = Slurm::new(SlurmConfig::default(), "/w".into(), "gpu01".into());
         let mut sp = spec(std::path::Path::new("/w"), KeyDelivery::default());
         assert!(!slurm.script(&sp).contains("--exclude"), "no replica elsewhere: no exclusion");
         sp.exclude = vec!["gpu01".into(), "gpu02".into(), "x;rm -rf /".into()];
@@ -626,7 +661,7 @@ mod tests {
 
     #[test]
     fn a_node_worker_binds_its_nodes_slurm_address() {
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: "/w".into(), owner: "gpu02".into() };
+        let slurm = Slurm::new(SlurmConfig::default(), "/w".into(), "gpu02".into());
         let mut sp = spec(std::path::Path::new("/w"), KeyDelivery::default());
         sp.host = NODE_HOST.into();
         let s = slurm.script(&sp);
@@ -650,7 +685,7 @@ mod tests {
         assert!(parse_proof("42", "42", 20123).is_err());
 
         let dir = tempfile::tempdir().unwrap();
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: dir.path().to_path_buf(), owner: "gpu01".into() };
+        let slurm = Slurm::new(SlurmConfig::default(), dir.path().to_path_buf(), "gpu01".into());
         // SAFETY: plain syscall.
         let me = unsafe { libc::geteuid() };
         assert_eq!(slurm.read_proof("m", "42", me, 20123).unwrap(), None, "no proof yet");
@@ -673,7 +708,7 @@ mod tests {
         assert!(parse_addr("a b", "42").is_err());
 
         let dir = tempfile::tempdir().unwrap();
-        let slurm = Slurm { cfg: SlurmConfig::default(), dir: dir.path().to_path_buf(), owner: "gpu01".into() };
+        let slurm = Slurm::new(SlurmConfig::default(), dir.path().to_path_buf(), "gpu01".into());
         // SAFETY: plain syscall.
         let me = unsafe { libc::geteuid() };
         assert_eq!(slurm.read_addr("m", "42", me).unwrap(), None, "no file yet");
