@@ -48,9 +48,21 @@ use models::{Catalog, LiveCatalog, ModelManager};
 use names::NameRegistry;
 use store::Store;
 
-/// Shared state of the running agent: cheap to clone (everything behind `Arc`).
+/// Shared state of the running agent: one `Arc`, so that the clone every handler and
+/// middleware takes per call is one reference count, not one per part.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<AppParts>);
+
+impl std::ops::Deref for AppState {
+    type Target = AppParts;
+
+    fn deref(&self) -> &AppParts {
+        &self.0
+    }
+}
+
+/// What [`AppState`] holds.
+pub struct AppParts {
     pub config: Arc<Config>,
     pub store: Store,
     /// The catalog served now (`[[models]]` and the MLflow registry's tagged models).
@@ -73,7 +85,7 @@ pub struct AppState {
     pub tasks: TaskTracker,
 }
 
-impl AppState {
+impl AppParts {
     /// GPU index -> UUID, as NVML reports it (empty without NVML).
     pub fn gpu_uuids(&self) -> std::collections::BTreeMap<u32, String> {
         self.telemetry.gpus().into_iter().map(|g| (g.index, g.uuid)).collect()
@@ -170,7 +182,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         timeout: std::time::Duration::from_secs(20),
     }));
     registry.sub_registry_with_prefix("gpuhub").register_collector(Box::new(quotas.metrics()));
-    let state = AppState {
+    let state = AppState(Arc::new(AppParts {
         config: config.clone(),
         store: store.clone(),
         catalog,
@@ -183,7 +195,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         job_key,
         shutdown: shutdown_token,
         tasks,
-    };
+    }));
     if let Err(e) = snapshot::write(&state) {
         tracing::error!(path = %config.snapshot_path.display(), error = %e, "cannot write the snapshot; jobs fall back to the plugstack arguments");
     }
