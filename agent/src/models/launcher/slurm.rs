@@ -346,26 +346,25 @@ impl Slurm {
         }
         let at = Instant::now();
         let ids = self.watch.ids(at);
-        let out = match self.run("squeue", &["-h".into(), "-j".into(), ids.join(","), "-o".into(), SQUEUE_FORMAT.into()]).await {
-            Ok(o) => o,
-            // One id, purged from slurmctld's memory (several: squeue lists those it knows).
-            Err(LaunchError::Command { message, .. }) if message.contains("Invalid job id") => String::new(),
-            Err(e) => return Err(e),
-        };
-        let jobs = parse_squeue(&out);
+        let jobs = self.jobs(&ids).await?;
         let found = jobs.iter().find(|j| j.id == id).cloned();
         self.watch.store(at, ids, jobs);
         Ok(found)
     }
 
     pub async fn job(&self, id: &str) -> Result<Option<JobInfo>, LaunchError> {
-        let out = match self.run("squeue", &["-h".into(), "-j".into(), id.into(), "-o".into(), SQUEUE_FORMAT.into()]).await {
-            Ok(o) => o,
-            // A job purged from slurmctld's memory: "Invalid job id specified".
-            Err(LaunchError::Command { message, .. }) if message.contains("Invalid job id") => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        Ok(parse_squeue(&out).into_iter().find(|j| j.id == id))
+        Ok(self.jobs(&[id.to_string()]).await?.into_iter().find(|j| j.id == id))
+    }
+
+    /// The jobs among `ids` that squeue lists (pending, running, completing).
+    async fn jobs(&self, ids: &[String]) -> Result<Vec<JobInfo>, LaunchError> {
+        match self.run("squeue", &["-h".into(), "-j".into(), ids.join(","), "-o".into(), SQUEUE_FORMAT.into()]).await {
+            Ok(out) => Ok(parse_squeue(&out)),
+            // One id that slurmctld purged from its memory: "Invalid job id specified" (of
+            // several ids, squeue lists those it knows and says nothing of the others).
+            Err(LaunchError::Command { message, .. }) if message.contains("Invalid job id") => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
     }
 
     /// The node a running job runs on (`None` while it pends or once it ended).
