@@ -222,7 +222,7 @@ impl Store {
             rest = after;
             let sql = usage_insert_sql(self.backend(), chunk.len(), learn_ids);
             let q = match self.backend() {
-                super::Backend::Postgres => sqlx::query(&sql).bind(usage_json(chunk)),
+                super::Backend::Postgres => sqlx::query(&sql).bind(usage_json(chunk)?),
                 super::Backend::Sqlite => bind_usage(sqlx::query(&sql), chunk),
             };
             if learn_ids {
@@ -435,7 +435,7 @@ struct UsageJson<'a> {
 }
 
 /// A PostgreSQL batch: a JSON array of rows, one object per row keyed by column name.
-fn usage_json(rows: &[UsageRow]) -> String {
+fn usage_json(rows: &[UsageRow]) -> Result<String, sqlx::Error> {
     let rows: Vec<UsageJson<'_>> = rows
         .iter()
         .map(|r| UsageJson {
@@ -465,8 +465,9 @@ fn usage_json(rows: &[UsageRow]) -> String {
             key_id: &r.key_id,
         })
         .collect();
-    // Strings, integers and null only: serialising cannot fail.
-    serde_json::to_string(&rows).unwrap_or_else(|_| "[]".to_string())
+    // Strings, integers and null only: this cannot fail, but if it ever did the batch is
+    // refused as an encoding error (dead-lettered, see [`refuses_rows`]), never written empty.
+    serde_json::to_string(&rows).map_err(|e| sqlx::Error::Encode(Box::new(e)))
 }
 
 /// The INSERT of `rows` usage rows that skips request ids already stored (`returning`: and
@@ -514,7 +515,7 @@ mod tests {
     /// (json_to_recordset reads fields by name: a misspelt one would be stored as NULL).
     #[test]
     fn a_postgres_batch_names_every_column() {
-        let json: serde_json::Value = serde_json::from_str(&usage_json(&[row("r1", 7, "alice", 200, 3)])).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&usage_json(&[row("r1", 7, "alice", 200, 3)]).unwrap()).unwrap();
         let obj = json[0].as_object().unwrap();
         let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
         let mut columns: Vec<&str> = USAGE_COLUMNS.iter().map(|(n, _)| *n).collect();
