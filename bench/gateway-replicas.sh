@@ -106,6 +106,12 @@ awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a
     printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
 }'
 echo "gpu01's agent without calls: $IDLE CPU-s per second"
+# The gateway's own account of its overhead (latency minus the time it waited for a replica),
+# from the usage rows of the calls above: what is left of the added latency is outside the
+# gateway's code (the scheduler of a busy 2-core VM, the bridge between the node namespaces).
+sleep 1
+pct() { "${PSQL[@]}" -c "SELECT $1 FROM usage_log WHERE requested_name = '$MODEL' AND status = 200 ORDER BY $1 LIMIT 1 OFFSET (SELECT COUNT(*) * $2 / 100 FROM usage_log WHERE requested_name = '$MODEL' AND status = 200)"; }
+echo "usage rows: overhead_us p50 $(pct overhead_us 50) p99 $(pct overhead_us 99); upstream_ttfb_us p50 $(pct upstream_ttfb_us 50) p99 $(pct upstream_ttfb_us 99)"
 # The single-node gateway's own bench (bench/gateway.sh: loopback, SQLite, a static upstream),
 # plain calls, right after on the same machine: its targets are the ones this one is held to,
 # and this VM's speed drifts from day to day.
