@@ -351,6 +351,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .as_deref()
         .filter(|u| !u.is_empty())
         .map(|uri| tokio::spawn(mlflow_runs::Reporter::new(store.clone(), uri).run(std::time::Duration::from_secs(5), token.clone())));
+    // The site's default experiment exists before jobs race to create it.
+    let site_experiment = match (config.file.mlflow.tracking_uri.as_deref(), config.file.mlflow.default_experiment.as_deref()) {
+        (Some(uri), Some(name)) if !uri.is_empty() && !name.is_empty() => {
+            Some(tokio::spawn(mlflow_runs::site_experiment::keep(mlflow_runs::Tracking::new(uri), name.to_string(), token.clone())))
+        }
+        _ => None,
+    };
     let quota_task = tokio::spawn(quota::Quotas::run(
         state.clone(),
         std::time::Duration::from_millis(config.file.accounting.quota_interval_ms),
@@ -370,6 +377,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         && t.await.is_err()
     {
         tracing::error!("mlflow run page: the reporter task failed");
+    }
+    if let Some(t) = site_experiment
+        && t.await.is_err()
+    {
+        tracing::error!("mlflow: the site experiment task failed");
     }
     if quota_task.await.is_err() {
         tracing::error!("quotas: the quota task failed");

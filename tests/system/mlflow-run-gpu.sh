@@ -4,6 +4,9 @@
 # same GPU: a whole-GPU job holds the other) each log an MLflow run through nothing but the
 # environment the SPANK plugin injects (MLFLOW_TRACKING_URI from the agent's snapshot,
 # MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_CONTEXT with slurm.job_id), against a real `mlflow server`.
+# The experiment is the site's default (mlflow.default_experiment): the agent creates it before
+# any job runs, so the two jobs start their runs in the same instant (MLflow's client would race
+# to create a missing one: RESOURCE_ALREADY_EXISTS).
 # A private gpuhub-agent reads two fake H200s (tests/fake-nvml) scripted with the jobs' PIDs:
 # job a's process holds 6 GiB at 60 % SM, b's 3 GiB at 30 %, and the shared GPU's energy
 # counter (power 0) jumps once by 360 J while both are listed: a's share is 240 J, b's 120 J.
@@ -47,12 +50,23 @@ TEL_JOB_MAP_DIR="" tel_start_agent true "[accounting]
 ingest_interval_ms = 200
 [mlflow]
 tracking_uri = \"$MLFLOW_URL\"
+default_experiment = \"$EXP\"
 registry_poll_s = 0"
 sock="$T/run/agent.sock"
 for ((i = 0; i < 100; i++)); do [ -S "$sock" ] && [ -s "$T/run/snapshot.json" ] && break; sleep 0.1; done
 [ -S "$sock" ] || tel_fail "no control socket $sock"
 jq -e --arg u "$MLFLOW_URL" '.. | strings | select(. == $u)' "$T/run/snapshot.json" >/dev/null \
     || tel_fail "the agent's snapshot does not carry mlflow.tracking_uri $MLFLOW_URL"
+exp_id=""
+for ((i = 0; i < 100; i++)); do
+    exp_id="$(api "$MLFLOW_URL/api/2.0/mlflow/experiments/get-by-name?experiment_name=$EXP" 2>/dev/null | jq -r .experiment.experiment_id)" || exp_id=""
+    [ -n "$exp_id" ] && [ "$exp_id" != null ] && break
+    sleep 0.2
+done
+[ -n "$exp_id" ] && [ "$exp_id" != null ] || tel_fail "the agent did not create the site's default experiment $EXP in MLflow within 20 s"
+for ((i = 0; i < 50; i++)); do grep -q "the site's default experiment exists" "$T/agent.log" && break; sleep 0.1; done
+grep -q "the site's default experiment exists" "$T/agent.log" || tel_fail "the agent did not log that experiment $EXP exists"
+echo "  the agent created the site's default experiment $EXP (id $exp_id) before any job"
 
 lab_wait_gpus_free 240
 plugstack_set "spool_dir=$T/spool" "snapshot=$T/run/snapshot.json" "job_key=$T/state/job-token.key"
@@ -85,18 +99,17 @@ wait("exit")
 PY
 declare -A JOB PID RUN GPU
 for name in a b; do
-    echo "+ srun --gres=shard:7 --mlflow-experiment=$EXP python run.py $name"
-    srun --gres=shard:7 -t 3 -J "run-gpu-$name" --mlflow-experiment="$EXP" "$MLFLOW_REPO/.venv/bin/python" "$T/run.py" "$name" "$T/jobs" \
+    echo "+ srun --gres=shard:7 python run.py $name   (the site's default experiment)"
+    srun --gres=shard:7 -t 3 -J "run-gpu-$name" "$MLFLOW_REPO/.venv/bin/python" "$T/run.py" "$name" "$T/jobs" \
         >"$T/jobs/$name.log" 2>&1 &
     lab_cleanup_add "touch $T/jobs/$name.stop $T/jobs/$name.exit; kill $! 2>/dev/null || true"
-    # b starts once a's run exists: MLflow's client creates a missing experiment with a
-    # get-then-create that two jobs starting in the same instant race (RESOURCE_ALREADY_EXISTS).
-    [ "$name" = a ] && for ((i = 0; i < 240; i++)); do [ -s "$T/jobs/a.info" ] && break; sleep 0.25; done
 done
 for name in a b; do
     for ((i = 0; i < 240; i++)); do [ -s "$T/jobs/$name.info" ] && break; sleep 0.25; done
     [ -s "$T/jobs/$name.info" ] || { cat "$T/jobs/$name.log" >&2; tel_fail "job $name did not start its MLflow run within 60 s"; }
     read -r PID[$name] JOB[$name] RUN[$name] < "$T/jobs/$name.info"
+    run_exp="$(api "$MLFLOW_URL/api/2.0/mlflow/runs/get?run_id=${RUN[$name]}" | jq -r .run.info.experiment_id)"
+    [ "$run_exp" = "$exp_id" ] || tel_fail "job $name's run ${RUN[$name]} is in experiment $run_exp, not the site's default $EXP ($exp_id)"
     lab_cleanup_add "lab_cancel ${JOB[$name]}"
     j=""
     for ((i = 0; i < 100; i++)); do
@@ -112,8 +125,6 @@ gs=${GPU[a]}
 [ "${GPU[b]}" = "$gs" ] || tel_fail "the shard jobs are on GPUs ${GPU[a]} and ${GPU[b]}; they must share one"
 
 # ---- hostile runs tagged with a's job id: one started an hour before the job, one of another user
-exp_id="$(api "$MLFLOW_URL/api/2.0/mlflow/experiments/get-by-name?experiment_name=$EXP" | jq -r .experiment.experiment_id)"
-[ -n "$exp_id" ] && [ "$exp_id" != null ] || tel_fail "experiment $EXP (from --mlflow-experiment) does not exist"
 now_ms=$(($(date +%s) * 1000))
 hostile() { # START_MS USER
     api -X POST "$MLFLOW_URL/api/2.0/mlflow/runs/create" -d "$(jq -nc --arg e "$exp_id" --argjson t "$1" --arg u "$2" --arg j "${JOB[a]}" \

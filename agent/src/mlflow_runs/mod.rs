@@ -21,6 +21,7 @@
 //! [`MAX_ATTEMPTS`] times, and one line per pass says how many jobs wait.
 
 pub mod rest;
+pub mod site_experiment;
 
 use std::time::Duration;
 

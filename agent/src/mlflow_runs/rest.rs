@@ -1,6 +1,7 @@
 //! The few MLflow tracking REST calls the run-page reporter makes (`/api/2.0/mlflow`):
 //! experiments/search and runs/search (every page) to find the runs tagged with a job id, and
-//! runs/log-batch to write the figures. One fresh connection per call, bounded timeouts.
+//! runs/log-batch to write the figures; experiments/get-by-name and experiments/create for the
+//! site's default experiment (`experiment.rs`). One fresh connection per call, bounded timeouts.
 
 use std::time::Duration;
 
@@ -18,7 +19,25 @@ pub enum RestError {
     #[error("cannot reach MLflow at {uri}: {source} (is the tracking server up? check mlflow.tracking_uri)")]
     Unreachable { uri: String, source: reqwest::Error },
     #[error("MLflow at {uri} answered {status} to {what}: {message}")]
-    Api { uri: String, what: &'static str, status: u16, message: String },
+    Api { uri: String, what: &'static str, status: u16, code: String, message: String },
+}
+
+impl RestError {
+    /// MLflow's `error_code` (`RESOURCE_DOES_NOT_EXIST`, ...), if it answered with one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            RestError::Api { code, .. } if !code.is_empty() => Some(code),
+            _ => None,
+        }
+    }
+}
+
+/// An experiment, as experiments/get-by-name describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Experiment {
+    pub id: String,
+    /// `false`: it is deleted (in MLflow's trash); runs cannot start in it.
+    pub active: bool,
 }
 
 /// A run as runs/search describes it (only what the checks read).
@@ -79,13 +98,11 @@ impl Tracking {
     }
 
     async fn post(&self, what: &'static str, path: &str, body: Value) -> Result<Value, RestError> {
-        let resp = self
-            .http
-            .post(format!("{}/{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .map_err(|source| RestError::Unreachable { uri: self.base.clone(), source })?;
+        self.send(what, self.http.post(format!("{}/{path}", self.base)).json(&body)).await
+    }
+
+    async fn send(&self, what: &'static str, req: reqwest::RequestBuilder) -> Result<Value, RestError> {
+        let resp = req.send().await.map_err(|source| RestError::Unreachable { uri: self.base.clone(), source })?;
         let status = resp.status().as_u16();
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if status >= 400 {
@@ -93,10 +110,50 @@ impl Tracking {
                 uri: self.base.clone(),
                 what,
                 status,
+                code: crate::util::sanitize(body["error_code"].as_str().unwrap_or("")),
                 message: crate::util::sanitize(body["message"].as_str().unwrap_or("")),
             });
         }
         Ok(body)
+    }
+
+    /// The experiment called `name`, or `None` if there is none (active or deleted).
+    pub async fn experiment_by_name(&self, name: &str) -> Result<Option<Experiment>, RestError> {
+        let req = self.http.get(format!("{}/experiments/get-by-name", self.base)).query(&[("experiment_name", name)]);
+        match self.send("an experiment lookup (experiments/get-by-name)", req).await {
+            Ok(v) => Ok(v["experiment"]["experiment_id"].as_str().map(|id| Experiment {
+                id: id.to_string(),
+                active: v["experiment"]["lifecycle_stage"].as_str().unwrap_or("active") == "active",
+            })),
+            Err(e) if e.code() == Some("RESOURCE_DOES_NOT_EXIST") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The experiment called `name`, created if there is none. Someone else creating it at the
+    /// same time (a job, another node's agent) is not an error: it is read back.
+    pub async fn ensure_experiment(&self, name: &str) -> Result<Experiment, RestError> {
+        if let Some(e) = self.experiment_by_name(name).await? {
+            return Ok(e);
+        }
+        match self.post("creating an experiment (experiments/create)", "experiments/create", json!({"name": name})).await {
+            Ok(v) => match v["experiment_id"].as_str() {
+                Some(id) => Ok(Experiment { id: id.to_string(), active: true }),
+                None => self.read_back(name).await,
+            },
+            Err(e) if e.code() == Some("RESOURCE_ALREADY_EXISTS") => self.read_back(name).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn read_back(&self, name: &str) -> Result<Experiment, RestError> {
+        self.experiment_by_name(name).await?.ok_or_else(|| RestError::Api {
+            uri: self.base.clone(),
+            what: "an experiment lookup (experiments/get-by-name)",
+            status: 404,
+            code: "RESOURCE_DOES_NOT_EXIST".into(),
+            message: format!("experiment {:?} was created but cannot be read back", crate::util::sanitize(name)),
+        })
     }
 
     /// Ids of every active experiment.
