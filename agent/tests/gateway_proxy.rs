@@ -297,11 +297,34 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     assert_eq!(s, 401);
     assert!(e["message"].as_str().unwrap().contains("revoked"), "{e}");
     // Allow-lists.
-    let (narrow, _) = a.key("erin", "ocr", &["fail"]).await;
+    let (narrow, nid) = a.key("erin", "ocr", &["fail"]).await;
     let (s, e) = error_of(post(&a, &narrow, "/v1/chat/completions", body.clone()).await).await;
     assert_eq!((s, e["code"].as_str()), (403, Some("model_not_allowed")));
     let models: Value = client().get(a.url("/v1/models")).bearer_auth(&narrow).send().await.unwrap().json().await.unwrap();
     assert_eq!(models["data"].as_array().unwrap().len(), 1);
+    // A key's allow-list and own limits change in place (`gpuhub keys set`): the app keeps its key.
+    let set_path = format!("/v1/keys/{nid}/set");
+    let set = |body: Value| a.control("POST", &set_path, Some(body));
+    assert_eq!(set(json!({"models": []})).await.unwrap()["models"], json!([]));
+    assert_eq!(post(&a, &narrow, "/v1/chat/completions", body.clone()).await.status(), 200);
+    let v = set(json!({"rpm": 1})).await.unwrap();
+    assert_eq!((v["rpm"].as_u64(), v["models"].clone()), (Some(1), json!([])), "what is left out stays");
+    assert_eq!(post(&a, &narrow, "/v1/chat/completions", body.clone()).await.status(), 200);
+    let (s, e) = error_of(post(&a, &narrow, "/v1/chat/completions", body.clone()).await).await;
+    assert_eq!(s, 429, "the key's new --rpm 1 applies at once: {e}");
+    assert!(set(json!({"no_rpm": true})).await.unwrap()["rpm"].is_null());
+    assert_eq!(post(&a, &narrow, "/v1/chat/completions", body.clone()).await.status(), 200);
+    for (bad, says) in [
+        (json!({}), "nothing to change"),
+        (json!({"rpm": 2, "no_rpm": true}), "not both"),
+        (json!({"tokens_per_day": 0}), "at least 1"),
+        (json!({"models": ["nope"]}), "not in the catalog"),
+    ] {
+        let e = set(bad.clone()).await.unwrap_err().to_string();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+    let e = a.control("POST", &format!("/v1/keys/{id}/set"), Some(json!({"rpm": 5}))).await.unwrap_err().to_string();
+    assert!(e.contains("is revoked"), "{e}");
     // Job tokens, minted with the node's key like the SPANK plugin does, for this process's
     // uid and its passwd name (the gateway checks the name against the uid).
     let (uid, me) = whoami();

@@ -45,6 +45,33 @@ pub enum KeysCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Change one of your keys' allow-list and own limits (admins: any key's), by id. The key
+    /// itself stays the same, so the app that holds it keeps working; what is left out stays.
+    Set {
+        /// The key id, e.g. k1a2b3c4d.
+        id: String,
+        /// Only these models from now on (comma-separated catalog names).
+        #[arg(long, value_name = "A,B", value_delimiter = ',', conflicts_with = "all_models")]
+        models: Option<Vec<String>>,
+        /// Every model its user may use (drop the key's own allow-list).
+        #[arg(long)]
+        all_models: bool,
+        /// The key's own limit of requests per minute (not above its user's).
+        #[arg(long, value_name = "N", conflicts_with = "no_rpm")]
+        rpm: Option<u32>,
+        /// Drop the key's own requests-per-minute limit (its user's still applies).
+        #[arg(long)]
+        no_rpm: bool,
+        /// The key's own limit of tokens per UTC day (not above its user's).
+        #[arg(long, value_name = "N", conflicts_with = "no_tokens_per_day")]
+        tokens_per_day: Option<u64>,
+        /// Drop the key's own tokens-per-day limit (its user's still applies).
+        #[arg(long)]
+        no_tokens_per_day: bool,
+        /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
     /// Revoke one of your keys (admins: any) by id (see `gpuhub keys list`); its calls get a
     /// 401 that says so.
     Revoke {
@@ -121,6 +148,29 @@ pub async fn run(socket: &Path, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                     })
                     .unwrap_or_default();
                 output::table(&["ID", "KEY", "USER", "APP", "MODELS", "LIMITS", "CREATED", "STATE"], &rows);
+            }
+        }
+        KeysCommand::Set { id, models, all_models, rpm, no_rpm, tokens_per_day, no_tokens_per_day, json } => {
+            let models = if all_models {
+                Some(Vec::new())
+            } else {
+                models.map(|m| m.into_iter().map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect::<Vec<_>>())
+            };
+            let body = json!({"models": models, "rpm": rpm, "no_rpm": no_rpm, "tokens_per_day": tokens_per_day, "no_tokens_per_day": no_tokens_per_day});
+            let v = client::request(socket, "POST", &format!("/v1/keys/{}/set", urlencode(&id)), Some(body)).await?;
+            if json {
+                output::json(&v);
+            } else {
+                let models =
+                    v["models"].as_array().map(|m| m.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(",")).unwrap_or_default();
+                output::line(&format!(
+                    "key {} ({}/{}) now: models {}, limits {}",
+                    v["id"].as_str().unwrap_or("?"),
+                    crate::util::sanitize(v["user"].as_str().unwrap_or("?")),
+                    crate::util::sanitize(v["app"].as_str().unwrap_or("?")),
+                    if models.is_empty() { "* (every model its user may use)".to_string() } else { models },
+                    limits(&v)
+                ));
             }
         }
         KeysCommand::Revoke { id } => {

@@ -64,7 +64,7 @@ fn statement_rows(backend: super::Backend, rows: usize) -> Vec<usize> {
 }
 
 /// One stored API key (never the key itself).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ApiKeyRecord {
     pub id: String,
     pub key_hash: String,
@@ -172,6 +172,25 @@ impl Store {
     pub async fn revoke_api_key(&self, id: &str, now_us: i64) -> Result<ApiKeyRecord, StoreError> {
         sqlx::query("UPDATE api_keys SET revoked_us = $1 WHERE id = $2 AND revoked_us IS NULL")
             .bind(now_us)
+            .bind(id)
+            .execute(self.pool())
+            .await?;
+        self.api_key(id).await?.ok_or_else(|| StoreError::NotFound(format!("API key `{id}` (see `gpuhub keys list`)")))
+    }
+
+    /// Sets a key's allow-list and own limits (`gpuhub keys set`); a revoked key is left as it
+    /// is. Returns the key as stored.
+    pub async fn update_api_key(
+        &self,
+        id: &str,
+        models: &[String],
+        rpm: Option<u32>,
+        tokens_per_day: Option<u64>,
+    ) -> Result<ApiKeyRecord, StoreError> {
+        sqlx::query("UPDATE api_keys SET models = $1, rpm = $2, tokens_per_day = $3 WHERE id = $4 AND revoked_us IS NULL")
+            .bind(models.join(","))
+            .bind(rpm.map(i64::from))
+            .bind(tokens_per_day.map(|t| i64::try_from(t).unwrap_or(i64::MAX)))
             .bind(id)
             .execute(self.pool())
             .await?;
@@ -656,7 +675,14 @@ mod tests {
             assert_eq!(keys[0].models, vec!["a", "b"]);
             assert_eq!((keys[0].rpm, keys[0].tokens_per_day), (Some(30), Some(5_000_000_000)));
             assert_eq!((keys[1].rpm, keys[1].tokens_per_day), (None, None));
+            let set = store.update_api_key("k2", &["c".into()], Some(7), None).await.unwrap();
+            assert_eq!((set.models, set.rpm, set.tokens_per_day), (vec!["c".to_string()], Some(7), None));
+            let set = store.update_api_key("k2", &[], None, Some(9)).await.unwrap();
+            assert_eq!((set.models, set.rpm, set.tokens_per_day), (Vec::<String>::new(), None, Some(9)));
+            assert!(store.update_api_key("nope", &[], None, None).await.unwrap_err().to_string().contains("gpuhub keys list"));
             assert_eq!(store.revoke_api_key("k1", 5).await.unwrap().revoked_us, Some(5));
+            let revoked = store.update_api_key("k1", &[], Some(1), None).await.unwrap();
+            assert_eq!((revoked.rpm, revoked.models.len()), (Some(30), 2), "a revoked key is not changed");
             assert_eq!(store.revoke_api_key("k1", 9).await.unwrap().revoked_us, Some(5));
             assert!(store.revoke_api_key("nope", 9).await.unwrap_err().to_string().contains("gpuhub keys list"));
             store
