@@ -21,6 +21,7 @@
 
 pub mod accounting;
 pub mod cli;
+pub mod cluster_sync;
 pub mod config;
 pub mod control;
 pub mod gateway;
@@ -358,6 +359,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         }
         _ => None,
     };
+    let sync_task = tokio::spawn(cluster_sync::run(state.clone(), token.clone()));
     let quota_task = tokio::spawn(quota::Quotas::run(
         state.clone(),
         std::time::Duration::from_millis(config.file.accounting.quota_interval_ms),
@@ -382,6 +384,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         && t.await.is_err()
     {
         tracing::error!("mlflow: the site experiment task failed");
+    }
+    if sync_task.await.is_err() {
+        tracing::error!("cluster sync: the task failed");
     }
     if quota_task.await.is_err() {
         tracing::error!("quotas: the quota task failed");

@@ -12,6 +12,8 @@
 #  2. calls that keep coming through the non-owning gateway only keep the worker loaded past its
 #     idle timeout (the owner reads their use from the store); once they stop, the owner
 #     unloads it;
+#  2b. an API key created, widened (`gpuhub keys set`) and revoked through gpu01's agent, and a
+#     role moved there, apply at gpu02's gateway and to gpu02's jobs within 6 s (cluster sync);
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
@@ -123,6 +125,32 @@ for _ in $(seq 100); do [ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] && br
 [ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] || fail "$owner did not unload worker $wjob once the calls stopped"
 echo "   kept for 15 s of calls through $other only, unloaded by $owner after them"
 
+echo "== 2b. keys, roles and names changed through one agent apply at the other's gateway and jobs"
+GH=("$REPO/target/release/gpuhub")
+# until SECONDS CMD...: CMD succeeds within SECONDS (the agents read each other's changes every 2 s)
+until_ok() { local end=$((SECONDS + $1)); shift; until "$@"; do [ "$SECONDS" -lt "$end" ] || return 1; sleep 0.2; done; }
+g2_models() { nodes_exec gpu02 curl -s --max-time 5 -H "Authorization: Bearer $1" "$G2/v1/models"; }
+g2_lists() { [ "$(g2_models "$1" | jq '.data | length' 2>/dev/null)" = "$2" ]; }
+g2_says() { g2_models "$1" | grep -q "$2"; }
+KEY="$(nodes_exec gpu01 "${GH[@]}" keys create --user "$LAB_USER" --app multigw-sync --models dots.ocr | tail -n 1)"
+KID="$(nodes_exec gpu01 "${GH[@]}" keys list --json | jq -r '.keys[] | select(.app == "multigw-sync") | .id')"
+until_ok 6 g2_lists "$KEY" 1 || fail "a key created through gpu01 ($KID) does not work at gpu02's gateway within 6 s: $(g2_models "$KEY")"
+nodes_exec gpu01 "${GH[@]}" keys set "$KID" --all-models >/dev/null || fail "gpuhub keys set $KID --all-models failed on gpu01"
+all="$(nodes_exec gpu01 curl -s --max-time 5 -H "Authorization: Bearer $KEY" "$G1/v1/models" | jq '.data | length')"
+[ "$all" -gt 1 ] || fail "gpu01's gateway lists $all model(s) for key $KID after --all-models"
+until_ok 6 g2_lists "$KEY" "$all" || fail "key $KID's new allow-list (set through gpu01) does not apply at gpu02's gateway within 6 s: $(g2_models "$KEY")"
+nodes_exec gpu01 "${GH[@]}" keys revoke "$KID" >/dev/null || fail "cannot revoke $KID through gpu01"
+until_ok 6 g2_says "$KEY" "was revoked" || fail "key $KID, revoked through gpu01, still works at gpu02's gateway after 6 s: $(g2_models "$KEY")"
+g2_ocr() { nodes_exec gpu02 "${GH[@]}" env | grep -qx "OCR_MODEL=$1"; }
+lab_cleanup_add "nodes_exec gpu01 ${GH[*]} roles set ocr dots.ocr >/dev/null 2>&1 || true"
+nodes_exec gpu01 "${GH[@]}" roles set ocr SmolLM2-135M-Instruct >/dev/null || fail "gpuhub roles set ocr failed on gpu01"
+until_ok 6 g2_ocr SmolLM2-135M-Instruct || fail "the ocr role moved through gpu01 is not gpu02's within 6 s: $(nodes_exec gpu02 "${GH[@]}" env | grep OCR_MODEL)"
+job_ocr="$(cd /tmp && runuser -u "$LAB_USER" -- srun -w gpu02 -t 1 -J multigw-role printenv OCR_MODEL)" || fail "the job on gpu02 did not run"
+[ "$job_ocr" = SmolLM2-135M-Instruct ] || fail "a job on gpu02 got OCR_MODEL=$job_ocr after the role moved through gpu01 (gpu02's snapshot)"
+nodes_exec gpu01 "${GH[@]}" roles set ocr dots.ocr >/dev/null || fail "cannot set the ocr role back"
+until_ok 6 g2_ocr dots.ocr || fail "the ocr role set back through gpu01 is not gpu02's within 6 s"
+echo "   through gpu01: key $KID created, widened, revoked, and the ocr role moved and back; gpu02's gateway and jobs followed each within 6 s"
+
 echo "== 3. the gateway on gpu01 only"
 export NODES_GATEWAY_NODES=gpu01
 "$NODES_SH" agent-stop gpu02
@@ -133,7 +161,6 @@ out="$(calls gpu02 env)" || fail "the job on gpu02 did not run: $out"
 url="$(sed -n 's/^url //p' <<<"$out")"; job="$(sed -n 's/^job //p' <<<"$out")"
 [ "$url" = "$G1" ] || fail "the job on gpu02 was told GPUHUB_URL=$url, not gpu01's gateway"
 [ "$(grep -cx 200 <<<"$out")" = 1 ] || fail "the job on gpu02 got $(head -n1 <<<"$out") from gpu01's gateway"
-GH=("$REPO/target/release/gpuhub")
 for _ in $(seq 40); do
     nodes_exec gpu02 "${GH[@]}" names callers dots.ocr --since 1d --json 2>/dev/null | grep -qE "\"job_id\": ?\"$job\"" && break
     sleep 0.25
@@ -145,4 +172,4 @@ nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr"
 echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
 
 nodes_test_restore || exit 1
-echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; a node without the gateway role opens no port and its jobs reach the gateway node"
+echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; keys and roles changed through one agent apply at the other within 6 s; a node without the gateway role opens no port and its jobs reach the gateway node"

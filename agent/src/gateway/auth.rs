@@ -11,6 +11,7 @@
 //! credential of that user: API keys, job tokens and the SSO header.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -120,22 +121,39 @@ pub fn new_key() -> String {
 #[derive(Default)]
 pub struct KeyCache {
     keys: RwLock<HashMap<String, ApiKeyRecord>>,
+    /// Bumped by every [`KeyCache::upsert`]: a copy read from the store before a local change
+    /// must not replace the cache after it.
+    generation: AtomicU64,
 }
 
 impl KeyCache {
     pub fn replace(&self, records: Vec<ApiKeyRecord>) {
         let map = records.into_iter().map(|r| (r.key_hash.clone(), r)).collect();
-        match self.keys.write() {
-            Ok(mut g) => *g = map,
-            Err(p) => *p.into_inner() = map,
-        }
+        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = map;
     }
 
+    /// This agent's own change (create, revoke, edit), after the store has it.
     pub fn upsert(&self, record: ApiKeyRecord) {
-        match self.keys.write() {
-            Ok(mut g) => g.insert(record.key_hash.clone(), record),
-            Err(p) => p.into_inner().insert(record.key_hash.clone(), record),
-        };
+        let mut g = self.keys.write().unwrap_or_else(|p| p.into_inner());
+        g.insert(record.key_hash.clone(), record);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Replaces the cache with `records`, read from the store when the generation was
+    /// `read_at` (`cluster_sync`: what other agents changed). Returns whether anything changed;
+    /// `false` too when a local change came in between (the next read has it).
+    pub fn replace_if_newer(&self, records: Vec<ApiKeyRecord>, read_at: u64) -> bool {
+        let map: HashMap<String, ApiKeyRecord> = records.into_iter().map(|r| (r.key_hash.clone(), r)).collect();
+        let mut g = self.keys.write().unwrap_or_else(|p| p.into_inner());
+        if self.generation.load(Ordering::SeqCst) != read_at || *g == map {
+            return false;
+        }
+        *g = map;
+        true
     }
 
     /// `f` of the record with this hash, under the read lock (no copy of the whole record on
@@ -372,6 +390,41 @@ async fn job_identity(state: &AppState, c: gpuhub_wire::token::JobClaims) -> Res
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+
+    fn record(id: &str, revoked_us: Option<i64>) -> ApiKeyRecord {
+        ApiKeyRecord {
+            id: id.into(),
+            key_hash: format!("h-{id}"),
+            prefix: "ghk_".into(),
+            user: "alice".into(),
+            app: "app".into(),
+            models: Vec::new(),
+            created_us: 1,
+            created_by: "root".into(),
+            revoked_us,
+            rpm: None,
+            tokens_per_day: None,
+        }
+    }
+
+    #[test]
+    fn a_store_read_never_undoes_a_newer_local_change() {
+        let cache = KeyCache::default();
+        cache.replace(vec![record("k1", None)]);
+        // Another agent revoked k1: the next read applies it.
+        let at = cache.generation();
+        assert!(cache.replace_if_newer(vec![record("k1", Some(5))], at));
+        assert!(!cache.replace_if_newer(vec![record("k1", Some(5))], at), "nothing changed");
+        // A read that started before this agent created k2 does not drop k2 ...
+        let at = cache.generation();
+        cache.upsert(record("k2", None));
+        assert!(!cache.replace_if_newer(vec![record("k1", Some(5))], at));
+        assert!(cache.with("h-k2", |_| ()).is_some());
+        // ... and the next read, which has it, applies.
+        let at = cache.generation();
+        assert!(cache.replace_if_newer(vec![record("k1", Some(5)), record("k2", Some(9))], at));
+        assert_eq!(cache.with("h-k2", |k| k.revoked_us), Some(Some(9)));
+    }
 
     #[test]
     fn keys_are_random_and_hashed() {

@@ -208,7 +208,7 @@ pub struct NameRegistry {
 }
 
 /// The registry's state: what `resolve` reads and what lifecycle plans start from.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Inner {
     pub names: BTreeMap<String, NameRecord>,
     /// Effective roles: the catalog's, overridden by runtime assignments.
@@ -384,6 +384,17 @@ impl NameRegistry {
             tracing::info!(names = history.len(), "name registry: applied config seeds");
         }
         Ok(())
+    }
+
+    /// What another agent changed in the shared store (`cluster_sync`): the view read again,
+    /// under the change lock so that it never replaces a newer local change. Returns
+    /// `(names changed, roles changed)`.
+    pub async fn follow(&self, store: &Store) -> Result<(bool, bool), StoreError> {
+        let _guard = self.change_lock.lock().await;
+        let before = self.view();
+        self.reload(store).await?;
+        let after = self.view();
+        Ok((before.names != after.names, before.roles != after.roles))
     }
 
     /// Rebuilds the in-memory view from the store (after a change, or at start).

@@ -1,0 +1,63 @@
+//! Agents that share one PostgreSQL store see each other's changes: API keys (created, revoked,
+//! edited) and the name registry with its roles are read again every [`INTERVAL`]. Without
+//! this, a key revoked through one node's agent kept working at another node's gateway until
+//! that agent restarted, and a rename or a role moved on one node reached the other nodes'
+//! gateways and jobs (`<ROLE>_MODEL`) only then.
+//!
+//! A store that cannot be read keeps the last view; one line says so, and one when it is read
+//! again. With SQLite (one agent) there is nothing to follow and nothing runs.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::AppState;
+use crate::store::{Backend, StoreError};
+
+/// How long another agent's change takes to apply here, at most (plus one store read).
+pub const INTERVAL: Duration = Duration::from_secs(2);
+
+/// Follows the store until `stop` (a no-op on SQLite).
+pub async fn run(state: AppState, stop: CancellationToken) {
+    if state.store.backend() != Backend::Postgres {
+        return;
+    }
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(INTERVAL) => {}
+        }
+        match once(&state).await {
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!("cluster sync: the store is read again; keys and names follow other agents' changes");
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!(error = %e, "cluster sync: cannot read keys and names from the store; this agent keeps its last view (other agents' revocations and renames wait)");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// One pass: keys, then names and roles (the snapshot is rewritten when a role moved).
+pub async fn once(state: &AppState) -> Result<(), StoreError> {
+    let keys = &state.gateway.keys;
+    let read_at = keys.generation();
+    let records = state.store.api_keys().await?;
+    let n = records.len();
+    if keys.replace_if_newer(records, read_at) {
+        tracing::info!(keys = n, "cluster sync: API keys changed in the store (another agent); applied");
+    }
+    let (names, roles) = state.names.follow(&state.store).await?;
+    if names || roles {
+        tracing::info!(names, roles, "cluster sync: the name registry changed in the store (another agent); applied");
+    }
+    if roles && let Err(e) = crate::snapshot::write(state) {
+        tracing::error!(error = %e, "cannot rewrite the snapshot after another agent moved a role; new jobs get the old roles until it is");
+    }
+    Ok(())
+}
