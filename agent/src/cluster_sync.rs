@@ -1,8 +1,9 @@
 //! Agents that share one PostgreSQL store see each other's changes: API keys (created, revoked,
-//! edited) and the name registry with its roles are read again every [`INTERVAL`]. Without
-//! this, a key revoked through one node's agent kept working at another node's gateway until
-//! that agent restarted, and a rename or a role moved on one node reached the other nodes'
-//! gateways and jobs (`<ROLE>_MODEL`) only then.
+//! edited), the name registry with its roles, and the versions promoted through gpuhub are read
+//! again every [`INTERVAL`]. Without this, a key revoked through one node's agent kept working
+//! at another node's gateway until that agent restarted; a rename or a role moved on one node
+//! reached the other nodes' gateways and jobs (`<ROLE>_MODEL`) only then; and a promotion
+//! switched only the promoting agent's workers, the others starting the old version.
 //!
 //! A store that cannot be read keeps the last view; one line says so, and one when it is read
 //! again. With SQLite (one agent) there is nothing to follow and nothing runs.
@@ -43,7 +44,7 @@ pub async fn run(state: AppState, stop: CancellationToken) {
     }
 }
 
-/// One pass: keys, then names and roles (the snapshot is rewritten when a role moved).
+/// One pass: keys, names and roles (the snapshot is rewritten when a role moved), promotions.
 pub async fn once(state: &AppState) -> Result<(), StoreError> {
     let keys = &state.gateway.keys;
     let read_at = keys.generation();
@@ -58,6 +59,38 @@ pub async fn once(state: &AppState) -> Result<(), StoreError> {
     }
     if roles && let Err(e) = crate::snapshot::write(state) {
         tracing::error!(error = %e, "cannot rewrite the snapshot after another agent moved a role; new jobs get the old roles until it is");
+    }
+    promotions(state).await
+}
+
+/// Versions promoted through another agent: served from this agent's next start of the model,
+/// and its own ready workers are switched (one borrowed from another agent is that agent's).
+async fn promotions(state: &AppState) -> Result<(), StoreError> {
+    let promoted = state.models.promoted();
+    let mut changed = Vec::new();
+    {
+        let _change = promoted.change_lock().lock().await;
+        for row in state.store.promoted_versions().await? {
+            if promoted.version(&row.model).as_deref() != Some(row.version.as_str()) {
+                promoted.set_promoted(&row.model, &row.version);
+                state.models.note_version(&row.model, &row.version);
+                changed.push(row);
+            }
+        }
+    }
+    let catalog = state.catalog.load();
+    for row in changed {
+        for name in catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(row.model.as_str())).map(|m| m.name.clone()) {
+            state.models.set_alias_mismatch(&name, promoted.get(&row.model).mismatch());
+            tracing::info!(model = %name, registered = %row.model, version = %row.version, by = %row.user_name,
+                "cluster sync: a version promoted through another agent; serving it here");
+            // A switch waits for the new worker: not on this loop (nor on shutdown's wait).
+            let st = state.clone();
+            tokio::spawn(async move {
+                let switch = st.models.switch_to_promoted(&name).await;
+                tracing::info!(model = %name, switch = switch.kind(), detail = %switch.detail(), "cluster sync: promotion applied");
+            });
+        }
     }
     Ok(())
 }

@@ -13,7 +13,8 @@
 #     idle timeout (the owner reads their use from the store); once they stop, the owner
 #     unloads it;
 #  2b. an API key created, widened (`gpuhub keys set`) and revoked through gpu01's agent, and a
-#     role moved there, apply at gpu02's gateway and to gpu02's jobs within 6 s (cluster sync);
+#     role moved there, apply at gpu02's gateway and to gpu02's jobs within 6 s, and a version
+#     promoted by another agent (its model_promotions row) is served by both (cluster sync);
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
@@ -35,6 +36,20 @@ G2="http://$(nodes_ip gpu02):8400"
 
 fail() { nodes_test_fail "$@"; }
 lab_cleanup_add nodes_test_restore
+# A registry-served model on both agents (never started here), for the promotion in 2b.
+EXTRA="$(mktemp /tmp/gpuhub-multigw-extra.XXXXXX)"
+lab_cleanup_add "rm -f '$EXTRA'"
+chmod 644 "$EXTRA"
+cat > "$EXTRA" <<'TOML'
+
+[[models]]
+name = "sync-reg"
+launcher = "slurm"
+command = "/usr/local/libexec/gpuhub/gpuhub-test-worker --model {model} --version {version} --host {host} --port {port} --api-key-file {api_key_file}"
+resources = { shards = 1, vram_gib = 1.0 }
+mlflow_model = "sync-reg-model"
+TOML
+export GPUHUB_LAB_NODES_EXTRA="$EXTRA"
 lab_wait_gpus_free 240
 
 echo "== two nodes, the gateway on both"
@@ -149,7 +164,19 @@ job_ocr="$(cd /tmp && runuser -u "$LAB_USER" -- srun -w gpu02 -t 1 -J multigw-ro
 [ "$job_ocr" = SmolLM2-135M-Instruct ] || fail "a job on gpu02 got OCR_MODEL=$job_ocr after the role moved through gpu01 (gpu02's snapshot)"
 nodes_exec gpu01 "${GH[@]}" roles set ocr dots.ocr >/dev/null || fail "cannot set the ocr role back"
 until_ok 6 g2_ocr dots.ocr || fail "the ocr role set back through gpu01 is not gpu02's within 6 s"
-echo "   through gpu01: key $KID created, widened, revoked, and the ocr role moved and back; gpu02's gateway and jobs followed each within 6 s"
+# A promotion recorded by another agent (the row `gpuhub models promote` writes): both agents
+# serve that version from the next start of sync-reg.
+promoted_on() { [ "$(nodes_exec "$1" "${GH[@]}" models list --json | jq -r '.models[] | select(.name == "sync-reg") | .promoted_version')" = "$2" ]; }
+promoted_on gpu02 null || fail "sync-reg has a promoted version before the test"
+"${PSQL[@]}" -c "INSERT INTO model_promotions (model, version, previous_version, metric, value, previous_value, threshold, forced, uid, user_name, at_us) \
+    VALUES ('sync-reg-model', '7', NULL, NULL, NULL, NULL, NULL, 1, 0, 'gpu09-admin', $(date +%s%6N))"
+lab_cleanup_add "${PSQL[*]} -c \"DELETE FROM model_promotions WHERE model = 'sync-reg-model'\" >/dev/null 2>&1 || true"
+for n in gpu01 gpu02; do
+    until_ok 6 promoted_on "$n" 7 || fail "$n does not serve sync-reg-model version 7, promoted through another agent, within 6 s"
+done
+grep -q "a version promoted through another agent; serving it here" "$NODES_DIR/gpu02/agent.log" || fail "gpu02 did not log the promotion it followed"
+"${PSQL[@]}" -c "DELETE FROM model_promotions WHERE model = 'sync-reg-model'"
+echo "   through gpu01: key $KID created, widened, revoked, and the ocr role moved and back; a promotion recorded by another agent; both gateways and gpu02's jobs followed each within 6 s"
 
 echo "== 3. the gateway on gpu01 only"
 export NODES_GATEWAY_NODES=gpu01

@@ -216,14 +216,17 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
         tracing::warn!(model = %entry.name, registered = %registered, version = %req.version, by = %who, gate = %verdict.refusals.join("; "), "promotion forced past the gate");
     }
     let row = gate::record(&registered, &req.version, previous.clone(), gate.as_ref(), &verdict, forced, &caller);
-    store.record_promotion(&row).await.map_err(|e| {
-        err(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not promoted: the promotion cannot be recorded in the store ({e}); retry when it answers"),
-        )
-    })?;
-    promoted.set_promoted(&registered, &req.version);
-    state.models.note_version(&registered, &req.version);
+    {
+        let _change = promoted.change_lock().lock().await;
+        store.record_promotion(&row).await.map_err(|e| {
+            err(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not promoted: the promotion cannot be recorded in the store ({e}); retry when it answers"),
+            )
+        })?;
+        promoted.set_promoted(&registered, &req.version);
+        state.models.note_version(&registered, &req.version);
+    }
     tracing::info!(model = %entry.name, registered = %registered, version = %req.version, previous = previous.as_deref().unwrap_or(""), forced, by = %who, "promoted");
     let alias = match mlflow.set_production(&registered, &req.version).await {
         Ok(()) => {

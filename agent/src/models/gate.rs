@@ -34,10 +34,14 @@ impl Served {
     }
 }
 
-/// The promoted versions, by MLflow registered model (loaded from the store at start).
+/// The promoted versions, by MLflow registered model (loaded from the store at start, and
+/// followed there: `cluster_sync`).
 #[derive(Debug, Default)]
 pub struct Promoted {
     map: Mutex<BTreeMap<String, Served>>,
+    /// Held while a promotion is recorded and applied here, and while the store's are read
+    /// and applied (`cluster_sync`): a read from before a local promotion never undoes it.
+    change: tokio::sync::Mutex<()>,
 }
 
 impl Promoted {
@@ -70,6 +74,10 @@ impl Promoted {
     /// The version gpuhub promoted last.
     pub fn version(&self, registered: &str) -> Option<String> {
         self.lock().get(registered).and_then(|s| s.promoted.clone())
+    }
+
+    pub fn change_lock(&self) -> &tokio::sync::Mutex<()> {
+        &self.change
     }
 
     pub fn set_promoted(&self, registered: &str, version: &str) {

@@ -52,6 +52,14 @@ impl Shared {
         let old = {
             let s = w.lock();
             match (&s.instance, s.state) {
+                (Some(i), State::Ready) if i.borrowed_from.is_some() => {
+                    // The owner switches it (it follows promotions through the store).
+                    return Switch::NextStart(format!(
+                        "worker {} belongs to agent {}, which moves it to version {version}",
+                        i.id,
+                        i.borrowed_from.as_deref().unwrap_or("?")
+                    ));
+                }
                 (Some(i), State::Ready) => i.clone(),
                 _ => {
                     return Switch::NextStart(format!(
