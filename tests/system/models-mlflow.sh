@@ -57,15 +57,26 @@ idle_timeout_s = 600
 load_timeout_s = 60
 min_replicas = 2
 max_replicas = 2
+
+[[models]]
+name = \"mt-reg-b\"
+launcher = \"slurm\"
+command = \"@WORKER@ --model {model} --version {version} --host {host} --port {port} --api-key-file {api_key_file}\"
+resources = { shards = 1, vram_gib = 1.0 }
+mlflow_model = \"$NAME\"
+idle_timeout_s = 600
+load_timeout_s = 60
 " "[mlflow]
 tracking_uri = \"$MLFLOW_URL\""
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 
+# expect_version VERSION WHAT [MODEL]: a call to MODEL (default mt-reg) is served by VERSION.
 expect_version() {
-    models_call mt-reg "$2"
+    local m="${3:-mt-reg}"
+    models_call "$m" "$2"
     [ "$MC_STATUS" = 200 ] || models_fail "$2: expected 200, got $MC_STATUS: $MC_BODY"
-    echo "$MC_BODY" | grep -q "mt-reg version $1:" || models_fail "$2: expected version $1, got: $(echo "$MC_BODY" | jq -r '.choices[0].message.content')"
-    echo "   ok: $2 served by version $1"
+    echo "$MC_BODY" | grep -q "$m version $1:" || models_fail "$2: expected $m version $1, got: $(echo "$MC_BODY" | jq -r '.choices[0].message.content')"
+    echo "   ok: $2 served by $m version $1"
 }
 
 # replicas_json: mt-reg's replicas as [{state, version, job_id}].
@@ -87,6 +98,7 @@ expect_version 1 "first start"
 wait_replicas 1 || models_fail "mt-reg should run two ready replicas of version 1, has: $(replicas_json)"
 old_jobs="$(replicas_json | jq -r '.[].job_id' | sort)"
 echo "   ok: replicas $(echo "$old_jobs" | paste -sd' ') on version 1"
+expect_version 1 "mt-reg-b, another catalog entry of the same registered model" mt-reg-b
 
 echo "== promote a version that fails the eval gate"
 lab_run "${CLI[@]}" models promote mt-reg 2
@@ -112,6 +124,9 @@ for j in $old_jobs; do
     replicas_json | jq -e --arg j "$j" 'any(.[]; .job_id == $j)' >/dev/null && models_fail "job $j of version 1 is still listed as a replica: $(replicas_json)"
 done
 for n in 1 2 3 4; do expect_version 3 "call $n after the promotion"; done
+echo "$LAB_OUT" | grep -qF '`mt-reg-b` (the same registered model) switched:' ||
+    models_fail "the promotion should switch mt-reg-b's running worker too: $LAB_OUT"
+expect_version 3 "mt-reg-b's running worker was switched too" mt-reg-b
 echo "   ok: both replicas serve version 3 ($(replicas_json | jq -r '.[].job_id' | paste -sd' ')); the version 1 jobs ended"
 lab_run "${CLI[@]}" models unload mt-reg
 expect_version 3 "the next start"

@@ -245,9 +245,15 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
         state.models.set_alias_mismatch(&n, promoted.get(&registered).mismatch());
     }
     let switch = state.models.switch_to_promoted(&entry.name).await;
+    // Other catalog entries that serve the same registered model move with it.
+    let mut also = String::new();
+    for n in catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(registered.as_str()) && m.name != entry.name).map(|m| m.name.clone()) {
+        let s = state.models.switch_to_promoted(&n).await;
+        also.push_str(&format!("; `{n}` (the same registered model) {}: {}", s.kind().replace('_', " "), s.detail()));
+    }
     let checks = if verdict.checks.is_empty() { String::new() } else { format!(" ({})", verdict.checks.join("; ")) };
     let forced_note = if forced { format!("; FORCED past the gate: {}", verdict.refusals.join("; ")) } else { String::new() };
-    let message = format!("promoted{checks}{forced_note}; {alias}; {}: {}", switch.kind().replace('_', " "), switch.detail());
+    let message = format!("promoted{checks}{forced_note}; {alias}; {}: {}{also}", switch.kind().replace('_', " "), switch.detail());
     Ok(Json(json!(Outcome {
         promoted: true,
         forced,
