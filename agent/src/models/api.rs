@@ -247,7 +247,9 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
     let switch = state.models.switch_to_promoted(&entry.name).await;
     // Other catalog entries that serve the same registered model move with it.
     let mut also = String::new();
-    for n in catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(registered.as_str()) && m.name != entry.name).map(|m| m.name.clone()) {
+    for n in
+        catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(registered.as_str()) && m.name != entry.name).map(|m| m.name.clone())
+    {
         let s = state.models.switch_to_promoted(&n).await;
         also.push_str(&format!("; `{n}` (the same registered model) {}: {}", s.kind().replace('_', " "), s.detail()));
     }
