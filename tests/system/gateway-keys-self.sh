@@ -6,8 +6,9 @@
 # gateway.user_models or an --rpm above [gateway.limits] is refused with the limit named), calls
 # the gateway with it, lists only its own keys, revokes it (the call then gets 401), cannot
 # create a key for another user, and cannot see or revoke an admin-made key of another user
-# (the refusal names the key and why, the key still works). Past gateway.keys_per_user it must
-# revoke one first. Root still lists and revokes everyone's.
+# (the refusal names the key and why, the key still works). `gpuhub keys set` changes its own
+# key's limits under the same rules, never another user's key. Past gateway.keys_per_user it
+# must revoke one first. Root still lists and revokes everyone's.
 set -euo pipefail
 . "$(dirname "$0")/../lib/gateway.sh"
 . "$(dirname "$0")/../lib/prereq.sh"
@@ -73,6 +74,14 @@ if grep -q "$KEY" "$GW_DIR/list"; then gw_fail "keys list prints the secret key"
 
 refused "revoking another user's key" "key \`$OTHER_ID\` is not yours: you (\`$U\`)" "${AS_U[@]}" keys revoke "$OTHER_ID"
 S="$(call "$OTHER_KEY")"; [ "$S" = 200 ] || gw_fail "bob's key stopped working after $U's refused revoke: $S $(cat "$GW_DIR/body")"
+
+echo "+ [$U] gpuhub keys set $LIMITED --rpm 20"
+"${AS_U[@]}" keys set "$LIMITED" --rpm 20 | tee "$GW_DIR/out" | grep -q "limits 20/min" || gw_fail "$U could not lower its own key's --rpm: $(cat "$GW_DIR/out")"
+refused "keys set --rpm above the user's limit" "--rpm 51 is above the limit of \`$U\`, 50 requests per minute" "${AS_U[@]}" keys set "$LIMITED" --rpm 51
+refused "keys set --models outside the user's allow-list" "the allow-list gateway.user_models.$U permits only demo-chat" "${AS_U[@]}" keys set "$LIMITED" --models other-chat
+refused "changing another user's key" "key \`$OTHER_ID\` is not yours: you (\`$U\`)" "${AS_U[@]}" keys set "$OTHER_ID" --rpm 1
+"${ROOT[@]}" keys list --json | jq -e --arg id "$OTHER_ID" '.keys[] | select(.id == $id) | .rpm == null' >/dev/null ||
+    gw_fail "bob's key $OTHER_ID changed after $U's refused keys set"
 
 echo "+ [$U] gpuhub keys revoke $ID"
 "${AS_U[@]}" keys revoke "$ID" | grep -q "revoked" || gw_fail "$U could not revoke its own key"

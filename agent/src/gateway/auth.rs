@@ -148,8 +148,12 @@ impl KeyCache {
     /// `false` too when a local change came in between (the next read has it).
     pub fn replace_if_newer(&self, records: Vec<ApiKeyRecord>, read_at: u64) -> bool {
         let map: HashMap<String, ApiKeyRecord> = records.into_iter().map(|r| (r.key_hash.clone(), r)).collect();
+        // Compared under the read lock: calls are not held up every pass for nothing.
+        if *self.keys.read().unwrap_or_else(|p| p.into_inner()) == map {
+            return false;
+        }
         let mut g = self.keys.write().unwrap_or_else(|p| p.into_inner());
-        if self.generation.load(Ordering::SeqCst) != read_at || *g == map {
+        if self.generation.load(Ordering::SeqCst) != read_at {
             return false;
         }
         *g = map;

@@ -20,7 +20,7 @@ pub enum KeyPolicyError {
     )]
     NotYourUser { caller: String, user: String },
     #[error(
-        "key `{id}` is not yours: you (`{caller}`) can see and revoke only your own keys (`gpuhub keys list` shows them); an admin can revoke any key"
+        "key `{id}` is not yours: you (`{caller}`) can see, change and revoke only your own keys (`gpuhub keys list` shows them); an admin can change or revoke any key"
     )]
     NotYourKey { id: String, caller: String },
     #[error(
@@ -187,7 +187,7 @@ mod tests {
         let e = check_owner(&alice, &key("k2", "bob", false)).unwrap_err();
         assert_eq!(e.status(), StatusCode::FORBIDDEN);
         let m = e.to_string();
-        assert!(m.contains("key `k2` is not yours: you (`alice`)") && m.contains("an admin can revoke any key"), "{m}");
+        assert!(m.contains("key `k2` is not yours: you (`alice`)") && m.contains("an admin can change or revoke any key"), "{m}");
         assert!(!m.contains("bob"), "the refusal does not say whose key it is: {m}");
         assert!(check_owner(&caller("root", true), &key("k2", "bob", false)).is_ok());
     }
