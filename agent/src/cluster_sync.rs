@@ -80,7 +80,7 @@ async fn promotions(state: &AppState) -> Result<(), StoreError> {
     }
     let catalog = state.catalog.load();
     for row in changed {
-        for name in catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(row.model.as_str())).map(|m| m.name.clone()) {
+        for name in catalog.serving(&row.model) {
             state.models.set_alias_mismatch(&name, promoted.get(&row.model).mismatch());
             tracing::info!(model = %name, registered = %row.model, version = %row.version, by = %row.user_name,
                 "cluster sync: a version promoted through another agent; serving it here");

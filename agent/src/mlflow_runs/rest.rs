@@ -1,7 +1,7 @@
 //! The few MLflow tracking REST calls the run-page reporter makes (`/api/2.0/mlflow`):
 //! experiments/search and runs/search (every page) to find the runs tagged with a job id, and
 //! runs/log-batch to write the figures; experiments/get-by-name and experiments/create for the
-//! site's default experiment (`experiment.rs`). One fresh connection per call, bounded timeouts.
+//! site's default experiment (`site_experiment.rs`). One fresh connection per call, bounded timeouts.
 
 use std::time::Duration;
 

@@ -80,8 +80,7 @@ async fn registry(State(state): State<AppState>) -> ApiResult {
     let rows: Vec<Value> = found
         .into_iter()
         .map(|r| {
-            let served_as: Vec<String> =
-                catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(r.name.as_str())).map(|m| m.name.clone()).collect();
+            let served_as = catalog.serving(&r.name);
             let by = if served_as.iter().any(|n| catalog.is_from_registry(n)) {
                 "tags"
             } else if served_as.is_empty() {
@@ -241,16 +240,15 @@ async fn promote(State(state): State<AppState>, caller: Caller, Json(req): Json<
             )
         }
     };
-    for n in catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(registered.as_str())).map(|m| m.name.clone()) {
-        state.models.set_alias_mismatch(&n, promoted.get(&registered).mismatch());
+    let serving = catalog.serving(&registered);
+    for n in &serving {
+        state.models.set_alias_mismatch(n, promoted.get(&registered).mismatch());
     }
     let switch = state.models.switch_to_promoted(&entry.name).await;
     // Other catalog entries that serve the same registered model move with it.
     let mut also = String::new();
-    for n in
-        catalog.models().filter(|m| m.mlflow_model.as_deref() == Some(registered.as_str()) && m.name != entry.name).map(|m| m.name.clone())
-    {
-        let s = state.models.switch_to_promoted(&n).await;
+    for n in serving.iter().filter(|n| **n != entry.name) {
+        let s = state.models.switch_to_promoted(n).await;
         also.push_str(&format!("; `{n}` (the same registered model) {}: {}", s.kind().replace('_', " "), s.detail()));
     }
     let checks = if verdict.checks.is_empty() { String::new() } else { format!(" ({})", verdict.checks.join("; ")) };

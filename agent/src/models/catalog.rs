@@ -78,6 +78,11 @@ impl Catalog {
         self.adapters.iter().filter(|(_, m)| m.as_str() == model).map(|(a, _)| a.clone()).collect()
     }
 
+    /// The catalog names that serve MLflow registered model `registered` (`mlflow_model`).
+    pub fn serving(&self, registered: &str) -> Vec<String> {
+        self.models().filter(|m| m.mlflow_model.as_deref() == Some(registered)).map(|m| m.name.clone()).collect()
+    }
+
     pub fn models(&self) -> impl Iterator<Item = &Arc<ModelConfig>> {
         self.models.values()
     }
