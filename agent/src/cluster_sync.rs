@@ -1,6 +1,7 @@
 //! Agents that share one PostgreSQL store see each other's changes: API keys (created, revoked,
 //! edited), the name registry with its roles, and the versions promoted through gpuhub are read
-//! again every [`INTERVAL`]. Without this, a key revoked through one node's agent kept working
+//! again every [`INTERVAL`], and the gateways exchange what their limits counted (a user's
+//! requests per minute and tokens per day hold across gateways). Without this, a key revoked through one node's agent kept working
 //! at another node's gateway until that agent restarted; a rename or a role moved on one node
 //! reached the other nodes' gateways and jobs (`<ROLE>_MODEL`) only then; and a promotion
 //! switched only the promoting agent's workers, the others starting the old version.
@@ -32,12 +33,12 @@ pub async fn run(state: AppState, stop: CancellationToken) {
         match once(&state).await {
             Ok(()) if failing => {
                 failing = false;
-                tracing::info!("cluster sync: the store is read again; keys and names follow other agents' changes");
+                tracing::info!("cluster sync: the store is read again; keys, names and limits follow other agents' changes");
             }
             Ok(()) => {}
             Err(e) if !failing => {
                 failing = true;
-                tracing::warn!(error = %e, "cluster sync: cannot read keys and names from the store; this agent keeps its last view (other agents' revocations and renames wait)");
+                tracing::warn!(error = %e, "cluster sync: cannot read keys, names and the other gateways' limit counts from the store; this agent keeps its last view (other agents' revocations and renames wait)");
             }
             Err(_) => {}
         }
@@ -60,7 +61,30 @@ pub async fn once(state: &AppState) -> Result<(), StoreError> {
     if roles && let Err(e) = crate::snapshot::write(state) {
         tracing::error!(error = %e, "cannot rewrite the snapshot after another agent moved a role; new jobs get the old roles until it is");
     }
-    promotions(state).await
+    promotions(state).await?;
+    limits(state).await
+}
+
+/// `[gateway.limits]` and the keys' own limits across gateways: this gateway's counts of the
+/// day are published, the others' read ([`crate::gateway::fair_use`]). Nodes without a gateway
+/// count nothing.
+async fn limits(state: &AppState) -> Result<(), StoreError> {
+    let me = state.config.file.telemetry.effective_node_name();
+    if !state.config.file.cluster.is_gateway(&me) {
+        return Ok(());
+    }
+    let fair_use = &state.gateway.fair_use;
+    let now = crate::util::now_us();
+    if let Some((day, rows)) = fair_use.to_publish()
+        && let Err(e) = state.store.publish_limit_counts(&me, day, &rows, now).await
+    {
+        fair_use.unpublished(day, &rows);
+        return Err(e);
+    }
+    let day = crate::gateway::fair_use::day_of(now);
+    let others = state.store.others_limit_counts(&me, day).await?;
+    fair_use.follow_others(day, &others, |id| state.gateway.keys.rpm_of(id), now);
+    Ok(())
 }
 
 /// Versions promoted through another agent: served from this agent's next start of the model,

@@ -13,8 +13,10 @@
 #     idle timeout (the owner reads their use from the store); once they stop, the owner
 #     unloads it;
 #  2b. an API key created, widened (`gpuhub keys set`) and revoked through gpu01's agent, and a
-#     role moved there, apply at gpu02's gateway and to gpu02's jobs within 6 s, and a version
-#     promoted by another agent (its model_promotions row) is served by both (cluster sync);
+#     role moved there, apply at gpu02's gateway and to gpu02's jobs within 6 s; a key's --rpm
+#     used up at gpu01 is refused at gpu02 (the gateways exchange their limit counts); and a
+#     version promoted by another agent (its model_promotions row) is served by both (cluster
+#     sync);
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
@@ -156,6 +158,35 @@ all="$(nodes_exec gpu01 curl -s --max-time 5 -H "Authorization: Bearer $KEY" "$G
 until_ok 6 g2_lists "$KEY" "$all" || fail "key $KID's new allow-list (set through gpu01) does not apply at gpu02's gateway within 6 s: $(g2_models "$KEY")"
 nodes_exec gpu01 "${GH[@]}" keys revoke "$KID" >/dev/null || fail "cannot revoke $KID through gpu01"
 until_ok 6 g2_says "$KEY" "was revoked" || fail "key $KID, revoked through gpu01, still works at gpu02's gateway after 6 s: $(g2_models "$KEY")"
+# Limits count across gateways: a key with its own --rpm 3 makes its three calls of the minute
+# at gpu01 (to an unknown name: a call is counted before its body is read), and gpu02's gateway
+# refuses its next one, once the agents have exchanged their counts (a pass each, 2 s).
+TMPB="$(mktemp /tmp/gpuhub-multigw-body.XXXXXX)"
+lab_cleanup_add "rm -f '$TMPB'"
+chat_at() { # chat_at NODE URL KEY: prints the HTTP status; the body goes to $TMPB
+    local out
+    out="$(nodes_exec "$1" curl -s -w '\n%{http_code}' --max-time 10 "$2/v1/chat/completions" \
+        -H "Authorization: Bearer $3" -H 'Content-Type: application/json' \
+        -d '{"model":"multigw-no-such-model","messages":[{"role":"user","content":"hi"}]}')"
+    echo "$out" | sed '$d' >"$TMPB"
+    echo "$out" | tail -n 1
+}
+RKEY="$(nodes_exec gpu01 "${GH[@]}" keys create --user "$LAB_USER" --app multigw-rpm --rpm 3 | tail -n 1)"
+RKID="$(nodes_exec gpu01 "${GH[@]}" keys list --json | jq -r '.keys[] | select(.app == "multigw-rpm") | .id')"
+lab_cleanup_add "nodes_exec gpu01 ${GH[*]} keys revoke $RKID >/dev/null 2>&1 || true"
+until_ok 6 g2_says "$RKEY" '"data"' || fail "key $RKID (created through gpu01) does not work at gpu02's gateway within 6 s"
+for i in 1 2 3; do
+    st="$(chat_at gpu01 "$G1" "$RKEY")"
+    [ "$st" = 404 ] || fail "call $i of key $RKID (--rpm 3) at gpu01: HTTP $st, expected 404 (unknown name, admitted): $(cat "$TMPB")"
+done
+sleep 6
+st="$(chat_at gpu02 "$G2" "$RKEY")"
+[ "$st" = 429 ] || fail "key $RKID made its 3 calls of the minute at gpu01, and gpu02's gateway answered its 4th with HTTP $st, not 429: $(cat "$TMPB")"
+grep -q "API key $RKID .* may make 3 requests per minute" "$TMPB" || fail "gpu02's 429 does not name the key's limit: $(cat "$TMPB")"
+pub="$("${PSQL[@]}" -c "SELECT calls FROM gateway_limit_counts WHERE gateway = 'gpu01' AND kind = 'key' AND who = '$RKID'")"
+[ "$pub" = 3 ] || fail "gpu01 published $pub call(s) of key $RKID (gateway_limit_counts), expected 3"
+nodes_exec gpu01 "${GH[@]}" keys revoke "$RKID" >/dev/null
+echo "   key $RKID (--rpm 3): 3 calls at gpu01, the 4th refused at gpu02 ($(jq -r .error.message "$TMPB" | cut -c1-80)...)"
 g2_ocr() { nodes_exec gpu02 "${GH[@]}" env | grep -qx "OCR_MODEL=$1"; }
 lab_cleanup_add "nodes_exec gpu01 ${GH[*]} roles set ocr dots.ocr >/dev/null 2>&1 || true"
 nodes_exec gpu01 "${GH[@]}" roles set ocr SmolLM2-135M-Instruct >/dev/null || fail "gpuhub roles set ocr failed on gpu01"

@@ -160,6 +160,12 @@ impl KeyCache {
         true
     }
 
+    /// The own `--rpm` of the key with this id (`None`: none, or no such key).
+    pub fn rpm_of(&self, id: &str) -> Option<u32> {
+        let g = self.keys.read().unwrap_or_else(|p| p.into_inner());
+        g.values().find(|r| r.id == id).and_then(|r| r.rpm)
+    }
+
     /// `f` of the record with this hash, under the read lock (no copy of the whole record on
     /// every call).
     fn with<R>(&self, hash: &str, f: impl FnOnce(&ApiKeyRecord) -> R) -> Option<R> {

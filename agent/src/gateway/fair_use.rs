@@ -11,6 +11,13 @@
 //! At start the day's tokens and the last minute's calls are reloaded from the usage log, so a
 //! restart resets neither. `[gateway.limits]` is read again on SIGHUP (`gpuhub models reload`):
 //! new limits apply to the next call, against the counts so far.
+//!
+//! Several gateways on one PostgreSQL store count together: each publishes its counts of the
+//! day per user and per key (`gateway_limit_counts`), and reads the others' every
+//! `cluster_sync` pass (2 s). Their tokens add to this gateway's; the calls they admitted since
+//! the last pass are charged to the rates here as if they had come now. So a user over a limit
+//! at one gateway is over it at every gateway within a pass, and a rate holds across gateways
+//! up to the calls admitted within one pass.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
@@ -19,6 +26,7 @@ use super::auth::Identity;
 use super::error::GatewayError;
 use super::usage_log::UsageRow;
 use crate::config::LimitsConfig;
+use crate::store::LimitCount;
 use crate::store::gateway::LimitUsage;
 
 const MINUTE_US: i64 = 60_000_000;
@@ -42,47 +50,98 @@ pub enum Limit {
 struct State {
     /// Theoretical arrival time (µs) per subject with a rate limit.
     tat: HashMap<Subject, i64>,
-    /// The UTC day (its first µs) `tokens` counts.
+    /// The UTC day (its first µs) `counts` and `others` are about.
     day: i64,
-    tokens: Tokens,
+    /// This gateway's counts of the day.
+    counts: Counts,
+    /// The other gateways' counts of the day as last read (their calls: only the calls they
+    /// admitted since are charged here).
+    others: Counts,
 }
 
-/// The day's tokens per user and per key, looked up by `&str` (counted on every call).
+/// What one gateway counted for one subject in a day.
+#[derive(Debug, Default, Clone, Copy)]
+struct Count {
+    tokens: u64,
+    /// Calls admitted against a requests-per-minute limit.
+    calls: u64,
+    /// Changed since this gateway last published its counts.
+    dirty: bool,
+}
+
+/// Counts per user and per key, looked up by `&str` (counted on every call).
 #[derive(Debug, Default)]
-struct Tokens {
-    users: HashMap<String, u64>,
-    keys: HashMap<String, u64>,
+struct Counts {
+    users: HashMap<String, Count>,
+    keys: HashMap<String, Count>,
 }
 
-impl Tokens {
+impl Counts {
     fn clear(&mut self) {
         self.users.clear();
         self.keys.clear();
     }
 
-    fn get(&self, s: &Subject) -> u64 {
+    fn get(&self, s: &Subject) -> Count {
         match s {
             Subject::User(u) => self.users.get(u),
             Subject::Key(k) => self.keys.get(k),
         }
         .copied()
-        .unwrap_or(0)
+        .unwrap_or_default()
     }
 
-    fn add(map: &mut HashMap<String, u64>, who: &str, n: u64) {
+    /// Applies `f` to `who`'s count in `map` (no `String` allocated when it is counted already).
+    fn update_in(map: &mut HashMap<String, Count>, who: &str, f: impl FnOnce(&mut Count)) {
         match map.get_mut(who) {
-            Some(v) => *v += n,
+            Some(c) => f(c),
             None => {
-                map.insert(who.to_string(), n);
+                let mut c = Count::default();
+                f(&mut c);
+                map.insert(who.to_string(), c);
             }
         }
     }
 
-    fn add_to(&mut self, s: &Subject, n: u64) {
+    fn update(&mut self, s: &Subject, f: impl FnOnce(&mut Count)) {
         match s {
-            Subject::User(u) => Self::add(&mut self.users, u, n),
-            Subject::Key(k) => Self::add(&mut self.keys, k, n),
+            Subject::User(u) => Self::update_in(&mut self.users, u, f),
+            Subject::Key(k) => Self::update_in(&mut self.keys, k, f),
         }
+    }
+}
+
+impl Subject {
+    /// The subject of a `gateway_limit_counts` row (`user` or `key`).
+    fn of_row(kind: &str, who: &str) -> Option<Subject> {
+        match kind {
+            "user" => Some(Subject::User(who.to_string())),
+            "key" => Some(Subject::Key(who.to_string())),
+            _ => None,
+        }
+    }
+}
+
+impl State {
+    /// Starts a new UTC day's counts when `now_us` is in one.
+    fn roll(&mut self, now_us: i64) {
+        let today = day_of(now_us);
+        if self.day != today {
+            self.day = today;
+            self.counts.clear();
+            self.others.clear();
+        }
+    }
+
+    /// Charges `n` calls to `s`'s rate of `rpm` requests per minute, as if they came at `now_us`.
+    fn charge(&mut self, s: Subject, n: u64, rpm: u32, now_us: i64) {
+        if rpm == 0 || n == 0 {
+            return;
+        }
+        let interval = MINUTE_US / i64::from(rpm);
+        let tat = self.tat.get(&s).copied().unwrap_or(now_us).max(now_us);
+        let charged = i64::try_from(n).unwrap_or(i64::MAX).saturating_mul(interval);
+        self.tat.insert(s, tat.saturating_add(charged).min(now_us + MINUTE_US));
     }
 }
 
@@ -102,7 +161,8 @@ struct Applied {
     source: &'static str,
 }
 
-fn day_of(now_us: i64) -> i64 {
+/// The first µs of the UTC day of `now_us`.
+pub fn day_of(now_us: i64) -> i64 {
     now_us - now_us.rem_euclid(DAY_US)
 }
 
@@ -138,7 +198,7 @@ impl FairUse {
     pub fn reload(&self, keys: &[crate::store::gateway::ApiKeyRecord], rows: &[LimitUsage], now_us: i64) {
         let cfg = self.limits.read().unwrap_or_else(PoisonError::into_inner);
         let mut st = self.lock();
-        st.day = day_of(now_us);
+        st.roll(now_us);
         let mut calls: HashMap<Subject, i64> = HashMap::new();
         for r in rows {
             let tokens = u64::try_from(r.tokens).unwrap_or(0);
@@ -147,7 +207,10 @@ impl FairUse {
                 subjects.push(Subject::Key(r.key_id.clone()));
             }
             for s in subjects {
-                st.tokens.add_to(&s, tokens);
+                st.counts.update(&s, |c| {
+                    c.tokens += tokens;
+                    c.dirty = true;
+                });
                 *calls.entry(s).or_default() += r.recent_calls;
             }
         }
@@ -158,6 +221,85 @@ impl FairUse {
             };
             if rpm > 0 && n > 0 {
                 st.tat.insert(s, now_us + n.min(i64::from(rpm)) * (MINUTE_US / i64::from(rpm)));
+            }
+        }
+    }
+
+    /// At start, after [`FairUse::reload`] (PostgreSQL): the other gateways' counts of the day
+    /// `day_us`. The usage log reloaded holds their calls too: their tokens move from this
+    /// gateway's counts to theirs, and their calls so far are not charged again.
+    pub fn start_with_others(&self, day_us: i64, rows: &[LimitCount], now_us: i64) {
+        let mut st = self.lock();
+        st.roll(now_us);
+        if st.day != day_us {
+            return;
+        }
+        st.others.clear();
+        for r in rows {
+            let Some(s) = Subject::of_row(&r.kind, &r.who) else { continue };
+            let (tokens, calls) = (u64::try_from(r.tokens).unwrap_or(0), u64::try_from(r.calls).unwrap_or(0));
+            st.counts.update(&s, |c| c.tokens = c.tokens.saturating_sub(tokens));
+            st.others.update(&s, |c| *c = Count { tokens, calls, dirty: false });
+        }
+    }
+
+    /// The other gateways' counts of the day `day_us` as read now (`cluster_sync`): their
+    /// tokens replace the last read; the calls they admitted since it are charged to the rates
+    /// here (`key_rpm`: a key's own `--rpm`, by key id).
+    pub fn follow_others(&self, day_us: i64, rows: &[LimitCount], key_rpm: impl Fn(&str) -> Option<u32>, now_us: i64) {
+        let cfg = self.limits.read().unwrap_or_else(PoisonError::into_inner);
+        let mut st = self.lock();
+        st.roll(now_us);
+        if st.day != day_us {
+            return; // read before midnight
+        }
+        let mut seen = Counts::default();
+        for r in rows {
+            let Some(s) = Subject::of_row(&r.kind, &r.who) else { continue };
+            let (tokens, calls) = (u64::try_from(r.tokens).unwrap_or(0), u64::try_from(r.calls).unwrap_or(0));
+            // Fewer than last read: a gateway restarted and counts again from its own start.
+            let new_calls = calls.saturating_sub(st.others.get(&s).calls);
+            let rpm = match &s {
+                Subject::User(u) => cfg.for_user(u).0,
+                Subject::Key(k) => key_rpm(k).unwrap_or(0),
+            };
+            seen.update(&s, |c| *c = Count { tokens, calls, dirty: false });
+            st.charge(s, new_calls, rpm, now_us);
+        }
+        st.others = seen;
+    }
+
+    /// This gateway's counts that changed since the last call (for `gateway_limit_counts`),
+    /// with their day; `None` when nothing changed. A publication that fails is handed back
+    /// with [`FairUse::unpublished`].
+    pub fn to_publish(&self) -> Option<(i64, Vec<LimitCount>)> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let day = st.day;
+        let mut rows = Vec::new();
+        for (kind, map) in [("user", &mut st.counts.users), ("key", &mut st.counts.keys)] {
+            for (who, c) in map.iter_mut().filter(|(_, c)| c.dirty) {
+                c.dirty = false;
+                rows.push(LimitCount {
+                    kind: kind.to_string(),
+                    who: who.clone(),
+                    tokens: i64::try_from(c.tokens).unwrap_or(i64::MAX),
+                    calls: i64::try_from(c.calls).unwrap_or(i64::MAX),
+                });
+            }
+        }
+        (!rows.is_empty()).then_some((day, rows))
+    }
+
+    /// Counts from [`FairUse::to_publish`] that the store did not take: published next time.
+    pub fn unpublished(&self, day_us: i64, rows: &[LimitCount]) {
+        let mut st = self.lock();
+        if st.day != day_us {
+            return;
+        }
+        for r in rows {
+            if let Some(s) = Subject::of_row(&r.kind, &r.who) {
+                st.counts.update(&s, |c| c.dirty = true);
             }
         }
     }
@@ -199,13 +341,10 @@ impl FairUse {
             return Ok(());
         }
         let mut st = self.lock();
-        let today = day_of(now_us);
-        if st.day != today {
-            st.day = today;
-            st.tokens.clear();
-        }
+        st.roll(now_us);
+        let today = st.day;
         for a in &tokens {
-            let used = st.tokens.get(&a.subject);
+            let used = st.counts.get(&a.subject).tokens + st.others.get(&a.subject).tokens;
             if used >= a.value {
                 let reset = today + DAY_US;
                 return Err(GatewayError::OverLimit {
@@ -244,6 +383,10 @@ impl FairUse {
             next.push((a.subject.clone(), tat + interval));
         }
         for (s, t) in next {
+            st.counts.update(&s, |c| {
+                c.calls += 1;
+                c.dirty = true;
+            });
             st.tat.insert(s, t);
         }
         // Forget subjects whose rate state has run out (bounded memory).
@@ -260,14 +403,14 @@ impl FairUse {
             return;
         }
         let mut st = self.lock();
-        let today = day_of(now_us);
-        if st.day != today {
-            st.day = today;
-            st.tokens.clear();
-        }
-        Tokens::add(&mut st.tokens.users, &row.user, n);
+        st.roll(now_us);
+        let add = |c: &mut Count| {
+            c.tokens += n;
+            c.dirty = true;
+        };
+        Counts::update_in(&mut st.counts.users, &row.user, add);
         if !row.key_id.is_empty() {
-            Tokens::add(&mut st.tokens.keys, &row.key_id, n);
+            Counts::update_in(&mut st.counts.keys, &row.key_id, add);
         }
     }
 }
@@ -387,5 +530,72 @@ mod tests {
         assert!(e.to_string().contains("API key k1"), "{e}");
         // bob himself (rpm 2) has one left.
         f.admit(&Identity { user: "bob".into(), ..Identity::default() }, T0).unwrap();
+    }
+
+    fn counted(kind: &str, who: &str, tokens: i64, calls: i64) -> LimitCount {
+        LimitCount { kind: kind.into(), who: who.into(), tokens, calls }
+    }
+
+    #[test]
+    fn calls_admitted_at_another_gateway_count_against_the_rate_here() {
+        let f = FairUse::new(LimitsConfig { rpm: 3, ..LimitsConfig::default() });
+        let alice = Identity { user: "alice".into(), ..Identity::default() };
+        f.admit(&alice, T0).unwrap();
+        // Another gateway admitted two of alice's calls: her minute is used up here too.
+        f.follow_others(day_of(T0), &[counted("user", "alice", 0, 2)], |_| None, T0);
+        let e = f.admit(&alice, T0).unwrap_err();
+        assert!(e.to_string().contains("user `alice` may make 3 requests per minute"), "{e}");
+        // The same two calls read again are not charged again: a minute later she has room.
+        f.follow_others(day_of(T0), &[counted("user", "alice", 0, 2)], |_| None, T0 + MINUTE_US);
+        f.admit(&alice, T0 + MINUTE_US).unwrap();
+        // A key's own rpm is charged by key id.
+        let k = key("k1", "bob", Some(1), None);
+        f.follow_others(day_of(T0), &[counted("key", "k1", 0, 1)], |id| (id == "k1").then_some(1), T0 + MINUTE_US);
+        assert!(f.admit(&k, T0 + MINUTE_US).unwrap_err().to_string().contains("API key k1"));
+    }
+
+    #[test]
+    fn tokens_used_at_other_gateways_add_to_the_days_count() {
+        let f = FairUse::new(LimitsConfig { tokens_per_day: 100, ..LimitsConfig::default() });
+        let alice = Identity { user: "alice".into(), ..Identity::default() };
+        f.count(&used("alice", "", 40), T0);
+        f.follow_others(day_of(T0), &[counted("user", "alice", 59, 0)], |_| None, T0);
+        f.admit(&alice, T0).unwrap();
+        f.follow_others(day_of(T0), &[counted("user", "alice", 60, 0)], |_| None, T0);
+        let e = f.admit(&alice, T0).unwrap_err();
+        assert!(e.to_string().contains("has used 100 today"), "{e}");
+        // A read of yesterday's counts (before midnight) changes nothing.
+        f.follow_others(day_of(T0) - DAY_US, &[counted("user", "alice", 0, 0)], |_| None, T0);
+        assert!(f.admit(&alice, T0).is_err());
+    }
+
+    #[test]
+    fn at_start_the_other_gateways_calls_in_the_usage_log_count_once() {
+        let f = FairUse::new(LimitsConfig { rpm: 10, tokens_per_day: 100, ..LimitsConfig::default() });
+        // The usage log holds every gateway's calls: 100 tokens today, 60 of them elsewhere.
+        f.reload(&[], &[LimitUsage { user: "alice".into(), key_id: "".into(), tokens: 100, recent_calls: 0 }], T0);
+        f.start_with_others(day_of(T0), &[counted("user", "alice", 60, 5)], T0);
+        let alice = Identity { user: "alice".into(), ..Identity::default() };
+        assert!(f.admit(&alice, T0).unwrap_err().to_string().contains("has used 100 today"));
+        // Their five calls so far are in the reload already: read again, they charge nothing.
+        f.set_limits(LimitsConfig { rpm: 1, tokens_per_day: 0, ..LimitsConfig::default() });
+        f.follow_others(day_of(T0), &[counted("user", "alice", 60, 5)], |_| None, T0);
+        f.admit(&alice, T0).unwrap();
+    }
+
+    #[test]
+    fn this_gateways_counts_are_published_once_per_change() {
+        let f = FairUse::new(LimitsConfig { rpm: 10, ..LimitsConfig::default() });
+        assert!(f.to_publish().is_none());
+        f.admit(&key("k1", "alice", Some(5), None), T0).unwrap();
+        f.count(&used("alice", "k1", 7), T0);
+        let (day, mut rows) = f.to_publish().unwrap();
+        rows.sort_by(|a, b| a.kind.cmp(&b.kind));
+        assert_eq!(day, day_of(T0));
+        assert_eq!(rows, vec![counted("key", "k1", 7, 1), counted("user", "alice", 7, 1)]);
+        assert!(f.to_publish().is_none(), "nothing changed since");
+        // The store did not take them: they go out with the next publication.
+        f.unpublished(day, &rows);
+        assert_eq!(f.to_publish().unwrap().1.len(), 2);
     }
 }

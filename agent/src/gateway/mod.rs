@@ -96,12 +96,21 @@ impl Gateway {
             tracing::warn!("the usage journal was not replayed within 10 s: [gateway.limits] count only the rows already stored");
         }
         let now = crate::util::now_us();
-        let day = now - now.rem_euclid(86_400_000_000);
+        let day = fair_use::day_of(now);
         let used = store
             .limit_usage(day, now - 60_000_000)
             .await
             .context("cannot load the day's gateway usage (for [gateway.limits]) from the store")?;
         fair_use.reload(&records, &used, now);
+        if store.backend() == crate::store::Backend::Postgres {
+            // Other gateways on this store: their calls are in the usage log just reloaded.
+            let me = config.file.telemetry.effective_node_name();
+            let others = store
+                .others_limit_counts(&me, day)
+                .await
+                .context("cannot load the other gateways' counts of the day (for [gateway.limits]) from the store")?;
+            fair_use.start_with_others(day, &others, now);
+        }
         keys.replace(records);
         let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
         upstream.spawn_pruner(Duration::from_secs(15));
