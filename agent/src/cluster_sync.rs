@@ -66,8 +66,8 @@ pub async fn once(state: &AppState) -> Result<(), StoreError> {
 }
 
 /// `[gateway.limits]` and the keys' own limits across gateways: this gateway's counts of the
-/// day are published, the others' read ([`crate::gateway::fair_use`]). Nodes without a gateway
-/// count nothing.
+/// day are published, the others' read while any limit applies here
+/// ([`crate::gateway::fair_use`]). Nodes without a gateway count nothing.
 async fn limits(state: &AppState) -> Result<(), StoreError> {
     let me = state.config.file.telemetry.effective_node_name();
     if !state.config.file.cluster.is_gateway(&me) {
@@ -80,6 +80,11 @@ async fn limits(state: &AppState) -> Result<(), StoreError> {
     {
         fair_use.unpublished(day, &rows);
         return Err(e);
+    }
+    if !fair_use.any_limit() && !state.gateway.keys.any_own_limit() {
+        // Nothing to refuse here: no read (an idle agent makes one query fewer per pass).
+        fair_use.others_not_followed();
+        return Ok(());
     }
     let day = crate::gateway::fair_use::day_of(now);
     let others = state.store.others_limit_counts(&me, day).await?;

@@ -160,6 +160,12 @@ impl KeyCache {
         true
     }
 
+    /// Whether any key that is not revoked has limits of its own.
+    pub fn any_own_limit(&self) -> bool {
+        let g = self.keys.read().unwrap_or_else(|p| p.into_inner());
+        g.values().any(|r| r.revoked_us.is_none() && (r.rpm.is_some_and(|n| n > 0) || r.tokens_per_day.is_some_and(|n| n > 0)))
+    }
+
     /// The own `--rpm` of the key with this id (`None`: none, or no such key).
     pub fn rpm_of(&self, id: &str) -> Option<u32> {
         let g = self.keys.read().unwrap_or_else(|p| p.into_inner());

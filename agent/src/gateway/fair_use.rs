@@ -57,6 +57,9 @@ struct State {
     /// The other gateways' counts of the day as last read (their calls: only the calls they
     /// admitted since are charged here).
     others: Counts,
+    /// `others` was not kept up to date (no limit applied here): the next read only takes
+    /// their counts as they are, charging nothing.
+    others_stale: bool,
 }
 
 /// What one gateway counted for one subject in a day.
@@ -243,6 +246,17 @@ impl FairUse {
         }
     }
 
+    /// Whether `[gateway.limits]` sets any limit.
+    pub fn any_limit(&self) -> bool {
+        self.limits.read().unwrap_or_else(PoisonError::into_inner).any()
+    }
+
+    /// The other gateways' counts are not read while no limit applies here (`cluster_sync`):
+    /// the first read after that charges none of the calls they admitted meanwhile.
+    pub fn others_not_followed(&self) {
+        self.lock().others_stale = true;
+    }
+
     /// The other gateways' counts of the day `day_us` as read now (`cluster_sync`): their
     /// tokens replace the last read; the calls they admitted since it are charged to the rates
     /// here (`key_rpm`: a key's own `--rpm`, by key id).
@@ -253,12 +267,13 @@ impl FairUse {
         if st.day != day_us {
             return; // read before midnight
         }
+        let stale = std::mem::take(&mut st.others_stale);
         let mut seen = Counts::default();
         for r in rows {
             let Some(s) = Subject::of_row(&r.kind, &r.who) else { continue };
             let (tokens, calls) = (u64::try_from(r.tokens).unwrap_or(0), u64::try_from(r.calls).unwrap_or(0));
             // Fewer than last read: a gateway restarted and counts again from its own start.
-            let new_calls = calls.saturating_sub(st.others.get(&s).calls);
+            let new_calls = if stale { 0 } else { calls.saturating_sub(st.others.get(&s).calls) };
             let rpm = match &s {
                 Subject::User(u) => cfg.for_user(u).0,
                 Subject::Key(k) => key_rpm(k).unwrap_or(0),
@@ -552,6 +567,23 @@ mod tests {
         let k = key("k1", "bob", Some(1), None);
         f.follow_others(day_of(T0), &[counted("key", "k1", 0, 1)], |id| (id == "k1").then_some(1), T0 + MINUTE_US);
         assert!(f.admit(&k, T0 + MINUTE_US).unwrap_err().to_string().contains("API key k1"));
+    }
+
+    #[test]
+    fn calls_made_elsewhere_while_not_followed_are_not_charged_at_once() {
+        let f = FairUse::new(LimitsConfig::default());
+        assert!(!f.any_limit());
+        f.others_not_followed();
+        // A limit is set later: the day's calls at the other gateway so far are taken as they
+        // are, not charged as if they had all come now.
+        f.set_limits(LimitsConfig { rpm: 2, ..LimitsConfig::default() });
+        assert!(f.any_limit());
+        f.follow_others(day_of(T0), &[counted("user", "alice", 0, 500)], |_| None, T0);
+        let alice = Identity { user: "alice".into(), ..Identity::default() };
+        f.admit(&alice, T0).unwrap();
+        // From then on their new calls count.
+        f.follow_others(day_of(T0), &[counted("user", "alice", 0, 501)], |_| None, T0);
+        assert!(f.admit(&alice, T0).is_err());
     }
 
     #[test]
