@@ -1,10 +1,11 @@
 //! Agents that share one PostgreSQL store see each other's changes: API keys (created, revoked,
 //! edited), the name registry with its roles, and the versions promoted through gpuhub are read
-//! again every [`INTERVAL`], and the gateways exchange what their limits counted (a user's
-//! requests per minute and tokens per day hold across gateways). Without this, a key revoked through one node's agent kept working
-//! at another node's gateway until that agent restarted; a rename or a role moved on one node
-//! reached the other nodes' gateways and jobs (`<ROLE>_MODEL`) only then; and a promotion
-//! switched only the promoting agent's workers, the others starting the old version.
+//! again every [`INTERVAL`], and the gateways exchange what their limits counted. Without this,
+//! a key revoked through one node's agent kept working at another node's gateway until that
+//! agent restarted; a rename or a role moved on one node reached the other nodes' gateways and
+//! jobs (`<ROLE>_MODEL`) only then; a promotion switched only the promoting agent's workers, the
+//! others starting the old version; and a user could use their `[gateway.limits]` in full at
+//! each gateway.
 //!
 //! A store that cannot be read keeps the last view; one line says so, and one when it is read
 //! again. With SQLite (one agent) there is nothing to follow and nothing runs.

@@ -16,8 +16,9 @@
 //! day per user and per key (`gateway_limit_counts`), and reads the others' every
 //! `cluster_sync` pass (2 s). Their tokens add to this gateway's; the calls they admitted since
 //! the last pass are charged to the rates here as if they had come now. So a user over a limit
-//! at one gateway is over it at every gateway within a pass, and a rate holds across gateways
-//! up to the calls admitted within one pass.
+//! at one gateway is over it at every gateway within two passes (one to publish, one to read),
+//! and a rate holds across gateways up to the calls admitted elsewhere in that time. While no
+//! limit applies at a gateway it reads nothing.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
