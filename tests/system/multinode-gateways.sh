@@ -10,8 +10,8 @@
 #     $LAB_USER answering every health check) is refused before its key is sent: the squatter
 #     sees no request, the refusal is logged with the job;
 #  2. calls that keep coming through the non-owning gateway only keep the worker loaded past its
-#     idle timeout (the owner reads their use from the store); once they stop, the owner
-#     unloads it;
+#     idle timeout (the owner reads their use from the store); a key's tokens of the day spent at
+#     gpu01 are refused at gpu02; once the calls stop, the owner unloads the worker;
 #  2b. an API key created, widened (`gpuhub keys set`) and revoked through gpu01's agent, and a
 #     role moved there, apply at gpu02's gateway and to gpu02's jobs within 6 s; a key's --rpm
 #     used up at gpu01 is refused at gpu02 (the gateways exchange their limit counts); and a
@@ -138,6 +138,34 @@ codes="$(grep -cx 200 <<<"$out" || true)"
 ! grep -E "idle for .*s \(idle_timeout_s\)" "$NODES_DIR/$owner/agent.log" >/dev/null || fail "$owner logged an idle unload"
 "${PSQL[@]}" -c "SELECT last_used_us FROM worker_use WHERE instance_id = '$wjob'" | grep -q . ||
     fail "no use of worker $wjob through $other's gateway in the store"
+# Tokens per day count across gateways too: a key with --tokens-per-day 1 spends its day at
+# gpu01 (one call while the worker is loaded); once gpu01 has published that and gpu02 has read
+# it (a pass each), gpu02's gateway refuses the key's next call.
+TKEY="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys create --user "$LAB_USER" --app multigw-tokens --tokens-per-day 1 | tail -n 1)"
+TKID="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys list --json | jq -r '.keys[] | select(.app == "multigw-tokens") | .id')"
+lab_cleanup_add "nodes_exec gpu01 $REPO/target/release/gpuhub keys revoke $TKID >/dev/null 2>&1 || true"
+TBODY="$(mktemp /tmp/gpuhub-multigw-tokens.XXXXXX)"
+lab_cleanup_add "rm -f '$TBODY'"
+tok_call() { # tok_call NODE URL: the HTTP status of one dots.ocr call with key $TKID; the body in file $TBODY
+    local out
+    out="$(nodes_exec "$1" curl -s -w '\n%{http_code}' --max-time 30 "$2/v1/chat/completions" -H "Authorization: Bearer $TKEY" \
+        -H content-type:application/json -d '{"model":"dots.ocr","messages":[{"role":"user","content":"hi"}]}')"
+    sed '$d' <<<"$out" >"$TBODY"
+    tail -n 1 <<<"$out"
+}
+for _ in $(seq 30); do [ "$(nodes_exec gpu02 curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $TKEY" "http://$(nodes_ip gpu02):8400/v1/models")" = 200 ] && break; sleep 0.2; done
+st="$(tok_call gpu01 "http://$(nodes_ip gpu01):8400")"
+[ "$st" = 200 ] || fail "the first call of key $TKID (--tokens-per-day 1) at gpu01: HTTP $st: $(cat "$TBODY")"
+for _ in $(seq 30); do
+    [ "$("${PSQL[@]}" -c "SELECT tokens FROM gateway_limit_counts WHERE gateway = 'gpu01' AND kind = 'key' AND who = '$TKID'")" -gt 0 ] 2>/dev/null && break
+    sleep 0.2
+done
+sleep 2.5
+st="$(tok_call gpu02 "http://$(nodes_ip gpu02):8400")"
+[ "$st" = 429 ] && grep -q "token limit reached: API key $TKID" "$TBODY" ||
+    fail "key $TKID spent its tokens of the day at gpu01, and gpu02's gateway answered HTTP $st: $(cat "$TBODY")"
+nodes_exec gpu01 "$REPO/target/release/gpuhub" keys revoke "$TKID" >/dev/null
+echo "   key $TKID (--tokens-per-day 1): its day spent at gpu01, refused at gpu02 (429 token limit)"
 for _ in $(seq 100); do [ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] && break; sleep 0.3; done
 [ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] || fail "$owner did not unload worker $wjob once the calls stopped"
 echo "   kept for 15 s of calls through $other only, unloaded by $owner after them"
