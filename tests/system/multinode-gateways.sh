@@ -78,6 +78,22 @@ calls() {
         echo "url $GPUHUB_URL"; echo "job $SLURM_JOB_ID"' "$2" "${3:-1}" "${4:-0}")
 }
 
+# until SECONDS CMD...: CMD succeeds within SECONDS (the agents read each other's changes every 2 s)
+until_ok() { local end=$((SECONDS + $1)); shift; until "$@"; do [ "$SECONDS" -lt "$end" ] || return 1; sleep 0.2; done; }
+g2_models() { nodes_exec gpu02 curl -s --max-time 5 -H "Authorization: Bearer $1" "$G2/v1/models"; }
+g2_says() { g2_models "$1" | grep -q "$2"; }
+# chat_at NODE URL KEY MODEL: one chat call from NODE with API key KEY; prints the HTTP status,
+# the answer's body goes to $BODY.
+BODY="$(mktemp /tmp/gpuhub-multigw-body.XXXXXX)"
+lab_cleanup_add "rm -f '$BODY'"
+chat_at() {
+    local out
+    out="$(nodes_exec "$1" curl -s -w '\n%{http_code}' --max-time 30 "$2/v1/chat/completions" -H "Authorization: Bearer $3" \
+        -H content-type:application/json -d "{\"model\":\"$4\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}")"
+    sed '$d' <<<"$out" >"$BODY"
+    tail -n 1 <<<"$out"
+}
+
 echo "== 1. concurrent first calls through both gateways start one worker"
 # A stale row first: agent gpu09's dots.ocr worker, a cancelled job, whose port on gpu02 a
 # process of $LAB_USER holds, answering 200 to anything and logging what it was sent.
@@ -144,26 +160,17 @@ codes="$(grep -cx 200 <<<"$out" || true)"
 TKEY="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys create --user "$LAB_USER" --app multigw-tokens --tokens-per-day 1 | tail -n 1)"
 TKID="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys list --json | jq -r '.keys[] | select(.app == "multigw-tokens") | .id')"
 lab_cleanup_add "nodes_exec gpu01 $REPO/target/release/gpuhub keys revoke $TKID >/dev/null 2>&1 || true"
-TBODY="$(mktemp /tmp/gpuhub-multigw-tokens.XXXXXX)"
-lab_cleanup_add "rm -f '$TBODY'"
-tok_call() { # tok_call NODE URL: the HTTP status of one dots.ocr call with key $TKID; the body in file $TBODY
-    local out
-    out="$(nodes_exec "$1" curl -s -w '\n%{http_code}' --max-time 30 "$2/v1/chat/completions" -H "Authorization: Bearer $TKEY" \
-        -H content-type:application/json -d '{"model":"dots.ocr","messages":[{"role":"user","content":"hi"}]}')"
-    sed '$d' <<<"$out" >"$TBODY"
-    tail -n 1 <<<"$out"
-}
-for _ in $(seq 30); do [ "$(nodes_exec gpu02 curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $TKEY" "http://$(nodes_ip gpu02):8400/v1/models")" = 200 ] && break; sleep 0.2; done
-st="$(tok_call gpu01 "http://$(nodes_ip gpu01):8400")"
-[ "$st" = 200 ] || fail "the first call of key $TKID (--tokens-per-day 1) at gpu01: HTTP $st: $(cat "$TBODY")"
+until_ok 6 g2_says "$TKEY" '"data"' || fail "key $TKID (created through gpu01) does not work at gpu02's gateway within 6 s"
+st="$(chat_at gpu01 "$G1" "$TKEY" dots.ocr)"
+[ "$st" = 200 ] || fail "the first call of key $TKID (--tokens-per-day 1) at gpu01: HTTP $st: $(cat "$BODY")"
 for _ in $(seq 30); do
     [ "$("${PSQL[@]}" -c "SELECT tokens FROM gateway_limit_counts WHERE gateway = 'gpu01' AND kind = 'key' AND who = '$TKID'")" -gt 0 ] 2>/dev/null && break
     sleep 0.2
 done
 sleep 2.5
-st="$(tok_call gpu02 "http://$(nodes_ip gpu02):8400")"
-[ "$st" = 429 ] && grep -q "token limit reached: API key $TKID" "$TBODY" ||
-    fail "key $TKID spent its tokens of the day at gpu01, and gpu02's gateway answered HTTP $st: $(cat "$TBODY")"
+st="$(chat_at gpu02 "$G2" "$TKEY" dots.ocr)"
+[ "$st" = 429 ] && grep -q "token limit reached: API key $TKID" "$BODY" ||
+    fail "key $TKID spent its tokens of the day at gpu01, and gpu02's gateway answered HTTP $st: $(cat "$BODY")"
 nodes_exec gpu01 "$REPO/target/release/gpuhub" keys revoke "$TKID" >/dev/null
 echo "   key $TKID (--tokens-per-day 1): its day spent at gpu01, refused at gpu02 (429 token limit)"
 for _ in $(seq 100); do [ -z "$(squeue -h -j "$wjob" -o %T 2>/dev/null)" ] && break; sleep 0.3; done
@@ -172,11 +179,7 @@ echo "   kept for 15 s of calls through $other only, unloaded by $owner after th
 
 echo "== 2b. keys, roles and names changed through one agent apply at the other's gateway and jobs"
 GH=("$REPO/target/release/gpuhub")
-# until SECONDS CMD...: CMD succeeds within SECONDS (the agents read each other's changes every 2 s)
-until_ok() { local end=$((SECONDS + $1)); shift; until "$@"; do [ "$SECONDS" -lt "$end" ] || return 1; sleep 0.2; done; }
-g2_models() { nodes_exec gpu02 curl -s --max-time 5 -H "Authorization: Bearer $1" "$G2/v1/models"; }
 g2_lists() { [ "$(g2_models "$1" | jq '.data | length' 2>/dev/null)" = "$2" ]; }
-g2_says() { g2_models "$1" | grep -q "$2"; }
 KEY="$(nodes_exec gpu01 "${GH[@]}" keys create --user "$LAB_USER" --app multigw-sync --models dots.ocr | tail -n 1)"
 KID="$(nodes_exec gpu01 "${GH[@]}" keys list --json | jq -r '.keys[] | select(.app == "multigw-sync") | .id')"
 until_ok 6 g2_lists "$KEY" 1 || fail "a key created through gpu01 ($KID) does not work at gpu02's gateway within 6 s: $(g2_models "$KEY")"
@@ -189,32 +192,22 @@ until_ok 6 g2_says "$KEY" "was revoked" || fail "key $KID, revoked through gpu01
 # Limits count across gateways: a key with its own --rpm 3 makes its three calls of the minute
 # at gpu01 (to an unknown name: a call is counted before its body is read), and gpu02's gateway
 # refuses its next one, once the agents have exchanged their counts (a pass each, 2 s).
-TMPB="$(mktemp /tmp/gpuhub-multigw-body.XXXXXX)"
-lab_cleanup_add "rm -f '$TMPB'"
-chat_at() { # chat_at NODE URL KEY: prints the HTTP status; the body goes to $TMPB
-    local out
-    out="$(nodes_exec "$1" curl -s -w '\n%{http_code}' --max-time 10 "$2/v1/chat/completions" \
-        -H "Authorization: Bearer $3" -H 'Content-Type: application/json' \
-        -d '{"model":"multigw-no-such-model","messages":[{"role":"user","content":"hi"}]}')"
-    echo "$out" | sed '$d' >"$TMPB"
-    echo "$out" | tail -n 1
-}
 RKEY="$(nodes_exec gpu01 "${GH[@]}" keys create --user "$LAB_USER" --app multigw-rpm --rpm 3 | tail -n 1)"
 RKID="$(nodes_exec gpu01 "${GH[@]}" keys list --json | jq -r '.keys[] | select(.app == "multigw-rpm") | .id')"
 lab_cleanup_add "nodes_exec gpu01 ${GH[*]} keys revoke $RKID >/dev/null 2>&1 || true"
 until_ok 6 g2_says "$RKEY" '"data"' || fail "key $RKID (created through gpu01) does not work at gpu02's gateway within 6 s"
 for i in 1 2 3; do
-    st="$(chat_at gpu01 "$G1" "$RKEY")"
-    [ "$st" = 404 ] || fail "call $i of key $RKID (--rpm 3) at gpu01: HTTP $st, expected 404 (unknown name, admitted): $(cat "$TMPB")"
+    st="$(chat_at gpu01 "$G1" "$RKEY" multigw-no-such-model)"
+    [ "$st" = 404 ] || fail "call $i of key $RKID (--rpm 3) at gpu01: HTTP $st, expected 404 (unknown name, admitted): $(cat "$BODY")"
 done
 sleep 6
-st="$(chat_at gpu02 "$G2" "$RKEY")"
-[ "$st" = 429 ] || fail "key $RKID made its 3 calls of the minute at gpu01, and gpu02's gateway answered its 4th with HTTP $st, not 429: $(cat "$TMPB")"
-grep -q "API key $RKID .* may make 3 requests per minute" "$TMPB" || fail "gpu02's 429 does not name the key's limit: $(cat "$TMPB")"
+st="$(chat_at gpu02 "$G2" "$RKEY" multigw-no-such-model)"
+[ "$st" = 429 ] || fail "key $RKID made its 3 calls of the minute at gpu01, and gpu02's gateway answered its 4th with HTTP $st, not 429: $(cat "$BODY")"
+grep -q "API key $RKID .* may make 3 requests per minute" "$BODY" || fail "gpu02's 429 does not name the key's limit: $(cat "$BODY")"
 pub="$("${PSQL[@]}" -c "SELECT calls FROM gateway_limit_counts WHERE gateway = 'gpu01' AND kind = 'key' AND who = '$RKID'")"
 [ "$pub" = 3 ] || fail "gpu01 published $pub call(s) of key $RKID (gateway_limit_counts), expected 3"
 nodes_exec gpu01 "${GH[@]}" keys revoke "$RKID" >/dev/null
-echo "   key $RKID (--rpm 3): 3 calls at gpu01, the 4th refused at gpu02 ($(jq -r .error.message "$TMPB" | cut -c1-80)...)"
+echo "   key $RKID (--rpm 3): 3 calls at gpu01, the 4th refused at gpu02 ($(jq -r .error.message "$BODY" | cut -c1-80)...)"
 g2_ocr() { nodes_exec gpu02 "${GH[@]}" env | grep -qx "OCR_MODEL=$1"; }
 lab_cleanup_add "nodes_exec gpu01 ${GH[*]} roles set ocr dots.ocr >/dev/null 2>&1 || true"
 nodes_exec gpu01 "${GH[@]}" roles set ocr SmolLM2-135M-Instruct >/dev/null || fail "gpuhub roles set ocr failed on gpu01"
