@@ -32,7 +32,10 @@ fn models() -> String {
             w.display()
         )
     };
-    entry("resp", "", "")
+    // Local workers run as `nobody` under root: the default workers.user (gpuhub-worker) exists
+    // only where the agent RPM or the lab created it, not on a fresh machine.
+    format!("[workers]\nuser = \"{}\"\n", gateway_support::worker_user())
+        + &entry("resp", "", "")
         + &entry("resp-break", "--break-stream-after 2", "")
         + &entry("nousage", "--no-stream-usage", "")
         + &entry("nousage-tok", "--no-stream-usage", "tokenize_path = \"/tokenize\"")

@@ -4,6 +4,8 @@
 //! launcher and the repo's TEST worker (`tests/worker`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod gateway_support;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -52,7 +54,8 @@ impl Env {
         let store = Store::open(&format!("sqlite://{}", dir.path().join("t.db").display()), None).await.unwrap();
         let d = dir.path().display();
         let mut text = format!(
-            "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\n"
+            "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\n",
+            gateway_support::worker_user()
         );
         for (name, vram, extra) in models {
             text.push_str(&format!(
