@@ -5,7 +5,8 @@
 //! agent restarted; a rename or a role moved on one node reached the other nodes' gateways and
 //! jobs (`<ROLE>_MODEL`) only then; a promotion switched only the promoting agent's workers, the
 //! others starting the old version; and a user could use their `[gateway.limits]` in full at
-//! each gateway.
+//! each gateway. Every [`policy::PUBLISH_EVERY`] passes each gateway also publishes the settings
+//! all gateways must share and compares them with the others' ([`crate::gateway::policy`]).
 //!
 //! A store that cannot be read keeps the last view; one line says so, and one when it is read
 //! again. With SQLite (one agent) there is nothing to follow and nothing runs.
@@ -15,6 +16,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::AppState;
+use crate::gateway::policy;
 use crate::store::{Backend, StoreError};
 
 /// How long another agent's change takes to apply here, at most (plus one store read).
@@ -26,12 +28,24 @@ pub async fn run(state: AppState, stop: CancellationToken) {
         return;
     }
     let mut failing = false;
+    // Passes until this gateway's policy is published and compared again (the first pass does).
+    let mut policy_in: u64 = 0;
+    // What differs from the other gateways' policies, as last logged.
+    let mut differs = Vec::new();
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(INTERVAL) => {}
         }
-        match once(&state).await {
+        let mut result = once(&state).await;
+        if result.is_ok() && policy_in == 0 {
+            result = policies(&state, &mut differs).await;
+            if result.is_ok() {
+                policy_in = policy::PUBLISH_EVERY;
+            }
+        }
+        policy_in = policy_in.saturating_sub(1);
+        match result {
             Ok(()) if failing => {
                 failing = false;
                 tracing::info!("cluster sync: the store is read again; keys, names and limits follow other agents' changes");
@@ -90,6 +104,31 @@ async fn limits(state: &AppState) -> Result<(), StoreError> {
     let day = crate::gateway::fair_use::day_of(now);
     let others = state.store.others_limit_counts(&me, day).await?;
     fair_use.follow_others(day, &others, |id| state.gateway.keys.rpm_of(id), now);
+    Ok(())
+}
+
+/// Publishes this gateway's policy and compares it with the other gateways'; a difference is
+/// logged when it appears or changes, and once when it is gone.
+async fn policies(state: &AppState, logged: &mut Vec<policy::Difference>) -> Result<(), StoreError> {
+    let me = state.config.file.telemetry.effective_node_name();
+    if !state.config.file.cluster.is_gateway(&me) {
+        return Ok(());
+    }
+    let mine = policy::current(state);
+    let now = crate::util::now_us();
+    state.store.publish_gateway_policy(&me, &mine.to_json(), now).await?;
+    let rows = state.store.gateway_policies(now - policy::FRESH_US).await?;
+    let found = policy::compare(&me, &mine, &rows);
+    if found != *logged {
+        if found.is_empty() {
+            tracing::info!("gateway policy: every gateway now has the same [gateway.limits], [gateway.user_models] and keys_per_user");
+        } else {
+            let gateways: Vec<&str> = found.iter().map(|d| d.gateway.as_str()).collect();
+            tracing::warn!(gateways = %gateways.join(","), differs = %policy::describe(&found), fix = policy::FIX,
+                "gateway policy: another gateway enforces other settings than this one");
+        }
+        *logged = found;
+    }
     Ok(())
 }
 

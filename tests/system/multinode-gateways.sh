@@ -17,11 +17,13 @@
 #     used up at gpu01 is refused at gpu02 (the gateways exchange their limit counts); and a
 #     version promoted by another agent (its model_promotions row) is served by both (cluster
 #     sync);
+#  2c. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
+#     and both values (gateway-policy; the same before), and gpu02's log says so;
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
 #     cluster-wide).
-# Restores the one-node lab at exit. About 115 s (two lab re-ups of ~30 s each).
+# Restores the one-node lab at exit. About 130 s (two lab re-ups of ~30 s each).
 # timeout: 300
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -230,6 +232,23 @@ grep -q "a version promoted through another agent; serving it here" "$NODES_DIR/
 "${PSQL[@]}" -c "DELETE FROM model_promotions WHERE model = 'sync-reg-model'"
 echo "   through gpu01: key $KID created, widened, revoked, and the ocr role moved and back; a promotion recorded by another agent; both gateways and gpu02's jobs followed each within 6 s"
 
+echo "== 2c. a gateway whose [gateway.limits] differ is named by the other's doctor and its own log"
+# policy_at NODE: the gateway-policy check of `gpuhub doctor` on NODE, as "ok|detail".
+policy_at() { nodes_exec "$1" "${GH[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "gateway-policy") | "\(.ok)|\(.detail)"'; }
+policy_says() { policy_at "$1" | grep -q "$2"; }
+until_ok 6 policy_says gpu01 '^true|the same .* as gpu02' || fail "gpu01's doctor does not show the same policy as gpu02's: $(policy_at gpu01)"
+EXTRA2="$(mktemp /tmp/gpuhub-multigw-extra2.XXXXXX)"
+lab_cleanup_add "rm -f '$EXTRA2'"
+chmod 644 "$EXTRA2"
+{ cat "$EXTRA"; printf '\n[gateway.limits]\nrpm = 6000\n'; } > "$EXTRA2"
+"$NODES_SH" agent-stop gpu02
+GPUHUB_LAB_NODES_EXTRA="$EXTRA2" "$NODES_SH" agent-start gpu02 60 || fail "gpu02's agent did not start with [gateway.limits] rpm = 6000"
+until_ok 10 policy_says gpu01 '^false|\[gateway.limits\]: here rpm none, tokens_per_day none; at gpu02 rpm 6000' ||
+    fail "gpu01's doctor does not name gpu02's other [gateway.limits]: $(policy_at gpu01)"
+until_ok 6 grep -q 'gateway policy: another gateway enforces other settings than this one.*gateways=gpu01' "$NODES_DIR/gpu02/agent.log" ||
+    fail "gpu02's agent did not log that gpu01 enforces other settings"
+echo "   gpu01's doctor: $(policy_at gpu01 | cut -c1-120)"
+
 echo "== 3. the gateway on gpu01 only"
 export NODES_GATEWAY_NODES=gpu01
 "$NODES_SH" agent-stop gpu02
@@ -251,4 +270,4 @@ nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr"
 echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
 
 nodes_test_restore || exit 1
-echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; keys and roles changed through one agent apply at the other within 6 s; a node without the gateway role opens no port and its jobs reach the gateway node"
+echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; keys and roles changed through one agent apply at the other within 6 s; a gateway whose [gateway.limits] differ is named by the other's doctor; a node without the gateway role opens no port and its jobs reach the gateway node"

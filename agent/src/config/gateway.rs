@@ -102,7 +102,6 @@ impl<'de> Deserialize<'de> for LimitUser {
 }
 
 impl LimitsConfig {
-    /// The limits of `user`: (rpm, tokens_per_day), 0 = none.
     /// Whether any limit is set (a default or a user's own).
     pub fn any(&self) -> bool {
         self.rpm > 0
@@ -110,6 +109,7 @@ impl LimitsConfig {
             || self.users.iter().any(|u| u.rpm.is_some_and(|r| r > 0) || u.tokens_per_day.is_some_and(|t| t > 0))
     }
 
+    /// The limits of `user`: (rpm, tokens_per_day), 0 = none.
     pub fn for_user(&self, user: &str) -> (u32, u64) {
         let o = self.users.iter().rev().find(|u| u.user.0 == user);
         (o.and_then(|o| o.rpm).unwrap_or(self.rpm), o.and_then(|o| o.tokens_per_day).unwrap_or(self.tokens_per_day))

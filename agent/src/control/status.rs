@@ -80,6 +80,10 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
 
     checks.push(usage_log_check(&state.gateway.usage.health()));
 
+    if let Some(c) = policy_check(&state).await {
+        checks.push(c);
+    }
+
     if let Some(uri) = &cfg.file.mlflow.tracking_uri {
         let url = format!("{}/health", uri.trim_end_matches('/'));
         let res = match reqwest::Client::builder().timeout(Duration::from_secs(2)).build() {
@@ -89,6 +93,34 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
         checks.push(check("mlflow", res, uri.clone(), "start the MLflow server or fix mlflow.tracking_uri"));
     }
     Json(checks)
+}
+
+/// With gateways on several nodes (a PostgreSQL store): whether the other gateways enforce the
+/// same policy as this one, from their rows as published now. None where it does not apply.
+async fn policy_check(state: &AppState) -> Option<Check> {
+    use crate::gateway::policy;
+    let me = state.config.file.telemetry.effective_node_name();
+    if state.store.backend() != crate::store::Backend::Postgres || !state.config.file.cluster.is_gateway(&me) {
+        return None;
+    }
+    let rows = match state.store.gateway_policies(crate::util::now_us() - policy::FRESH_US).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            return Some(check("gateway-policy", false, format!("cannot read the other gateways' policies: {e}"), "see the store check"));
+        }
+    };
+    let others: Vec<&str> = rows.iter().map(|(g, _)| g.as_str()).filter(|g| *g != me).collect();
+    let diffs = policy::compare(&me, &policy::current(state), &rows);
+    Some(if diffs.is_empty() {
+        let detail = if others.is_empty() {
+            "no other gateway has published its settings recently (this is the only gateway)".to_string()
+        } else {
+            format!("the same [gateway.limits], [gateway.user_models] and keys_per_user as {}", crate::util::sanitize(&others.join(", ")))
+        };
+        check("gateway-policy", true, detail, "")
+    } else {
+        check("gateway-policy", false, policy::describe(&diffs), policy::FIX)
+    })
 }
 
 /// The usage log: rows the store refused (the dead-letter file), and rows waiting in memory

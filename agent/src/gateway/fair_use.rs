@@ -186,6 +186,11 @@ impl FairUse {
         *self.limits.write().unwrap_or_else(PoisonError::into_inner) = limits;
     }
 
+    /// `[gateway.limits]` as last read.
+    pub fn limits(&self) -> LimitsConfig {
+        self.limits.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     /// `user`'s requests per minute and tokens per day under `[gateway.limits]` (0: none).
     pub fn user_limits(&self, user: &str) -> (u32, u64) {
         self.limits.read().unwrap_or_else(PoisonError::into_inner).for_user(user)

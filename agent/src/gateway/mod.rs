@@ -33,6 +33,7 @@ pub mod limits;
 pub mod metrics;
 pub mod models_list;
 pub mod parse;
+pub mod policy;
 pub mod proxy;
 pub mod refusals;
 pub mod router;

@@ -27,6 +27,7 @@ mod jobs;
 mod limit_counts;
 mod models;
 pub mod names;
+mod policies;
 mod promotions;
 pub mod quotas;
 mod worker_use;
