@@ -235,7 +235,7 @@ echo "   through gpu01: key $KID created, widened, revoked, and the ocr role mov
 echo "== 2c. a gateway whose [gateway.limits] differ is named by the other's doctor and its own log"
 # policy_at NODE: the gateway-policy check of `gpuhub doctor` on NODE, as "ok|detail".
 policy_at() { nodes_exec "$1" "${GH[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "gateway-policy") | "\(.ok)|\(.detail)"'; }
-policy_says() { policy_at "$1" | grep -q "$2"; }
+policy_says() { grep -q -- "$2" <<<"$(policy_at "$1")"; }
 until_ok 6 policy_says gpu01 '^true|the same .* as gpu02' || fail "gpu01's doctor does not show the same policy as gpu02's: $(policy_at gpu01)"
 EXTRA2="$(mktemp /tmp/gpuhub-multigw-extra2.XXXXXX)"
 lab_cleanup_add "rm -f '$EXTRA2'"
