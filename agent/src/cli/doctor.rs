@@ -75,9 +75,9 @@ pub async fn run(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
         output::json(&serde_json::to_value(&checks).unwrap_or_default());
     } else {
         for c in &checks {
-            output::line(&format!("{:<4} {:<9} {}", if c.ok { "ok" } else { "FAIL" }, c.name, crate::util::sanitize(&c.detail)));
+            output::line(&format!("{:<4} {:<14} {}", if c.ok { "ok" } else { "FAIL" }, c.name, crate::util::sanitize(&c.detail)));
             if let Some(fix) = &c.fix {
-                output::line(&format!("               fix: {fix}"));
+                output::line(&format!("                    fix: {fix}"));
             }
         }
     }
