@@ -119,6 +119,7 @@ async fn policies(state: &AppState, logged: &mut Vec<policy::Difference>) -> Res
     state.store.publish_gateway_policy(&me, &mine.to_json(), now).await?;
     let rows = state.store.gateway_policies(now - policy::FRESH_US).await?;
     let found = policy::compare(&me, &mine, &rows);
+    state.gateway.metrics.policy_differences.set(i64::try_from(found.len()).unwrap_or(i64::MAX));
     if found != *logged {
         if found.is_empty() {
             tracing::info!("gateway policy: every gateway now has the same [gateway.limits], [gateway.user_models] and keys_per_user");

@@ -18,7 +18,8 @@
 #     version promoted by another agent (its model_promotions row) is served by both (cluster
 #     sync);
 #  2c. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
-#     and both values (gateway-policy; the same before), and gpu02's log says so;
+#     and both values (gateway-policy; the same before), and gpu02's log and its
+#     gpuhub_gateway_policy_differences say so;
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
@@ -247,6 +248,9 @@ until_ok 10 policy_says gpu01 '^false|\[gateway.limits\]: here rpm none, tokens_
     fail "gpu01's doctor does not name gpu02's other [gateway.limits]: $(policy_at gpu01)"
 until_ok 6 grep -q 'gateway policy: another gateway enforces other settings than this one.*gateways=gpu01' "$NODES_DIR/gpu02/agent.log" ||
     fail "gpu02's agent did not log that gpu01 enforces other settings"
+g2_metrics="$(nodes_exec gpu02 curl -s --max-time 5 "http://$(nodes_ip gpu02):9410/metrics")"
+grep -qx 'gpuhub_gateway_policy_differences 1' <<<"$g2_metrics" ||
+    fail "gpu02's /metrics does not say one other gateway differs: $(grep policy_differences <<<"$g2_metrics")"
 echo "   gpu01's doctor: $(policy_at gpu01 | cut -c1-120)"
 
 echo "== 3. the gateway on gpu01 only"

@@ -72,6 +72,8 @@ pub struct GatewayMetrics {
     overhead: Family<ModelLabel, Histogram, fn() -> Histogram>,
     pub in_flight: Family<ModelLabel, Gauge>,
     pub queued: Family<ModelLabel, Gauge>,
+    /// Other gateways on the store whose policy differs from this one's ([`super::policy`]).
+    pub policy_differences: Gauge,
     unknown: Family<NameLabel, Counter>,
     unknown_seen: Mutex<HashSet<String>>,
 }
@@ -87,6 +89,7 @@ impl GatewayMetrics {
             overhead: Family::new_with_constructor(overhead_histogram),
             in_flight: Family::default(),
             queued: Family::default(),
+            policy_differences: Gauge::default(),
             unknown: Family::default(),
             unknown_seen: Mutex::new(HashSet::new()),
         };
@@ -102,6 +105,11 @@ impl GatewayMetrics {
         );
         r.register("gateway_in_flight", "Calls being forwarded to the model now", m.in_flight.clone());
         r.register("gateway_queued", "Calls waiting for the model (loading, or at its concurrency limit)", m.queued.clone());
+        r.register(
+            "gateway_policy_differences",
+            "Other gateways on this store whose [gateway.limits], [gateway.user_models] or keys_per_user differ from this gateway's (gpuhub doctor names them)",
+            m.policy_differences.clone(),
+        );
         r.register("gateway_unknown_model_requests", "Calls to names that were never known, by the name asked for", m.unknown.clone());
         m
     }
