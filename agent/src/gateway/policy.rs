@@ -44,7 +44,8 @@ pub fn current(state: &crate::AppState) -> Policy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Difference {
     pub gateway: String,
-    /// `gateway.limits: here rpm 60, tokens_per_day none; at gpu02 rpm none, ...`, one per setting.
+    /// `[gateway.limits]: here rpm 60, tokens_per_day none; at gpu02 rpm none, ...`, one per
+    /// setting (sanitised, as is the gateway's name).
     pub settings: Vec<String>,
 }
 
@@ -119,13 +120,13 @@ pub fn compare(me: &str, mine: &Policy, rows: &[(String, String)]) -> Vec<Differ
             Err(_) => vec![format!("its policy cannot be read here (another version of gpuhub at {gw}?)")],
         };
         if !settings.is_empty() {
-            out.push(Difference { gateway: gateway.clone(), settings });
+            out.push(Difference { gateway: gw, settings });
         }
     }
     out
 }
 
-/// One line for a log or `gpuhub doctor`: every difference, `; `-separated per gateway.
+/// One line for a log or `gpuhub doctor`: a gateway's settings `; `-separated, gateways ` | `.
 pub fn describe(diffs: &[Difference]) -> String {
     let parts: Vec<String> = diffs.iter().map(|d| d.settings.join("; ")).collect();
     parts.join(" | ")
@@ -193,6 +194,6 @@ mod tests {
         let d = compare("gpu01", &mine, &[("gpu02\u{1b}".to_string(), "{\"rpm\":".to_string())]);
         assert_eq!(d.len(), 1);
         assert!(d[0].settings[0].contains("cannot be read here"), "{d:?}");
-        assert!(!d[0].settings[0].contains('\u{1b}'), "the gateway name is sanitized: {d:?}");
+        assert!(!d[0].settings[0].contains('\u{1b}') && !d[0].gateway.contains('\u{1b}'), "the gateway name is sanitized: {d:?}");
     }
 }
