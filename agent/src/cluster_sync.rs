@@ -5,8 +5,9 @@
 //! agent restarted; a rename or a role moved on one node reached the other nodes' gateways and
 //! jobs (`<ROLE>_MODEL`) only then; a promotion switched only the promoting agent's workers, the
 //! others starting the old version; and a user could use their `[gateway.limits]` in full at
-//! each gateway. Every [`policy::PUBLISH_EVERY`] passes each gateway also publishes the settings
-//! all gateways must share and compares them with the others' ([`crate::gateway::policy`]).
+//! each gateway. Every [`policy::PUBLISH_EVERY`] passes, and on the pass after a reload changed
+//! them, each gateway also publishes the settings all gateways must share and compares them with
+//! the others' ([`crate::gateway::policy`]).
 //!
 //! A store that cannot be read keeps the last view; one line says so, and one when it is read
 //! again. With SQLite (one agent) there is nothing to follow and nothing runs.
@@ -28,8 +29,10 @@ pub async fn run(state: AppState, stop: CancellationToken) {
         return;
     }
     let mut failing = false;
-    // Passes until this gateway's policy is published and compared again (the first pass does).
+    // Passes until this gateway's policy is published and compared again (the first pass
+    // does, and so does the pass after a reload changed it).
     let mut policy_in: u64 = 0;
+    let mut published: Option<policy::Policy> = None;
     // What differs from the other gateways' policies, as last logged.
     let mut differs = Vec::new();
     loop {
@@ -38,10 +41,12 @@ pub async fn run(state: AppState, stop: CancellationToken) {
             _ = tokio::time::sleep(INTERVAL) => {}
         }
         let mut result = once(&state).await;
-        if result.is_ok() && policy_in == 0 {
-            result = policies(&state, &mut differs).await;
+        let mine = policy::current(&state);
+        if result.is_ok() && (policy_in == 0 || published.as_ref() != Some(&mine)) {
+            result = policies(&state, &mine, &mut differs).await;
             if result.is_ok() {
                 policy_in = policy::PUBLISH_EVERY;
+                published = Some(mine);
             }
         }
         policy_in = policy_in.saturating_sub(1);
@@ -107,18 +112,17 @@ async fn limits(state: &AppState) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Publishes this gateway's policy and compares it with the other gateways'; a difference is
-/// logged when it appears or changes, and once when it is gone.
-async fn policies(state: &AppState, logged: &mut Vec<policy::Difference>) -> Result<(), StoreError> {
+/// Publishes this gateway's policy (`mine`) and compares it with the other gateways'; a
+/// difference is logged when it appears or changes, and once when it is gone.
+async fn policies(state: &AppState, mine: &policy::Policy, logged: &mut Vec<policy::Difference>) -> Result<(), StoreError> {
     let me = state.config.file.telemetry.effective_node_name();
     if !state.config.file.cluster.is_gateway(&me) {
         return Ok(());
     }
-    let mine = policy::current(state);
     let now = crate::util::now_us();
     state.store.publish_gateway_policy(&me, &mine.to_json(), now).await?;
     let rows = state.store.gateway_policies(now - policy::FRESH_US).await?;
-    let found = policy::compare(&me, &mine, &rows);
+    let found = policy::compare(&me, mine, &rows);
     state.gateway.metrics.policy_differences.set(i64::try_from(found.len()).unwrap_or(i64::MAX));
     if found != *logged {
         if found.is_empty() {

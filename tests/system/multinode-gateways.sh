@@ -19,7 +19,8 @@
 #     sync);
 #  2c. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
 #     and both values (gateway-policy; the same before), and gpu02's log and its
-#     gpuhub_gateway_policy_differences say so;
+#     gpuhub_gateway_policy_differences say so; its limits set back by `gpuhub models reload`
+#     (no restart), both agree again within 6 s;
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
@@ -252,6 +253,15 @@ g2_metrics="$(nodes_exec gpu02 curl -s --max-time 5 "http://$(nodes_ip gpu02):94
 grep -qx 'gpuhub_gateway_policy_differences 1' <<<"$g2_metrics" ||
     fail "gpu02's /metrics does not say one other gateway differs: $(grep policy_differences <<<"$g2_metrics")"
 echo "   gpu01's doctor: $(policy_at gpu01 | cut -c1-120)"
+# Back to gpu01's [gateway.limits] by a reload, no restart: published on gpu02's next pass.
+GPUHUB_LAB_NODES_EXTRA="$EXTRA" nodes_agent_config gpu02 > "$NODES_DIR/gpu02/agent.toml"
+nodes_exec gpu02 "${GH[@]}" models reload | grep -q '\[gateway.limits\] apply from the next call' ||
+    fail "gpuhub models reload on gpu02 does not say that its [gateway.limits] changed"
+until_ok 6 policy_says gpu01 '^true|the same .* as gpu02' ||
+    fail "gpu01's doctor does not see gpu02's reloaded [gateway.limits] within 6 s: $(policy_at gpu01)"
+until_ok 6 grep -q 'gateway policy: every gateway now has the same' "$NODES_DIR/gpu02/agent.log" ||
+    fail "gpu02's agent did not log that the gateways agree again after its reload"
+echo "   gpu02 reloaded without the rpm: both doctors' policies agree again within 6 s"
 
 echo "== 3. the gateway on gpu01 only"
 export NODES_GATEWAY_NODES=gpu01

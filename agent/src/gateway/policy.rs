@@ -5,7 +5,8 @@
 //! against the limits of whichever gateway they reach.
 //!
 //! Each gateway on a PostgreSQL store publishes its policy (`gateway_policies`, one row per
-//! gateway node, refreshed by `cluster_sync` every [`PUBLISH_EVERY`] passes) and compares it with
+//! gateway node, refreshed by `cluster_sync` every [`PUBLISH_EVERY`] passes and on the pass after
+//! a reload changed `[gateway.limits]`) and compares it with
 //! the others' recent rows: a difference is logged once when it appears (and once when it is
 //! gone), and `gpuhub doctor` reads the rows afresh (`gateway-policy`).
 
