@@ -96,7 +96,26 @@ pub fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_control() { '?' } else { c }).collect()
 }
 
+/// Runs `f` on a thread of its own (named `name`, at most 15 bytes) at the scheduler's idle
+/// policy, `SCHED_IDLE`, and waits for its answer. For housekeeping that can wait a little
+/// (faulting in a usage-journal segment takes milliseconds of CPU): a thread that serves calls
+/// and wakes on the same CPU takes it from such a thread at once, where behind a normal thread
+/// it would wait for that thread's slice, even with the other CPU idle. On a host with every
+/// CPU busy the work still runs, slowly. Where the policy cannot be set, `f` runs at the normal
+/// one.
+pub async fn run_idle<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> std::io::Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name(name.to_string()).spawn(move || {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sets the calling thread's own policy (pid 0) from a valid parameter.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+        let _ = tx.send(f());
+    })?;
+    rx.await.map_err(|_| std::io::Error::other(format!("the {name} thread ended without an answer")))
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -128,5 +147,14 @@ mod tests {
     #[test]
     fn control_chars_are_escaped() {
         assert_eq!(sanitize("a\x1b[31mb"), "a?[31mb");
+    }
+
+    #[tokio::test]
+    async fn run_idle_runs_at_the_idle_policy_and_answers() {
+        // SAFETY: reads the calling thread's own policy.
+        let policy = run_idle("gpuhub-test", || unsafe { libc::sched_getscheduler(0) }).await.unwrap();
+        assert_eq!(policy, libc::SCHED_IDLE, "the thread runs at SCHED_IDLE");
+        // SAFETY: as above, on the test's own thread.
+        assert_ne!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_IDLE, "the caller's policy is unchanged");
     }
 }

@@ -28,6 +28,8 @@ use super::usage_log::UsageRow;
 
 /// The mapped (sparse) size of a new segment: ~30,000 rows, a busy minute of one node.
 pub const MAP_BYTES: usize = 16 << 20;
+/// Bytes faulted in by one system call when a segment is created.
+const POPULATE_PIECE: usize = 128 << 10;
 
 /// How much more of the map an append reserves when it reaches the end of the reservation.
 pub const RESERVE_STEP: usize = 1 << 20;
@@ -85,7 +87,12 @@ impl Segment {
         match unsafe { memmap2::MmapMut::map_mut(&file) } {
             Ok(mut map) => {
                 let n = prefault.min(reserved);
-                if n > 0 && map.advise_range(memmap2::Advice::PopulateWrite, 0, n).is_err() {
+                // In pieces: a kernel without preemption lets a woken thread have the CPU only
+                // between system calls, and megabytes in one call took milliseconds.
+                let populated = (0..n)
+                    .step_by(POPULATE_PIECE)
+                    .try_for_each(|at| map.advise_range(memmap2::Advice::PopulateWrite, at, POPULATE_PIECE.min(n - at)));
+                if populated.is_err() {
                     // Kernels before 5.14: touch one byte per page (writing the zero that
                     // is there).
                     for at in (0..n).step_by(4096) {

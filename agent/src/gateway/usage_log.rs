@@ -262,6 +262,8 @@ const LINGER: Duration = Duration::from_millis(50);
 /// How often the journal segment is rotated (and a partial batch written).
 const TICK: Duration = Duration::from_millis(250);
 const ROTATE_AFTER: Duration = Duration::from_secs(1);
+/// The thread that creates and finishes journal segments ([`crate::util::run_idle`]).
+const JOURNAL_THREAD: &str = "gpuhub-journal";
 /// Bytes of a new journal segment faulted in before calls append to it, at least.
 const MIN_PREFAULT: usize = 64 * 1024;
 /// How long shutdown keeps retrying a store that is down before leaving rows to the journal.
@@ -636,7 +638,9 @@ async fn rotate_segment(
 ) {
     let inner = w.inner.clone();
     // Only this task rotates, so the number is stable; the file is created and the old one
-    // unmapped and truncated outside the lock (calls keep appending meanwhile).
+    // unmapped and truncated outside the lock (calls keep appending meanwhile), on a thread at
+    // the idle policy: faulting in the next segment takes milliseconds of CPU, and calls that
+    // wait behind it on a busy host were the slowest of each second (bench/gateway-replicas.sh).
     let (seq, used) = {
         let seg = lock(&inner.segment);
         (seg.seq + 1, seg.file.as_ref().map_or(0, journal::Segment::written))
@@ -644,12 +648,12 @@ async fn rotate_segment(
     let next = if last {
         None
     } else {
-        // Room for twice what the last segment took, faulted in on a blocking thread.
+        // Room for twice what the last segment took, faulted in before calls append to it.
         let (dir, prefault) = (inner.dir.clone(), (used * 2).clamp(MIN_PREFAULT, journal::MAP_BYTES));
-        match tokio::task::spawn_blocking(move || journal::Segment::create(&dir, seq, prefault)).await {
+        match crate::util::run_idle(JOURNAL_THREAD, move || journal::Segment::create(&dir, seq, prefault)).await {
             Ok(Ok(f)) => Some(f),
             Err(e) => {
-                tracing::error!(error = %e, "the task creating a usage-journal segment failed; keeping the current one");
+                tracing::error!(error = %e, "cannot start the thread that creates a usage-journal segment; keeping the current one");
                 return;
             }
             Ok(Err(e)) => {
@@ -660,7 +664,11 @@ async fn rotate_segment(
     };
     let old = std::mem::replace(&mut *lock(&inner.segment), Segment { seq, file: next, rows: 0, spilled: false, opened: Instant::now() });
     let (old_seq, spilled) = (old.seq, old.spilled);
-    if let Some(Err(e)) = old.file.map(journal::Segment::finish) {
+    let finished = match old.file {
+        Some(f) => crate::util::run_idle(JOURNAL_THREAD, move || f.finish()).await.and_then(|r| r),
+        None => Ok(()),
+    };
+    if let Err(e) = finished {
         tracing::warn!(dir = %inner.dir.display(), error = %e, "cannot truncate a finished usage-journal segment (its zeroed tail is skipped on replay)");
     }
     // Every row of the old segment that reached the channel is in it now: drain and store.
