@@ -640,7 +640,7 @@ async fn rotate_segment(
     // Only this task rotates, so the number is stable; the file is created and the old one
     // unmapped and truncated outside the lock (calls keep appending meanwhile), on a thread at
     // the idle policy: faulting in the next segment takes milliseconds of CPU, and calls that
-    // wait behind it on a busy host were the slowest of each second (bench/gateway-replicas.sh).
+    // wait behind it on a busy host were the slowest of each second (perf sched timehist).
     let (seq, used) = {
         let seg = lock(&inner.segment);
         (seg.seq + 1, seg.file.as_ref().map_or(0, journal::Segment::written))
