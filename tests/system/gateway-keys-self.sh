@@ -8,20 +8,23 @@
 # create a key for another user, and cannot see or revoke an admin-made key of another user
 # (the refusal names the key and why, the key still works). `gpuhub keys set` changes its own
 # key's limits under the same rules, never another user's key. Past gateway.keys_per_user it
-# must revoke one first. Root still lists and revokes everyone's.
+# must revoke one first. Root still lists and revokes everyone's. A changed allow-list and
+# keys_per_user apply after `gpuhub models reload`, no restart, to the user's existing keys too.
 set -euo pipefail
 . "$(dirname "$0")/../lib/gateway.sh"
 . "$(dirname "$0")/../lib/prereq.sh"
 U="$(unprivileged_user)"
 gw_init
 unprivileged_exec_check "$U" "$GW_BIN/gpuhub"
+gw_worker other-chat
+OTHER_ADDR="$GW_WORKER_ADDR"
 gw_worker demo-chat
 gw_config
 cat >>"$GW_DIR/agent.toml" <<TOML
 [[models]]
 name = "other-chat"
 launcher = "static"
-url = "http://$GW_WORKER_ADDR"
+url = "http://$OTHER_ADDR"
 api_key = "worker-key"
 TOML
 gw_config_add gateway 'keys_per_user = 2'
@@ -87,7 +90,28 @@ echo "+ [$U] gpuhub keys revoke $ID"
 "${AS_U[@]}" keys revoke "$ID" | grep -q "revoked" || gw_fail "$U could not revoke its own key"
 S="$(call "$KEY")"
 [ "$S" = 401 ] && grep -q "was revoked" "$GW_DIR/body" || gw_fail "the revoked key got $S: $(cat "$GW_DIR/body") (expected 401 saying it was revoked)"
-"${AS_U[@]}" keys create --app third --json | jq -e .key >/dev/null || gw_fail "$U could not create a key after revoking one"
+THIRD_KEY="$("${AS_U[@]}" keys create --app third --json | jq -r .key)"
+[[ "$THIRD_KEY" == ghk_* ]] || gw_fail "$U could not create a key after revoking one: $THIRD_KEY"
+
+# reload_access KEYS_PER_USER MODELS: agent.toml's keys_per_user and $U's allow-list changed,
+# then `gpuhub models reload` (no restart): it must say they apply from the next call.
+reload_access() {
+    sed -i -e "s/^keys_per_user = .*/keys_per_user = $1/" -e "s/^user_models = .*/user_models = { \"$U\" = [$2] }/" "$GW_DIR/agent.toml"
+    "${ROOT[@]}" models reload | tee "$GW_DIR/reload"
+    grep -q '\[gateway.user_models\] and gateway.keys_per_user apply from the next call' "$GW_DIR/reload" ||
+        gw_fail "models reload does not say that [gateway.user_models] and keys_per_user changed"
+    ! grep -q 'next restart' "$GW_DIR/reload" || gw_fail "models reload says a restart is needed for [gateway.user_models] or keys_per_user"
+}
+echo "+ [root] $U's allow-list widened to other-chat and keys_per_user raised to 3 in agent.toml; gpuhub models reload"
+reload_access 3 '"demo-chat", "other-chat"'
+S="$(call "$THIRD_KEY" other-chat)"; [ "$S" = 200 ] || gw_fail "after the reload $U's key still cannot call other-chat: $S $(cat "$GW_DIR/body")"
+"${AS_U[@]}" keys create --app fourth --json | jq -e .key >/dev/null || gw_fail "$U could not create a third active key after keys_per_user was raised to 3"
+refused "a fourth key past the reloaded keys_per_user = 3" "gateway.keys_per_user = 3" "${AS_U[@]}" keys create --app fifth
+echo "+ [root] $U's allow-list narrowed back to demo-chat; gpuhub models reload: $U's existing key follows"
+reload_access 3 '"demo-chat"'
+S="$(call "$THIRD_KEY" other-chat)"
+[ "$S" = 403 ] && grep -q "gateway.user_models.$U" "$GW_DIR/body" || gw_fail "after narrowing the allow-list $U's key still calls other-chat: $S $(cat "$GW_DIR/body")"
+S="$(call "$THIRD_KEY")"; [ "$S" = 200 ] || gw_fail "after narrowing the allow-list $U's key cannot call demo-chat: $S $(cat "$GW_DIR/body")"
 
 echo "+ [root] gpuhub keys list; revoke bob's key"
 "${ROOT[@]}" keys list | tee "$GW_DIR/list"

@@ -84,6 +84,9 @@ pub async fn run(socket: &Path, cmd: Option<ModelsCmd>) -> anyhow::Result<ExitCo
             if v["limits"].as_bool() == Some(true) {
                 output::line("[gateway.limits] apply from the next call (the calls and tokens counted so far stay)");
             }
+            if v["access"].as_bool() == Some(true) {
+                output::line("[gateway.user_models] and gateway.keys_per_user apply from the next call");
+            }
             let later: Vec<String> =
                 v["needs_restart"].as_array().into_iter().flatten().filter_map(|x| x.as_str()).map(str::to_string).collect();
             if !later.is_empty() {

@@ -404,11 +404,6 @@ impl GatewayConfig {
         self.public_url.clone().unwrap_or_else(|| format!("http://{}", self.listen))
     }
 
-    /// The allow-list of `user`, if `[gateway.user_models]` has one.
-    pub fn user_models_of(&self, user: &str) -> Option<&[String]> {
-        self.user_models.get(user).map(Vec::as_slice)
-    }
-
     /// Every `[gateway.user_models]` entry lists at least one model, each in the catalog
     /// (`known`: names and aliases).
     pub(super) fn validate_user_models(&self, known: &BTreeSet<&str>) -> Result<(), (String, String)> {
@@ -501,12 +496,12 @@ mod tests {
     fn user_models_parse_and_are_checked_against_the_catalog() {
         let c = Config::from_toml(&format!("[gateway.user_models]\nalice = [\"demo-chat\"]\n\"john.doe\" = [\"chat\"]\n{MODELS}")).unwrap();
         let g = &c.file.gateway;
-        assert_eq!(g.user_models_of("alice"), Some(&["demo-chat".to_string()][..]));
-        assert_eq!(g.user_models_of("john.doe"), Some(&["chat".to_string()][..]));
-        assert_eq!(g.user_models_of("bob"), None);
+        assert_eq!(g.user_models.get("alice").map(Vec::as_slice), Some(&["demo-chat".to_string()][..]));
+        assert_eq!(g.user_models.get("john.doe").map(Vec::as_slice), Some(&["chat".to_string()][..]));
+        assert_eq!(g.user_models.get("bob").map(Vec::as_slice), None);
         // The inline form works too.
         let c = Config::from_toml(&format!("[gateway]\nuser_models = {{ alice = [\"demo-chat\"] }}\n{MODELS}")).unwrap();
-        assert!(c.file.gateway.user_models_of("alice").is_some());
+        assert!(c.file.gateway.user_models.contains_key("alice"));
 
         let e = Config::from_toml(&format!("[gateway.user_models]\nalice = [\"demo-chat\", \"nope\"]\n{MODELS}")).unwrap_err().to_string();
         assert!(

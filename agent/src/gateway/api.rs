@@ -111,7 +111,7 @@ fn check_key_models(state: &AppState, user: &str, models: &[String]) -> Result<(
             ));
         }
     }
-    key_policy::check_models(user, models, state.config.file.gateway.user_models_of(user), |m| catalog.get(m).map(|c| c.name.clone()))
+    key_policy::check_models(user, models, state.gateway.access.get().user_models_of(user), |m| catalog.get(m).map(|c| c.name.clone()))
         .map_err(policy)
 }
 
@@ -130,7 +130,7 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
     key_policy::check_limits(&user, req.rpm, req.tokens_per_day, state.gateway.fair_use.user_limits(&user)).map_err(policy)?;
     if !caller.admin {
         let mine = state.store.api_keys_of(&user).await.map_err(store_err)?;
-        key_policy::check_count(&caller, &mine, state.config.file.gateway.keys_per_user).map_err(policy)?;
+        key_policy::check_count(&caller, &mine, state.gateway.access.get().keys_per_user).map_err(policy)?;
     }
     let key = auth::new_key();
     let record = ApiKeyRecord {

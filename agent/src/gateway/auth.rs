@@ -292,7 +292,7 @@ impl UserNames {
 
 /// Adds the user's own allow-list (`[gateway.user_models]`) to an identity.
 fn with_user_models(state: &AppState, mut id: Identity) -> Identity {
-    if let Some(models) = state.config.file.gateway.user_models_of(&id.user) {
+    if let Some(models) = state.gateway.access.get().user_models_of(&id.user) {
         let source = state.config.source.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "the configuration".into());
         id.user_models = Some(UserModels { models: models.to_vec(), source });
     }

@@ -21,6 +21,7 @@
 //! - [`metrics`]: requests, errors, tokens, latency, overhead, in-flight, queued.
 //! - [`api`]: the control-socket routes for `gpuhub keys` and `gpuhub usage --calls`.
 
+pub mod access;
 pub mod api;
 pub mod auth;
 pub mod error;
@@ -77,6 +78,8 @@ pub struct Gateway {
     pub connections: Arc<server::Connections>,
     /// Requests per minute and tokens per day, per user and per API key (`[gateway.limits]`).
     pub fair_use: fair_use::FairUse,
+    /// `[gateway.user_models]` and `keys_per_user`, as last (re)loaded.
+    pub access: access::Access,
 }
 
 impl Gateway {
@@ -127,6 +130,7 @@ impl Gateway {
             sso,
             connections: Arc::new(server::Connections::register(server::Limits::from_config(g), registry)),
             fair_use,
+            access: access::Access::new(g),
         })
     }
 

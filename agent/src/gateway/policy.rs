@@ -6,7 +6,7 @@
 //!
 //! Each gateway on a PostgreSQL store publishes its policy (`gateway_policies`, one row per
 //! gateway node, refreshed by `cluster_sync` every [`PUBLISH_EVERY`] passes and on the pass after
-//! a reload changed `[gateway.limits]`) and compares it with
+//! a reload changed any of them) and compares it with
 //! the others' recent rows: a difference is logged once when it appears (and once when it is
 //! gone), and `gpuhub doctor` reads the rows afresh (`gateway-policy`).
 
@@ -14,7 +14,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{GatewayConfig, LimitsConfig};
+use crate::config::LimitsConfig;
+use crate::gateway::access::AccessLists;
 
 /// Passes of `cluster_sync` between two publications (and comparisons) of a gateway's policy.
 pub const PUBLISH_EVERY: u64 = 15;
@@ -36,9 +37,9 @@ pub struct Policy {
     pub keys_per_user: u32,
 }
 
-/// This agent's policy now (`[gateway.limits]` as last reloaded).
+/// This agent's policy now (as last reloaded).
 pub fn current(state: &crate::AppState) -> Policy {
-    Policy::of(&state.config.file.gateway, &state.gateway.fair_use.limits())
+    Policy::of(&state.gateway.access.get(), &state.gateway.fair_use.limits())
 }
 
 /// Another gateway whose policy is not this one's: which settings differ, each with both values.
@@ -51,10 +52,10 @@ pub struct Difference {
 }
 
 impl Policy {
-    /// The policy of `gateway` with `limits` (as last read: they can be reloaded).
-    pub fn of(gateway: &GatewayConfig, limits: &LimitsConfig) -> Policy {
+    /// The policy of `access` with `limits` (as last read: both can be reloaded).
+    pub fn of(access: &AccessLists, limits: &LimitsConfig) -> Policy {
         let users = limits.users.iter().map(|u| (u.user.0.clone(), (u.rpm, u.tokens_per_day))).collect();
-        let user_models = gateway
+        let user_models = access
             .user_models
             .iter()
             .map(|(u, m)| {
@@ -64,7 +65,7 @@ impl Policy {
                 (u.0.clone(), m)
             })
             .collect();
-        Policy { rpm: limits.rpm, tokens_per_day: limits.tokens_per_day, users, user_models, keys_per_user: gateway.keys_per_user }
+        Policy { rpm: limits.rpm, tokens_per_day: limits.tokens_per_day, users, user_models, keys_per_user: access.keys_per_user }
     }
 
     /// What is published (JSON).
@@ -134,7 +135,7 @@ pub fn describe(diffs: &[Difference]) -> String {
 }
 
 /// What to do about a difference.
-pub const FIX: &str = "give every gateway node the same [gateway.limits], [gateway.user_models] and gateway.keys_per_user in its agent.toml, then reload (`gpuhub models reload`, limits) or restart the agent: each gateway enforces its own file";
+pub const FIX: &str = "give every gateway node the same [gateway.limits], [gateway.user_models] and gateway.keys_per_user in its agent.toml, then `gpuhub models reload` there: each gateway enforces its own file";
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -142,11 +143,10 @@ mod tests {
     use super::*;
     use crate::config::{LimitUser, UserLimits, UserName};
 
-    fn gateway(models: &[(&str, &[&str])], keys_per_user: u32) -> GatewayConfig {
-        GatewayConfig {
+    fn gateway(models: &[(&str, &[&str])], keys_per_user: u32) -> AccessLists {
+        AccessLists {
             user_models: models.iter().map(|(u, m)| (UserName((*u).into()), m.iter().map(|s| (*s).to_string()).collect())).collect(),
             keys_per_user,
-            ..GatewayConfig::default()
         }
     }
 

@@ -50,6 +50,8 @@ pub struct Reloaded {
     pub change: CatalogChange,
     /// Whether `[gateway.limits]` changed (it applies from the next call).
     pub limits: bool,
+    /// Whether `[gateway.user_models]` or `gateway.keys_per_user` changed (from the next call).
+    pub access: bool,
     /// Sections that changed in the file but only take effect at a restart.
     pub needs_restart: Vec<String>,
 }
@@ -170,6 +172,10 @@ impl CatalogSync {
             state.gateway.fair_use.set_limits(file.gateway.limits.clone());
             tracing::info!("agent.toml reloaded: [gateway.limits] apply from the next call (the counts so far stay)");
         }
+        let access = state.gateway.access.set(&file.gateway);
+        if access {
+            tracing::info!("agent.toml reloaded: [gateway.user_models] and gateway.keys_per_user apply from the next call");
+        }
         *self.file.lock().unwrap_or_else(|p| p.into_inner()) = file.clone();
         let found = self.found.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let entries = match &found {
@@ -184,7 +190,7 @@ impl CatalogSync {
             tracing::warn!(sections = %needs_restart.join(", "), "agent.toml reloaded: these sections changed and take effect at the next restart");
         }
         tracing::info!(path = %path.display(), added = ?change.added, removed = ?change.removed, changed = ?change.changed, "agent.toml reloaded");
-        Ok(Reloaded { change, limits, needs_restart })
+        Ok(Reloaded { change, limits, access, needs_restart })
     }
 
     /// Builds the registry's entries for `file` and remembers the outcome; tag errors are
@@ -254,14 +260,17 @@ impl CatalogSync {
 }
 
 /// `old` with what a reload applies taken from `new`: `[[models]]`, `[roles]`,
-/// `[templates]` and `[gateway.limits]`. Also whether the limits changed, and the sections
-/// that still differ (they take effect at the next restart).
+/// `[templates]`, `[gateway.limits]`, `[gateway.user_models]` and `gateway.keys_per_user`.
+/// Also whether the limits changed, and the sections that still differ (they take effect at
+/// the next restart).
 fn reloaded(old: &ConfigFile, new: &ConfigFile) -> (ConfigFile, bool, Vec<String>) {
     let mut file = old.clone();
     file.models = new.models.clone();
     file.roles = new.roles.clone();
     file.templates = new.templates.clone();
     file.gateway.limits = new.gateway.limits.clone();
+    file.gateway.user_models = new.gateway.user_models.clone();
+    file.gateway.keys_per_user = new.gateway.keys_per_user;
     let limits = serde_json::to_value(&old.gateway.limits).ok() != serde_json::to_value(&new.gateway.limits).ok();
     let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (serde_json::to_value(&file), serde_json::to_value(new))
     else {
@@ -292,6 +301,15 @@ mod tests {
         let c = Config::from_toml("[gateway]\nlisten = \"127.0.0.1:8400\"\n[gateway.limits]\nrpm = 5\n").unwrap();
         let (file, limits, later) = reloaded(&a.file, &c.file);
         assert_eq!((limits, later, file.gateway.limits.rpm), (true, Vec::<String>::new(), 5));
+        // So do the allow-lists and keys_per_user.
+        let d = Config::from_toml(&format!(
+            "[gateway]\nlisten = \"127.0.0.1:8400\"\nkeys_per_user = 0\n[gateway.user_models]\nalice = [\"m\"]\n{}",
+            "[[models]]\nname = \"m\"\nlauncher = \"static\"\nurl = \"http://127.0.0.1:9\"\n"
+        ))
+        .unwrap();
+        let (file, limits, later) = reloaded(&a.file, &d.file);
+        assert_eq!((limits, later, file.gateway.keys_per_user), (false, Vec::<String>::new(), 0));
+        assert_eq!(file.gateway.user_models.len(), 1);
     }
 
     #[test]
