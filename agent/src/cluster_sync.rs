@@ -6,8 +6,9 @@
 //! jobs (`<ROLE>_MODEL`) only then; a promotion switched only the promoting agent's workers, the
 //! others starting the old version; and a user could use their `[gateway.limits]` in full at
 //! each gateway. Every [`policy::PUBLISH_EVERY`] passes, and on the pass after a reload changed
-//! them, each gateway also publishes the settings all gateways must share and compares them with
-//! the others' ([`crate::gateway::policy`]).
+//! them, each gateway also publishes the settings all gateways must share; on every pass it
+//! compares them with the others' ([`crate::gateway::policy`]), so a change at one gateway shows
+//! at the others within a pass of its publication.
 //!
 //! A store that cannot be read keeps the last view; one line says so, and one when it is read
 //! again. With SQLite (one agent) there is nothing to follow and nothing runs.
@@ -29,8 +30,8 @@ pub async fn run(state: AppState, stop: CancellationToken) {
         return;
     }
     let mut failing = false;
-    // Passes until this gateway's policy is published and compared again (the first pass
-    // does, and so does the pass after a reload changed it).
+    // Passes until this gateway's policy is published again (the first pass publishes, and so
+    // does the pass after a reload changed it).
     let mut policy_in: u64 = 0;
     let mut published: Option<policy::Policy> = None;
     // What differs from the other gateways' policies, as last logged.
@@ -42,9 +43,10 @@ pub async fn run(state: AppState, stop: CancellationToken) {
         }
         let mut result = once(&state).await;
         let mine = policy::current(&state);
-        if result.is_ok() && (policy_in == 0 || published.as_ref() != Some(&mine)) {
-            result = policies(&state, &mine, &mut differs).await;
-            if result.is_ok() {
+        if result.is_ok() {
+            let publish = policy_in == 0 || published.as_ref() != Some(&mine);
+            result = policies(&state, &mine, publish, &mut differs).await;
+            if result.is_ok() && publish {
                 policy_in = policy::PUBLISH_EVERY;
                 published = Some(mine);
             }
@@ -112,15 +114,22 @@ async fn limits(state: &AppState) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Publishes this gateway's policy (`mine`) and compares it with the other gateways'; a
-/// difference is logged when it appears or changes, and once when it is gone.
-async fn policies(state: &AppState, mine: &policy::Policy, logged: &mut Vec<policy::Difference>) -> Result<(), StoreError> {
+/// Publishes this gateway's policy (`mine`) when `publish`, and compares it with the other
+/// gateways'; a difference is logged when it appears or changes, and once when it is gone.
+async fn policies(state: &AppState, mine: &policy::Policy, publish: bool, logged: &mut Vec<policy::Difference>) -> Result<(), StoreError> {
     let me = state.config.file.telemetry.effective_node_name();
     if !state.config.file.cluster.is_gateway(&me) {
+        // A node that ran the gateway before this start: its row goes at once, so the
+        // gateways stop comparing with it (else after policy::FRESH_US).
+        if publish && state.store.forget_gateway_policy(&me).await? {
+            tracing::info!("gateway policy: this node runs no gateway now; its published policy is removed from the store");
+        }
         return Ok(());
     }
     let now = crate::util::now_us();
-    state.store.publish_gateway_policy(&me, &mine.to_json(), now).await?;
+    if publish {
+        state.store.publish_gateway_policy(&me, &mine.to_json(), now).await?;
+    }
     let rows = state.store.gateway_policies(now - policy::FRESH_US).await?;
     let found = policy::compare(&me, mine, &rows);
     state.gateway.metrics.policy_differences.set(i64::try_from(found.len()).unwrap_or(i64::MAX));

@@ -18,11 +18,12 @@
 #     version promoted by another agent (its model_promotions row) is served by both (cluster
 #     sync);
 #  2c. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
-#     and both values (gateway-policy; the same before), and gpu02's log and its
-#     gpuhub_gateway_policy_differences say so; its limits set back by `gpuhub models reload`
-#     (no restart), both agree again within 6 s;
+#     and both values (gateway-policy; the same before), and both agents' logs and
+#     gpuhub_gateway_policy_differences say so (gpu01's within 6 s); its limits set back by
+#     `gpuhub models reload` (no restart), both agree again within 6 s;
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
-#     gateway port, a job on gpu02 is told gpu01's gateway and is served there, and gpu02's
+#     gateway port and removes its published policy, a job on gpu02 is told gpu01's gateway and
+#     is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
 #     cluster-wide).
 # Restores the one-node lab at exit. About 130 s (two lab re-ups of ~30 s each).
@@ -252,6 +253,11 @@ until_ok 6 grep -q 'gateway policy: another gateway enforces other settings than
 g2_metrics="$(nodes_exec gpu02 curl -s --max-time 5 "http://$(nodes_ip gpu02):9410/metrics")"
 grep -qx 'gpuhub_gateway_policy_differences 1' <<<"$g2_metrics" ||
     fail "gpu02's /metrics does not say one other gateway differs: $(grep policy_differences <<<"$g2_metrics")"
+# gpu01 compares on every pass: its gauge and its log follow gpu02's publication within a pass.
+differences_at() { nodes_exec "$1" curl -s --max-time 5 "http://$(nodes_ip "$1"):9410/metrics" | grep -qx "gpuhub_gateway_policy_differences $2"; }
+until_ok 6 differences_at gpu01 1 || fail "gpu01's gpuhub_gateway_policy_differences is not 1 within 6 s of gpu02's start with other limits"
+grep -q 'gateway policy: another gateway enforces other settings than this one.*gateways=gpu02' "$NODES_DIR/gpu01/agent.log" ||
+    fail "gpu01's agent did not log that gpu02 enforces other settings"
 echo "   gpu01's doctor: $(policy_at gpu01 | cut -c1-120)"
 # Back to gpu01's [gateway.limits] by a reload, no restart: published on gpu02's next pass.
 GPUHUB_LAB_NODES_EXTRA="$EXTRA" nodes_agent_config gpu02 > "$NODES_DIR/gpu02/agent.toml"
@@ -261,6 +267,9 @@ until_ok 6 policy_says gpu01 '^true|the same .* as gpu02' ||
     fail "gpu01's doctor does not see gpu02's reloaded [gateway.limits] within 6 s: $(policy_at gpu01)"
 until_ok 6 grep -q 'gateway policy: every gateway now has the same' "$NODES_DIR/gpu02/agent.log" ||
     fail "gpu02's agent did not log that the gateways agree again after its reload"
+until_ok 6 differences_at gpu01 0 || fail "gpu01's gpuhub_gateway_policy_differences is not 0 within 6 s of gpu02's reload"
+grep -q 'gateway policy: every gateway now has the same' "$NODES_DIR/gpu01/agent.log" ||
+    fail "gpu01's agent did not log that the gateways agree again after gpu02's reload"
 echo "   gpu02 reloaded without the rpm: both doctors' policies agree again within 6 s"
 
 echo "== 3. the gateway on gpu01 only"
@@ -268,6 +277,8 @@ export NODES_GATEWAY_NODES=gpu01
 "$NODES_SH" agent-stop gpu02
 "$NODES_SH" agent-start gpu02 60 || fail "gpu02's agent did not start as a non-gateway node"
 grep -q "this node runs no gateway" "$NODES_DIR/gpu02/agent.log" || fail "gpu02's agent does not say it runs no gateway"
+policy_rows() { [ "$("${PSQL[@]}" -c "SELECT string_agg(gateway, ',' ORDER BY gateway) FROM gateway_policies")" = "$1" ]; }
+until_ok 6 policy_rows gpu01 || fail "gpu02, no longer a gateway, still has a row in gateway_policies: $("${PSQL[@]}" -c 'SELECT gateway FROM gateway_policies')"
 if nodes_exec gpu02 curl -s -o /dev/null --max-time 2 "$G2/healthz"; then fail "gpu02 still listens on the gateway port"; fi
 out="$(calls gpu02 env)" || fail "the job on gpu02 did not run: $out"
 url="$(sed -n 's/^url //p' <<<"$out")"; job="$(sed -n 's/^job //p' <<<"$out")"

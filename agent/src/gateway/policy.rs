@@ -6,9 +6,9 @@
 //!
 //! Each gateway on a PostgreSQL store publishes its policy (`gateway_policies`, one row per
 //! gateway node, refreshed by `cluster_sync` every [`PUBLISH_EVERY`] passes and on the pass after
-//! a reload changed any of them) and compares it with
-//! the others' recent rows: a difference is logged once when it appears (and once when it is
-//! gone), and `gpuhub doctor` reads the rows afresh (`gateway-policy`).
+//! a reload changed any of them) and compares it with the others' recent rows on every pass: a
+//! difference is logged once when it appears (and once when it is gone), and `gpuhub doctor`
+//! reads the rows afresh (`gateway-policy`).
 
 use std::collections::BTreeMap;
 
@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::LimitsConfig;
 use crate::gateway::access::AccessLists;
 
-/// Passes of `cluster_sync` between two publications (and comparisons) of a gateway's policy.
+/// Passes of `cluster_sync` between two publications of a gateway's unchanged policy.
 pub const PUBLISH_EVERY: u64 = 15;
 
 /// A row older than this is a gateway that stopped (or stopped being one): not compared.

@@ -20,6 +20,12 @@ impl Store {
         Ok(())
     }
 
+    /// Removes `gateway`'s policy (a node that no longer runs the gateway); whether it had one.
+    pub async fn forget_gateway_policy(&self, gateway: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM gateway_policies WHERE gateway = $1").bind(gateway).execute(self.pool()).await?;
+        Ok(done.rows_affected() > 0)
+    }
+
     /// Every gateway's policy published since `since_us`: (gateway, policy), by gateway.
     pub async fn gateway_policies(&self, since_us: i64) -> Result<Vec<(String, String)>, StoreError> {
         let rows = sqlx::query("SELECT gateway, policy FROM gateway_policies WHERE updated_us >= $1 ORDER BY gateway")
@@ -44,6 +50,9 @@ mod tests {
             let all = store.gateway_policies(0).await.unwrap();
             assert_eq!(all, vec![("gpu01".into(), "{\"a\":1}".into()), ("gpu02".into(), "{\"a\":2}".into())], "{:?}", store.backend());
             assert_eq!(store.gateway_policies(6).await.unwrap(), vec![("gpu02".to_string(), "{\"a\":2}".to_string())]);
+            assert!(store.forget_gateway_policy("gpu02").await.unwrap());
+            assert!(!store.forget_gateway_policy("gpu02").await.unwrap(), "gone already");
+            assert_eq!(store.gateway_policies(0).await.unwrap(), vec![("gpu01".to_string(), "{\"a\":1}".to_string())]);
         }
     }
 }
