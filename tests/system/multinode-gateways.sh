@@ -17,7 +17,10 @@
 #     used up at gpu01 is refused at gpu02 (the gateways exchange their limit counts); and a
 #     version promoted by another agent (its model_promotions row) is served by both (cluster
 #     sync);
-#  2c. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
+#  2c. gpu02 runs sync-reg's worker (version 7), gpu01's gateway calls it in a loop; a promotion
+#     to version 8 recorded through another agent: gpu02 switches its worker (a second job on
+#     8, the old one drains and ends), gpu01's calls move to 8, and none fails;
+#  2d. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
 #     and both values (gateway-policy; the same before), and both agents' logs and
 #     gpuhub_gateway_policy_differences say so (gpu01's within 6 s); its limits set back by
 #     `gpuhub models reload` (no restart), both agree again within 6 s;
@@ -26,7 +29,7 @@
 #     is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
 #     cluster-wide).
-# Restores the one-node lab at exit. About 130 s (two lab re-ups of ~30 s each).
+# Restores the one-node lab at exit. About 150 s (two lab re-ups of ~30 s each).
 # timeout: 300
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -235,7 +238,53 @@ grep -q "a version promoted through another agent; serving it here" "$NODES_DIR/
 "${PSQL[@]}" -c "DELETE FROM model_promotions WHERE model = 'sync-reg-model'"
 echo "   through gpu01: key $KID created, widened, revoked, and the ocr role moved and back; a promotion recorded by another agent; both gateways and gpu02's jobs followed each within 6 s"
 
-echo "== 2c. a gateway whose [gateway.limits] differ is named by the other's doctor and its own log"
+echo "== 2c. a promotion recorded through gpu01 switches gpu02's running worker; gpu01's calls follow, none fails"
+# gpu02 owns sync-reg's worker (loaded there, version 7 from the promotion above); gpu01's
+# gateway borrows it. A promotion row for version 8 (what `gpuhub models promote` records,
+# through gpu01): gpu02 follows it, starts a second worker on 8 next to the old one, moves its
+# calls there and drains the old one; gpu01's calls, in a loop all along, move to version 8.
+PKEY="$(nodes_exec gpu01 "${GH[@]}" keys create --user "$LAB_USER" --app multigw-promote --models sync-reg | tail -n 1)"
+PKID="$(nodes_exec gpu01 "${GH[@]}" keys list --json | jq -r '.keys[] | select(.app == "multigw-promote") | .id')"
+lab_cleanup_add "nodes_exec gpu01 ${GH[*]} keys revoke $PKID >/dev/null 2>&1 || true"
+lab_cleanup_add "nodes_exec gpu02 ${GH[*]} models unload sync-reg >/dev/null 2>&1 || true"
+nodes_exec gpu02 "${GH[@]}" models load sync-reg >/dev/null || fail "gpuhub models load sync-reg failed on gpu02"
+old_job="$(squeue -h -n gpuhub-worker-sync-reg -o %i)"
+[ "$(wc -w <<<"$old_job")" = 1 ] || fail "gpu02's load of sync-reg did not start one worker job: $old_job"
+version_at() { st="$(chat_at gpu01 "$G1" "$PKEY" sync-reg)"; [ "$st" = 200 ] && grep -q "Hello from sync-reg version $1" "$BODY"; }
+until_ok 10 version_at 7 || fail "gpu01's gateway does not serve sync-reg version 7 from gpu02's worker: HTTP $st $(cat "$BODY")"
+LOOP="$(mktemp /tmp/gpuhub-multigw-loop.XXXXXX)"
+lab_cleanup_add "rm -f '$LOOP' '$LOOP.stop'"
+# 0.2 s apart until the file STOP exists: one line per call, "STATUS VERSION".
+( while [ ! -e "$LOOP.stop" ]; do
+      out="$(nodes_exec gpu01 curl -s -w '\n%{http_code}' --max-time 30 "$G1/v1/chat/completions" -H "Authorization: Bearer $PKEY" \
+          -H content-type:application/json -d '{"model":"sync-reg","messages":[{"role":"user","content":"hi"}]}')"
+      echo "$(tail -n 1 <<<"$out") $(sed -n 's/.*Hello from sync-reg version \([0-9]*\).*/\1/p' <<<"$out" | head -n 1)" >>"$LOOP"
+      sleep 0.2
+  done ) &
+looper=$!
+lab_cleanup_add "touch '$LOOP.stop'; kill $looper 2>/dev/null || true"
+sleep 1
+"${PSQL[@]}" -c "INSERT INTO model_promotions (model, version, previous_version, metric, value, previous_value, threshold, forced, uid, user_name, at_us) \
+    VALUES ('sync-reg-model', '8', '7', NULL, NULL, NULL, NULL, 1, 0, 'gpu01-admin', $(date +%s%6N))"
+lab_cleanup_add "${PSQL[*]} -c \"DELETE FROM model_promotions WHERE model = 'sync-reg-model'\" >/dev/null 2>&1 || true"
+on_8() { tail -n 3 "$LOOP" | awk '$2 != 8 {bad = 1} END {exit bad || NR < 3}'; }
+until_ok 60 on_8 || fail "gpu01's calls do not reach version 8 within 60 s of the promotion: $(tail -n 5 "$LOOP" | tr '\n' ';')"
+old_gone() { [ -z "$(squeue -h -j "$old_job" -o %T 2>/dev/null)" ]; }
+until_ok 60 old_gone || fail "gpu02's old worker (job $old_job, version 7) did not drain and end within 60 s of the switch"
+sleep 1
+touch "$LOOP.stop"; wait "$looper" 2>/dev/null || true; rm -f "$LOOP.stop"
+grep -q "promotion: starting a second worker" "$NODES_DIR/gpu02/agent.log" || fail "gpu02 did not start its second worker for the promotion"
+if grep -q "promotion: starting a second worker.*sync-reg" "$NODES_DIR/gpu01/agent.log"; then fail "gpu01 started a worker for sync-reg, which gpu02 owns"; fi
+bad="$(awk '$1 != 200' "$LOOP" | sort | uniq -c | tr '\n' ';')"
+[ -z "$bad" ] || fail "calls through gpu01 failed while gpu02 switched its worker: $bad (of $(wc -l <"$LOOP"))"
+new_job="$(squeue -h -n gpuhub-worker-sync-reg -o %i)"
+[ "$(wc -w <<<"$new_job")" = 1 ] && [ "$new_job" != "$old_job" ] || fail "after the switch sync-reg runs as job(s) '$new_job' (old $old_job)"
+echo "   $(wc -l <"$LOOP") calls through gpu01, all 200: $(awk '{print $2}' "$LOOP" | uniq -c | awk '{printf "%s on %s; ", $1, $2}')job $old_job -> $new_job (gpu02's)"
+nodes_exec gpu02 "${GH[@]}" models unload sync-reg >/dev/null || fail "cannot unload sync-reg on gpu02"
+nodes_exec gpu01 "${GH[@]}" keys revoke "$PKID" >/dev/null
+"${PSQL[@]}" -c "DELETE FROM model_promotions WHERE model = 'sync-reg-model'"
+
+echo "== 2d. a gateway whose [gateway.limits] differ is named by the other's doctor and its own log"
 # policy_at NODE: the gateway-policy check of `gpuhub doctor` on NODE, as "ok|detail".
 policy_at() { nodes_exec "$1" "${GH[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "gateway-policy") | "\(.ok)|\(.detail)"'; }
 policy_says() { grep -q -- "$2" <<<"$(policy_at "$1")"; }
@@ -295,4 +344,4 @@ nodes_exec gpu02 "${GH[@]}" usage --calls --since 1d --json | grep -q "dots.ocr"
 echo "   gpu02: no gateway port; its job $job reached gpu01's gateway; gpu02's CLI shows the call"
 
 nodes_test_restore || exit 1
-echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; keys and roles changed through one agent apply at the other within 6 s; a gateway whose [gateway.limits] differ is named by the other's doctor; a node without the gateway role opens no port and its jobs reach the gateway node"
+echo "PASS: two gateways start one worker per model and share it (a stale row is refused before its key is sent); the owner keeps it while the other calls it; keys and roles changed through one agent apply at the other within 6 s; a promotion switches the owner's worker and the other gateway's calls follow, none failing; a gateway whose [gateway.limits] differ is named by the other's doctor; a node without the gateway role opens no port and its jobs reach the gateway node"
