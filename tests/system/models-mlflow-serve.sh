@@ -15,6 +15,10 @@
 #   4. removing served_by=gateway (MLflow's REST API) retires the name: calls get the names
 #      lifecycle's answer ("retired ... no longer tagged served_by=gateway"), not a bare 404,
 #      and the worker's Slurm job ends.
+# Throughout, agent.toml's [roles] names the tagged model (mlchat = the served name): before the
+# registry serves it, and after it is untagged, calls to the role get 503 role_model_not_served
+# naming the model and the fix (a warning in the log, `gpuhub doctor` fails `roles`); while it is
+# served, the role answers, and jobs get MLCHAT_MODEL from the start.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 . "$REPO/tests/lib/lab.sh"
@@ -49,9 +53,26 @@ tracking_uri = \"$MLFLOW_URL\"
 registry_poll_s = $POLL_S
 [templates.llama-cpp-python]
 command = \"python3 -m llama_cpp.server --model {model_file} --model_alias {model} --host {host} --port {port} --n_threads 1 --n_threads_batch 1 --n_ctx 2048 --verbose false\"
-env = { PATH = \"/opt/gpuhub-lab/llama-venv/bin:/usr/bin:/bin\", OMP_WAIT_POLICY = \"PASSIVE\", OMP_NUM_THREADS = \"1\" }"
+env = { PATH = \"/opt/gpuhub-lab/llama-venv/bin:/usr/bin:/bin\", OMP_WAIT_POLICY = \"PASSIVE\", OMP_NUM_THREADS = \"1\" }
+[roles]
+mlchat = \"$SERVED\""
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 cp "$MT_DIR/agent.toml" "$MT_DIR/agent.toml.orig"
+# roles_check: gpuhub doctor's `roles` check, as "ok|detail".
+roles_check() { "${CLI[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "roles") | "\(.ok)|\(.detail)"'; }
+
+echo "== 0. [roles] mlchat names $SERVED, which no registry poll serves yet: 503 naming it, a warning, doctor fails"
+models_call mlchat
+[ "$MC_STATUS" = 503 ] && [ "$(jq -r .error.code <<<"$MC_BODY")" = role_model_not_served ] ||
+    models_fail "a call to the role mlchat before $SERVED is served: expected 503 role_model_not_served, got $MC_STATUS: $MC_BODY"
+jq -r .error.message <<<"$MC_BODY" | grep -F "role \`mlchat\` is assigned \`$SERVED\`, which this node does not serve now" | grep -qF "gpuhub roles set mlchat MODEL" ||
+    models_fail "the 503 for mlchat does not name the role, its model and the fix: $MC_BODY"
+logged_unserved() { grep -F "a role's model is not served on this node" "$MT_DIR/agent.log" | grep -qF "mlchat -> $SERVED"; }
+for ((i = 0; i < 50; i++)); do logged_unserved && break; sleep 0.2; done
+logged_unserved || models_fail "the agent did not log that role mlchat's model $SERVED is not served"
+[[ "$(roles_check)" == "false|not served now: mlchat -> $SERVED" ]] || models_fail "gpuhub doctor's roles check: $(roles_check)"
+"${CLI[@]}" env | grep -qx "MLCHAT_MODEL=$SERVED" || models_fail "gpuhub env does not give jobs MLCHAT_MODEL=$SERVED: $("${CLI[@]}" env)"
+echo "ok: $MC_STATUS $(jq -r .error.message <<<"$MC_BODY" | cut -c1-100)..."
 
 echo "== 1. registering $REG (artifacts: the GGUF), tagged for the gateway as $SERVED, @production -> 1"
 "$PY" - "$MLFLOW_URL" "$REG" "$SERVED" "$GGUF" "$BAD" <<'PYEOF' || models_fail "registering the model in MLflow failed"
@@ -101,6 +122,11 @@ cached="$(find "$MT_DIR/state/mlflow-cache" -path '*/sha256-*/SmolLM2-135M-Instr
 pgrep -af 'llama_cpp.server' | grep -F -- "--model $cached" >/dev/null ||
     models_fail "no llama_cpp.server runs on $cached: $(pgrep -af llama_cpp.server || echo none)"
 echo "ok: served from $cached"
+models_call mlchat "Say hi."
+[ "$MC_STATUS" = 200 ] || models_fail "the role mlchat, now served by $SERVED, answered $MC_STATUS: $MC_BODY"
+[[ "$(roles_check)" == true\|* ]] || models_fail "gpuhub doctor's roles check after $SERVED is served: $(roles_check)"
+grep -qF "every assigned role's model is served again" "$MT_DIR/agent.log" || models_fail "the agent did not log that role mlchat is served again"
+echo "ok: the role mlchat ([roles] in agent.toml) is served by $SERVED from the registry"
 
 echo "== 2. a bad tag is reported with the model, the tag and the fix"
 out="$("${CLI[@]}" models registry)"
@@ -151,6 +177,9 @@ echo "$MC_BODY" | jq -r .error.message | grep -F "\`$SERVED\` was retired" | gre
     models_fail "the refusal does not say what happened: $MC_BODY"
 "${CLI[@]}" names list --json 2>/dev/null | jq -e --arg m "$SERVED" '.. | objects | select(.name? == $m and .state? == "retired")' >/dev/null ||
     models_fail "gpuhub names list does not show $SERVED retired"
+models_call mlchat
+[ "$MC_STATUS" = 503 ] && [ "$(jq -r .error.code <<<"$MC_BODY")" = role_model_not_served ] ||
+    models_fail "a call to the role mlchat after $SERVED was untagged: expected 503 role_model_not_served, got $MC_STATUS: $MC_BODY"
 for ((i = 0; i < 300; i++)); do
     [ -z "$(models_jobs "$SERVED")" ] && break
     sleep 0.1

@@ -263,7 +263,7 @@ fn default_unhealthy_after() -> u32 {
 /// entry would be, on its own: names it shares with the catalog are checked by the caller.
 pub fn validate_registry_entry(m: &mut ModelConfig, user_templates: &BTreeMap<String, TemplateConfig>) -> Result<(), (String, String)> {
     let mut one = [m.clone()];
-    validate(&mut one, user_templates, &BTreeMap::new(), &NamesConfig::default())?;
+    validate(&mut one, user_templates, &BTreeMap::new(), &NamesConfig::default(), false)?;
     let [done] = one;
     *m = done;
     Ok(())
@@ -286,6 +286,7 @@ pub(super) fn validate(
     user_templates: &BTreeMap<String, TemplateConfig>,
     roles: &BTreeMap<String, String>,
     names: &NamesConfig,
+    registry: bool,
 ) -> Result<(), (String, String)> {
     templates::validate_templates(user_templates)?;
     let mut seen = BTreeSet::new();
@@ -422,12 +423,21 @@ pub(super) fn validate(
         if gpuhub_wire::snapshot::role_env_var(role).is_none() {
             return Err((format!("roles.{role}"), "role names must be letters, digits, - or _, starting with a letter".into()));
         }
-        if !model.is_empty() && !seen.contains(model) {
+        if model.is_empty() || seen.contains(model) {
+            continue;
+        }
+        if !registry {
             return Err((
                 format!("roles.{role}"),
-                format!("`{model}` is not a model in the catalog; add a [[models]] entry or set \"\" for no model"),
+                format!(
+                    "`{model}` is not a model in the catalog; add a [[models]] entry or set \"\" for no model (a model served from the MLflow registry can be named with [mlflow] tracking_uri and registry_poll_s set)"
+                ),
             ));
         }
+        // With [mlflow], the registry's tagged models are served too, and they are known only
+        // once it is read: a name that no poll serves is reported then (log, `gpuhub doctor`),
+        // and calls to the role are answered 503 naming it.
+        valid_model_name(model).map_err(|e| (format!("roles.{role}"), e))?;
     }
     for (i, h) in names.history.iter().enumerate() {
         if seen.contains(&h.name) {
@@ -449,6 +459,23 @@ pub(super) fn validate(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use crate::config::Config;
+
+    #[test]
+    fn roles_name_catalog_models_or_with_a_polled_registry_any_valid_name() {
+        let e = Config::from_toml("[roles]\nchat = \"smol-chat\"\n").unwrap_err().to_string();
+        assert!(
+            e.contains("roles.chat") && e.contains("`smol-chat` is not a model in the catalog") && e.contains("[mlflow] tracking_uri"),
+            "{e}"
+        );
+        let mlflow = "[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\n";
+        let ok = Config::from_toml(&format!("{mlflow}[roles]\nchat = \"smol-chat\"\n")).unwrap();
+        assert_eq!(ok.file.roles.get("chat").map(String::as_str), Some("smol-chat"));
+        // Without polling, the registry serves nothing: the name must be in the catalog.
+        let e = Config::from_toml(&format!("{mlflow}registry_poll_s = 0\n[roles]\nchat = \"smol-chat\"\n")).unwrap_err().to_string();
+        assert!(e.contains("`smol-chat` is not a model in the catalog"), "{e}");
+        let e = Config::from_toml(&format!("{mlflow}[roles]\nchat = \"bad name\"\n")).unwrap_err().to_string();
+        assert!(e.contains("roles.chat"), "{e}");
+    }
 
     #[test]
     fn workers_and_worker_models_are_checked_with_key_paths() {

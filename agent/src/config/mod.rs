@@ -513,7 +513,14 @@ impl ConfigFile {
         }
         quotas::validate(&self.quotas).map_err(|(k, m)| invalid(&k, m))?;
         self.mlflow.validate().map_err(|(k, m)| invalid(&k, m))?;
-        catalog::validate(&mut self.models, &self.templates, &self.roles, &self.names).map_err(|(k, m)| invalid(&k, m))?;
+        catalog::validate(
+            &mut self.models,
+            &self.templates,
+            &self.roles,
+            &self.names,
+            self.mlflow.tracking_uri.is_some() && self.mlflow.registry_poll_s > 0,
+        )
+        .map_err(|(k, m)| invalid(&k, m))?;
         let known: std::collections::BTreeSet<&str> =
             self.models.iter().flat_map(|m| std::iter::once(m.name.as_str()).chain(m.aliases.iter().map(String::as_str))).collect();
         self.gateway.validate_user_models(&known).map_err(|(k, m)| invalid(&k, m))?;

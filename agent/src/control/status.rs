@@ -80,6 +80,12 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
 
     checks.push(usage_log_check(&state.gateway.usage.health()));
 
+    let roles = state.names.roles();
+    checks.push(match state.names.unserved_roles_line() {
+        None => check("roles", true, format!("every assigned role's model is served ({} role(s))", roles.values().flatten().count()), ""),
+        Some(line) => check("roles", false, format!("not served now: {line}"), crate::names::UNSERVED_ROLE_FIX),
+    });
+
     if let Some(c) = policy_check(&state).await {
         checks.push(c);
     }

@@ -70,7 +70,7 @@ pub struct UsageRow {
     /// The catalog model that served it ("" if none).
     pub resolved_model: String,
     pub model_version: String,
-    /// `Resolution::state()`: active, deprecated, retired, unknown, unassigned ("" if the call
+    /// `Resolution::state()`: active, deprecated, retired, unknown, unassigned, unserved ("" if the call
     /// failed before resolution).
     pub name_state: String,
     /// The request path, e.g. `/v1/chat/completions`.

@@ -96,6 +96,8 @@ pub struct CatalogSync {
     view: Mutex<RegistryView>,
     /// One change at a time (poll, reload).
     changing: tokio::sync::Mutex<()>,
+    /// Roles whose model was not served, as last logged ([`Self::report_roles`]).
+    unserved_roles: Mutex<Option<String>>,
     metrics: RegistryMetrics,
 }
 
@@ -107,6 +109,7 @@ impl CatalogSync {
             found: Mutex::new(None),
             view: Mutex::new(RegistryView::default()),
             changing: tokio::sync::Mutex::new(()),
+            unserved_roles: Mutex::new(None),
             metrics: RegistryMetrics::register(registry),
         }
     }
@@ -186,11 +189,29 @@ impl CatalogSync {
         if let Err(e) = crate::snapshot::write(state) {
             tracing::error!(error = %e, "cannot rewrite the snapshot after a reload; new jobs get the old roles until it is");
         }
+        self.report_roles(&state.names);
         if !needs_restart.is_empty() {
             tracing::warn!(sections = %needs_restart.join(", "), "agent.toml reloaded: these sections changed and take effect at the next restart");
         }
         tracing::info!(path = %path.display(), added = ?change.added, removed = ?change.removed, changed = ?change.changed, "agent.toml reloaded");
         Ok(Reloaded { change, limits, access, needs_restart })
+    }
+
+    /// Logs the roles assigned a model this node does not serve (a `[roles]` seed naming a
+    /// model no registry poll serves, a model untagged or removed since), once per change, and
+    /// once when every role is served again.
+    pub fn report_roles(&self, names: &crate::names::NameRegistry) {
+        let now = names.unserved_roles_line();
+        let mut last = self.unserved_roles.lock().unwrap_or_else(|p| p.into_inner());
+        if *last == now {
+            return;
+        }
+        match &now {
+            Some(line) => tracing::warn!(roles = %line, fix = crate::names::UNSERVED_ROLE_FIX,
+                "roles: a role's model is not served on this node; calls to the role get 503 role_model_not_served"),
+            None => tracing::info!("roles: every assigned role's model is served again"),
+        }
+        *last = now;
     }
 
     /// Builds the registry's entries for `file` and remembers the outcome; tag errors are

@@ -20,7 +20,7 @@ pub const MAX_USER_AGENT: usize = 200;
 
 /// The name states the registry refuses (counted in `refused`).
 pub fn is_refused(state: &str) -> bool {
-    matches!(state, "retired" | "unknown" | "unassigned")
+    matches!(state, "retired" | "unknown" | "unassigned" | "unserved")
 }
 
 /// `10.0.0.1:5433` -> `10.0.0.1`, `[::1]:80` -> `::1`; anything else unchanged.

@@ -647,7 +647,7 @@ pub fn plan_role(ctx: &Ctx<'_>, role: &str, model: Option<&str>) -> Result<Plan,
             Resolution::Retired { .. } => {
                 return Err(LifecycleError::Invalid(format!("`{m}` is retired; assign a served model (see `gpuhub names list`)")));
             }
-            Resolution::RoleUnassigned { .. } | Resolution::Unknown { .. } => {
+            Resolution::RoleUnassigned { .. } | Resolution::RoleUnserved { .. } | Resolution::Unknown { .. } => {
                 return Err(LifecycleError::Invalid(format!(
                     "`{m}` is not served here{}; add it to the catalog first",
                     suggestions(ctx, m)

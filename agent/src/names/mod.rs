@@ -50,6 +50,10 @@ pub enum Resolution {
     Retired { replacement: Option<String>, since: Option<String>, role: Option<String> },
     /// The name is a role (or the model of a role) that has no model assigned.
     RoleUnassigned { role: String },
+    /// The name is a role whose model is not served here now: in no catalog entry (a
+    /// `[roles]` seed naming an MLflow-tagged model before the registry serves it, or a
+    /// model untagged or removed since), or retired.
+    RoleUnserved { role: String, model: String },
     /// Never known; the closest current and historical names.
     Unknown { suggestions: Vec<String> },
 }
@@ -62,6 +66,7 @@ impl Resolution {
             Resolution::Deprecated { .. } => "deprecated",
             Resolution::Retired { .. } => "retired",
             Resolution::RoleUnassigned { .. } => "unassigned",
+            Resolution::RoleUnserved { .. } => "unserved",
             Resolution::Unknown { .. } => "unknown",
         }
     }
@@ -571,12 +576,33 @@ impl NameRegistry {
         }
     }
 
+    /// Roles assigned a model this node does not serve now, as one line (`chat -> smol-chat;
+    /// ...`), or `None` when every assigned role is served.
+    pub fn unserved_roles_line(&self) -> Option<String> {
+        let list = self.unserved_roles();
+        (!list.is_empty()).then(|| list.iter().map(|(r, m)| format!("{r} -> {}", crate::util::sanitize(m))).collect::<Vec<_>>().join("; "))
+    }
+
+    /// Roles assigned a model this node does not serve now: (role, model), by role.
+    pub fn unserved_roles(&self) -> Vec<(String, String)> {
+        let inner = self.view();
+        let catalog = self.catalog.load();
+        inner
+            .roles
+            .iter()
+            .filter_map(|(role, m)| m.as_ref().filter(|m| served_model(&catalog, &inner, m).is_none()).map(|m| (role.clone(), m.clone())))
+            .collect()
+    }
+
     /// Every name: catalog models and aliases, registry names and roles, sorted by name.
     pub fn entries(&self) -> Vec<NameEntry> {
         let inner = self.view();
         entries_in(&self.catalog.load(), &inner)
     }
 }
+
+/// What to do about a role whose model is not served.
+pub const UNSERVED_ROLE_FIX: &str = "serve the model (a [[models]] entry, or tag its MLflow registered model served_by=gateway with gpuhub.name, gpuhub.template and gpuhub.resources) or assign a served one: `gpuhub roles set ROLE MODEL`";
 
 /// The actor of name changes made because MLflow registry tags changed.
 pub const REGISTRY_ACTOR: &str = "mlflow-registry";
@@ -605,6 +631,14 @@ pub fn refusal_for(asked: &str, r: &Resolution, retired_status: u16) -> Option<R
             code: "role_unassigned",
             message: format!(
                 "role `{role}` has no model assigned on this node; an admin must assign one (`gpuhub roles set {role} MODEL`)"
+            ),
+        }),
+        Resolution::RoleUnserved { role, model } => Some(Refusal {
+            status: 503,
+            code: "role_model_not_served",
+            message: format!(
+                "role `{role}` is assigned `{}`, which this node does not serve now (no [[models]] entry and no model tagged served_by=gateway in the MLflow registry serves it, or it was retired); an admin can assign a served model (`gpuhub roles set {role} MODEL`; `GET /v1/models` lists them)",
+                crate::util::sanitize(model)
             ),
         }),
         Resolution::Unknown { suggestions } => {
@@ -700,9 +734,10 @@ pub(crate) fn resolve_in(catalog: &Catalog, inner: &Inner, asked: &str) -> Resol
     match inner.roles.get(asked) {
         Some(None) => return Resolution::RoleUnassigned { role: asked.to_string() },
         Some(Some(m)) => {
-            if let Some(model) = served_model(catalog, inner, m) {
-                return Resolution::Active { model };
-            }
+            return match served_model(catalog, inner, m) {
+                Some(model) => Resolution::Active { model },
+                None => Resolution::RoleUnserved { role: asked.to_string(), model: m.clone() },
+            };
         }
         None => {}
     }
@@ -736,9 +771,12 @@ pub(crate) fn entries_in(catalog: &Catalog, inner: &Inner) -> Vec<NameEntry> {
         if out.contains_key(role) || inner.names.contains_key(role) {
             continue;
         }
-        let mut e = plain(role, "role", model.as_deref().and_then(|m| served_model(catalog, inner, m)));
+        let serves = model.as_deref().and_then(|m| served_model(catalog, inner, m));
+        let mut e = plain(role, "role", serves.clone());
         if model.is_none() {
             e.state = "unassigned";
+        } else if serves.is_none() {
+            e.state = "unserved";
         }
         out.insert(role.clone(), e);
     }
@@ -982,5 +1020,28 @@ sunset = "2026-12-31"
             ("deprecated", "renamed", Some("2026-12-31"))
         );
         assert_eq!((get("tts").state, get("tts").kind), ("unassigned", "role"));
+    }
+
+    #[test]
+    fn a_role_whose_model_is_not_served_says_so() {
+        // [roles] may name a model the MLflow registry serves (with [mlflow]): before a poll
+        // serves it, the role is unserved, not an unknown name.
+        let toml = format!("[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\n{}", LAB.replace("tts = \"\"", "chat = \"smol-chat\""));
+        let cfg = Config::from_toml(&toml).unwrap();
+        let r = NameRegistry::new(Arc::new(Catalog::from_config(&cfg.file)), &cfg.file.names);
+        assert_eq!(r.resolve("chat"), Resolution::RoleUnserved { role: "chat".into(), model: "smol-chat".into() });
+        let refusal = r.refusal("chat", &r.resolve("chat")).unwrap();
+        assert_eq!((refusal.status, refusal.code), (503, "role_model_not_served"));
+        assert!(refusal.message.contains("role `chat` is assigned `smol-chat`, which this node does not serve now"), "{}", refusal.message);
+        assert!(refusal.message.contains("gpuhub roles set chat MODEL"), "{}", refusal.message);
+        assert_eq!(r.unserved_roles(), vec![("chat".to_string(), "smol-chat".to_string())]);
+        assert_eq!(r.unserved_roles_line().as_deref(), Some("chat -> smol-chat"));
+        let e = r.entries();
+        let chat = e.iter().find(|x| x.name == "chat").unwrap();
+        assert_eq!((chat.state, chat.kind, chat.serves.as_deref()), ("unserved", "role", None));
+        assert!(crate::names::callers::is_refused(r.resolve("chat").state()));
+        // Served roles are not listed.
+        assert!(!r.unserved_roles().iter().any(|(role, _)| role == "ocr"));
+        assert_eq!(registry().unserved_roles_line(), None);
     }
 }
