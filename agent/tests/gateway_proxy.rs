@@ -452,8 +452,7 @@ async fn shutdown_writes_every_row_and_leaves_no_journal() {
 
 #[tokio::test]
 async fn a_stream_waiting_for_a_loading_model_gets_comments_that_say_so() {
-    let worker = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
-    assert!(worker.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker`", worker.display());
+    let worker = gateway_support::worker_bin();
     let extra = format!(
         "[gateway]\nkeepalive_s = 1\n[workers]\nuser = \"{}\"\n[[models]]\nname = \"slowload\"\nlauncher = \"local\"\nload_timeout_s = 30\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}} --startup-delay-ms 2500\"\n",
         gateway_support::worker_user(),

@@ -74,9 +74,8 @@ fn repo() -> PathBuf {
 
 #[tokio::test]
 async fn stock_openai_sdk_works_unchanged() {
-    let worker = repo().join("target/release/gpuhub-test-worker");
+    let worker = gateway_support::worker_bin();
     let python = repo().join(".venv/bin/python");
-    assert!(worker.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker`", worker.display());
     assert!(python.exists(), "{} is missing: run tests/setup/deps.sh (installs the openai SDK)", python.display());
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("worker.addr");

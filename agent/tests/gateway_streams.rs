@@ -11,21 +11,14 @@
 
 mod gateway_support;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-fn worker_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
-    assert!(p.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker` first", p.display());
-    p
-}
-
 /// TEST-worker models: `resp` (plain), `resp-break` (streams break off after 2 deltas),
 /// `nousage` (ignores include_usage), `nousage-tok` (the same, with a tokenize endpoint).
 fn models() -> String {
-    let w = worker_bin();
+    let w = gateway_support::worker_bin();
     let entry = |name: &str, flags: &str, extra: &str| {
         format!(
             "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}} {flags}\"\nload_timeout_s = 30\n{extra}\n",

@@ -3,7 +3,8 @@
 //! lifecycle code the Slurm launcher runs, minus Slurm.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
+mod gateway_support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,20 +14,6 @@ use gpuhub_agent::store::Store;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-
-fn worker_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
-    assert!(p.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker` first", p.display());
-    p
-}
-
-/// The account workers run as in these tests: `nobody` when the test runs as root (as under
-/// tests/run-all.sh), else the test's own account (an unprivileged agent runs workers as itself).
-fn worker_user() -> String {
-    // SAFETY: geteuid has no preconditions.
-    let uid = unsafe { libc::geteuid() };
-    if uid == 0 { "nobody".into() } else { gpuhub_agent::control::peer::user_name(uid).unwrap() }
-}
 
 fn uid_of(name: &str) -> u32 {
     let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
@@ -51,7 +38,7 @@ impl Env {
     fn model(&self, name: &str, flags: &str, extra: &str) -> String {
         format!(
             "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --version {{version}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}} {flags}\"\n{extra}\n",
-            worker_bin().display()
+            gateway_support::worker_bin().display()
         )
     }
 
@@ -61,7 +48,7 @@ impl Env {
         let d = self.dir.path().display();
         let text = format!(
             "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{workers}\n{models}",
-            worker_user()
+            gateway_support::worker_user()
         );
         Config::from_toml(&text).unwrap()
     }
@@ -481,7 +468,7 @@ async fn a_worker_runs_unprivileged_with_its_own_environment_and_no_key_on_its_c
     for (name, how) in [("file", "--api-key-file {api_key_file}"), ("envkey", "")] {
         let model = format!(
             "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} {how}\"\n{}env = {{ GPUHUB_TEST_MODEL_ENV = \"from-the-catalog\" }}\n",
-            worker_bin().display(),
+            gateway_support::worker_bin().display(),
             if how.is_empty() { "api_key_env = \"GPUHUB_TEST_WORKER_API_KEY\"\n" } else { "" }
         );
         let (m, _reg, _t, _tasks) = env.manager("", &model).await;
@@ -489,7 +476,7 @@ async fn a_worker_runs_unprivileged_with_its_own_environment_and_no_key_on_its_c
         let key = lease.api_key.clone().unwrap();
         let pid = m.status(name).unwrap().worker_id.unwrap();
         let p = proc_of(&pid);
-        assert_eq!(p.uid, uid_of(&worker_user()), "{name}: the worker runs as workers.user, never as the agent's root");
+        assert_eq!(p.uid, uid_of(&gateway_support::worker_user()), "{name}: the worker runs as workers.user, never as the agent's root");
         assert!(!p.cmdline.contains(&key), "{name}: the key is on the command line: {}", p.cmdline);
         // Exactly the worker's own environment: nothing of the agent's (this test process's).
         let mut names: Vec<&str> = p.environ.iter().map(|v| v.split('=').next().unwrap()).collect();
@@ -510,7 +497,7 @@ async fn a_worker_runs_unprivileged_with_its_own_environment_and_no_key_on_its_c
         assert_eq!(keys.len(), 1, "{keys:?}");
         let meta = std::fs::metadata(&keys[0]).unwrap();
         use std::os::unix::fs::MetadataExt;
-        assert_eq!((meta.mode() & 0o777, meta.uid()), (0o600, uid_of(&worker_user())));
+        assert_eq!((meta.mode() & 0o777, meta.uid()), (0o600, uid_of(&gateway_support::worker_user())));
         assert!(!keys[0].display().to_string().contains(&key));
         assert_eq!(chat(&lease, Some(&key)).await.status(), 200, "{name}: the worker took its key");
         assert_eq!(chat(&lease, None).await.status(), 401, "{name}");
@@ -520,7 +507,7 @@ async fn a_worker_runs_unprivileged_with_its_own_environment_and_no_key_on_its_c
         let workers = std::fs::metadata(env.dir.path().join("workers")).unwrap();
         assert_eq!(
             workers.mode() & 0o777,
-            if worker_user() == "nobody" { 0o770 } else { 0o700 },
+            if gateway_support::worker_user() == "nobody" { 0o770 } else { 0o700 },
             "no other user looks into the workers dir"
         );
     }
@@ -612,7 +599,7 @@ async fn a_program_the_worker_account_cannot_run_is_refused_with_the_directory_t
     std::fs::create_dir(&private).unwrap();
     std::fs::set_permissions(&private, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let bin = private.join("worker");
-    std::fs::copy(worker_bin(), &bin).unwrap();
+    std::fs::copy(gateway_support::worker_bin(), &bin).unwrap();
     let model = format!(
         "[[models]]\nname = \"a\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}}\"\n",
         bin.display()
@@ -644,7 +631,7 @@ async fn a_catalog_change_drains_models_that_left_and_serves_new_ones_without_a_
     let d = env.dir.path().display();
     let text = format!(
         "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n[workers]\ndir = \"{d}/workers\"\nuser = \"{}\"\nbackoff_s = 1\n{}{}",
-        worker_user(),
+        gateway_support::worker_user(),
         env.model("b", "--startup-delay-ms 10", ""),
         env.model("c", "", "")
     );

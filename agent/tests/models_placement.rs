@@ -6,7 +6,6 @@
 
 mod gateway_support;
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use gpuhub_agent::config::Config;
@@ -18,12 +17,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 const GIB: u64 = 1024 * 1024 * 1024;
-
-fn worker_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
-    assert!(p.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker` first", p.display());
-    p
-}
 
 fn gpu(index: u32, total_gib: u64, free_gib: u64, jobs: Vec<GpuJob>) -> GpuInfo {
     GpuInfo {
@@ -60,7 +53,7 @@ impl Env {
         for (name, vram, extra) in models {
             text.push_str(&format!(
                 "[[models]]\nname = \"{name}\"\nlauncher = \"local\"\ncommand = \"{} --model {{model}} --host {{host}} --port {{port}} --api-key-file {{api_key_file}}\"\nresources = {{ vram_gib = {vram}{extra} }}\nload_timeout_s = 30\n",
-                worker_bin().display()
+                gateway_support::worker_bin().display()
             ));
         }
         let config = Config::from_toml(&text).unwrap();

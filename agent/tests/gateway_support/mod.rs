@@ -138,6 +138,13 @@ pub async fn start(extra: &str) -> Agent {
     start_in(dir, up, upstream, extra).await
 }
 
+/// The repo's TEST worker, built by `cargo build --release` (tests/worker).
+pub fn worker_bin() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/gpuhub-test-worker");
+    assert!(p.exists(), "{} is missing: run `cargo build --release -p gpuhub-test-worker` first", p.display());
+    p
+}
+
 /// The account local workers run as in these tests: `nobody` under root (tests/run-all.sh),
 /// else the test's own account.
 pub fn worker_user() -> String {
