@@ -405,20 +405,23 @@ impl GatewayConfig {
     }
 
     /// Every `[gateway.user_models]` entry lists at least one model, each in the catalog
-    /// (`known`: names and aliases).
-    pub(super) fn validate_user_models(&self, known: &BTreeSet<&str>) -> Result<(), (String, String)> {
+    /// (`known`: names and aliases), or with a polled MLflow registry (`registry`), whose
+    /// tagged models are known only once it is read, any valid model name.
+    pub(super) fn validate_user_models(&self, known: &BTreeSet<&str>, registry: bool) -> Result<(), (String, String)> {
         for (user, models) in &self.user_models {
             let key = format!("gateway.user_models.{}", user.0);
             if models.is_empty() {
                 return Err((key, format!("is empty; list the models {} may use, or remove the line to allow every model", user.0)));
             }
             for (i, m) in models.iter().enumerate() {
-                if !known.contains(m.as_str()) {
+                if registry && !known.contains(m.as_str()) {
+                    super::valid_model_name(m).map_err(|e| (format!("{key}[{i}]"), e))?;
+                } else if !known.contains(m.as_str()) {
                     let all: Vec<&str> = known.iter().copied().collect();
                     return Err((
                         format!("{key}[{i}]"),
                         format!(
-                            "`{}` is not a model in the catalog; use a [[models]] name or alias (known: {})",
+                            "`{}` is not a model in the catalog; use a [[models]] name or alias (known: {}), or, with [mlflow] tracking_uri and registry_poll_s set, a model served from the MLflow registry",
                             crate::util::sanitize(m),
                             all.join(", ")
                         ),
@@ -510,6 +513,12 @@ mod tests {
         );
         let e = Config::from_toml(&format!("[gateway.user_models]\nalice = []\n{MODELS}")).unwrap_err().to_string();
         assert!(e.contains("gateway.user_models.alice") && e.contains("is empty"), "{e}");
+        // With a polled MLflow registry, a model it serves (known only once read) may be listed.
+        let mlflow = "[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\n";
+        let c = Config::from_toml(&format!("{mlflow}[gateway.user_models]\nalice = [\"demo-chat\", \"smol-chat\"]\n{MODELS}")).unwrap();
+        assert_eq!(c.file.gateway.user_models.get("alice").map(Vec::len), Some(2));
+        let e = Config::from_toml(&format!("{mlflow}[gateway.user_models]\nalice = [\"bad name\"]\n{MODELS}")).unwrap_err().to_string();
+        assert!(e.contains("gateway.user_models.alice[0]"), "{e}");
         // A bad user name or a non-list is a parse error with its line.
         let e =
             Config::from_toml(&format!("[gateway]\nlisten = \"127.0.0.1:8400\"\n[gateway.user_models]\n\"a b\" = [\"chat\"]\n{MODELS}"))

@@ -513,17 +513,12 @@ impl ConfigFile {
         }
         quotas::validate(&self.quotas).map_err(|(k, m)| invalid(&k, m))?;
         self.mlflow.validate().map_err(|(k, m)| invalid(&k, m))?;
-        catalog::validate(
-            &mut self.models,
-            &self.templates,
-            &self.roles,
-            &self.names,
-            self.mlflow.tracking_uri.is_some() && self.mlflow.registry_poll_s > 0,
-        )
-        .map_err(|(k, m)| invalid(&k, m))?;
+        // The MLflow registry's tagged models are served too, known once it is read.
+        let registry = self.mlflow.tracking_uri.is_some() && self.mlflow.registry_poll_s > 0;
+        catalog::validate(&mut self.models, &self.templates, &self.roles, &self.names, registry).map_err(|(k, m)| invalid(&k, m))?;
         let known: std::collections::BTreeSet<&str> =
             self.models.iter().flat_map(|m| std::iter::once(m.name.as_str()).chain(m.aliases.iter().map(String::as_str))).collect();
-        self.gateway.validate_user_models(&known).map_err(|(k, m)| invalid(&k, m))?;
+        self.gateway.validate_user_models(&known, registry).map_err(|(k, m)| invalid(&k, m))?;
         self.workers.validate().map_err(|(k, m)| invalid(&k, m))?;
         self.cluster
             .validate(&self.telemetry.effective_node_name(), self.gateway.public_url.as_deref())
