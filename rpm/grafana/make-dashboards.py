@@ -391,7 +391,7 @@ def names():
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
         stat(L, "Calls to deprecated names", f'sum {events(CALLS.format("deprecated"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
-        stat(L, "Calls to roles without a model", f'sum {events(CALLS.format("unassigned"))} or vector(0)', w=6,
+        stat(L, "Calls to roles without a served model", f'sum {events(CALLS.format("unassigned|unserved"))} or vector(0)', w=6,
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
         timeseries(L, "Calls by name state", [("sum by (state) (rate(gpuhub_gateway_name_calls_total[5m]))", "{{state}}")], unit="reqps", stack=True, w=24),
         table(L, "Deprecated names: sunset and who still calls them", [
@@ -400,8 +400,8 @@ def names():
         table(L, "Callers of deprecated names (range)", [
             (f'sum by (name, user, app) {events(CALLS.format("deprecated"))} > 0', "Calls"),
         ], w=16, h=9, sort="Calls"),
-        table(L, "Callers of retired and unknown names (range)", [
-            (f'sum by (state, name, user, app) {events(CALLS.format("retired|unknown|unassigned"))} > 0', "Calls"),
+        table(L, "Callers of retired and unknown names and unserved roles (range)", [
+            (f'sum by (state, name, user, app) {events(CALLS.format("retired|unknown|unassigned|unserved"))} > 0', "Calls"),
         ], w=12, h=9, sort="Calls"),
         table(L, "Unknown names asked for (range)", [
             (f"topk(20, sum by (name) {events('gpuhub_gateway_unknown_model_requests_total')}) > 0", "Calls"),
