@@ -80,8 +80,12 @@ pub async fn once(state: &AppState) -> Result<(), StoreError> {
     if names || roles {
         tracing::info!(names, roles, "cluster sync: the name registry changed in the store (another agent); applied");
     }
-    if roles && let Err(e) = crate::snapshot::write(state) {
-        tracing::error!(error = %e, "cannot rewrite the snapshot after another agent moved a role; new jobs get the old roles until it is");
+    if roles {
+        if let Err(e) = crate::snapshot::write(state) {
+            tracing::error!(error = %e, "cannot rewrite the snapshot after another agent moved a role; new jobs get the old roles until it is");
+        }
+        // Another agent may serve a model this one does not.
+        state.catalog_sync.report_roles(&state.names);
     }
     promotions(state).await?;
     limits(state).await
