@@ -29,6 +29,8 @@ pub async fn run(state: AppState, stop: CancellationToken) {
     if state.store.backend() != Backend::Postgres {
         return;
     }
+    let me = state.config.file.telemetry.effective_node_name();
+    let gateway = state.config.file.cluster.is_gateway(&me);
     let mut failing = false;
     // Passes until this gateway's policy is published again (the first pass publishes, and so
     // does the pass after a reload changed it).
@@ -36,20 +38,31 @@ pub async fn run(state: AppState, stop: CancellationToken) {
     let mut published: Option<policy::Policy> = None;
     // What differs from the other gateways' policies, as last logged.
     let mut differs = Vec::new();
+    // A node without the gateway role removes a row it published before this start, once.
+    let mut forgotten = false;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(INTERVAL) => {}
         }
         let mut result = once(&state).await;
-        let mine = policy::current(&state);
-        if result.is_ok() {
+        if result.is_ok() && gateway {
+            let mine = policy::current(&state);
             let publish = policy_in == 0 || published.as_ref() != Some(&mine);
-            result = policies(&state, &mine, publish, &mut differs).await;
+            result = policies(&state, &me, &mine, publish, &mut differs).await;
             if result.is_ok() && publish {
                 policy_in = policy::PUBLISH_EVERY;
                 published = Some(mine);
             }
+        } else if result.is_ok() && !forgotten {
+            // Its row goes at once, so the gateways stop comparing with it (else after
+            // policy::FRESH_US).
+            result = state.store.forget_gateway_policy(&me).await.map(|had| {
+                if had {
+                    tracing::info!("gateway policy: this node runs no gateway now; its published policy is removed from the store");
+                }
+            });
+            forgotten = result.is_ok();
         }
         policy_in = policy_in.saturating_sub(1);
         match result {
@@ -118,24 +131,21 @@ async fn limits(state: &AppState) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Publishes this gateway's policy (`mine`) when `publish`, and compares it with the other
+/// Publishes gateway `me`'s policy (`mine`) when `publish`, and compares it with the other
 /// gateways'; a difference is logged when it appears or changes, and once when it is gone.
-async fn policies(state: &AppState, mine: &policy::Policy, publish: bool, logged: &mut Vec<policy::Difference>) -> Result<(), StoreError> {
-    let me = state.config.file.telemetry.effective_node_name();
-    if !state.config.file.cluster.is_gateway(&me) {
-        // A node that ran the gateway before this start: its row goes at once, so the
-        // gateways stop comparing with it (else after policy::FRESH_US).
-        if publish && state.store.forget_gateway_policy(&me).await? {
-            tracing::info!("gateway policy: this node runs no gateway now; its published policy is removed from the store");
-        }
-        return Ok(());
-    }
+async fn policies(
+    state: &AppState,
+    me: &str,
+    mine: &policy::Policy,
+    publish: bool,
+    logged: &mut Vec<policy::Difference>,
+) -> Result<(), StoreError> {
     let now = crate::util::now_us();
     if publish {
-        state.store.publish_gateway_policy(&me, &mine.to_json(), now).await?;
+        state.store.publish_gateway_policy(me, &mine.to_json(), now).await?;
     }
     let rows = state.store.gateway_policies(now - policy::FRESH_US).await?;
-    let found = policy::compare(&me, mine, &rows);
+    let found = policy::compare(me, mine, &rows);
     state.gateway.metrics.policy_differences.set(i64::try_from(found.len()).unwrap_or(i64::MAX));
     if found != *logged {
         if found.is_empty() {
