@@ -414,9 +414,12 @@ impl GatewayConfig {
                 return Err((key, format!("is empty; list the models {} may use, or remove the line to allow every model", user.0)));
             }
             for (i, m) in models.iter().enumerate() {
-                if registry && !known.contains(m.as_str()) {
+                if known.contains(m.as_str()) {
+                    continue;
+                }
+                if registry {
                     super::valid_model_name(m).map_err(|e| (format!("{key}[{i}]"), e))?;
-                } else if !known.contains(m.as_str()) {
+                } else {
                     let all: Vec<&str> = known.iter().copied().collect();
                     return Err((
                         format!("{key}[{i}]"),
