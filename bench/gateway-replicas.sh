@@ -118,7 +118,7 @@ echo "usage rows: overhead_us p50 $(pct overhead_us 50) p99 $(pct overhead_us 99
 REF="$(MODES=plain QUICK=1 DURATION="$DURATION" REPEAT="$REPEAT" RATE="$RATE" CONNS="$CONNS" "$REPO/bench/gateway.sh" 2>&1)" ||
     { echo "$REF" >&2; exit 1; }
 echo "single-node reference (bench/gateway.sh, plain, right after):"
-grep -E 'paced pairs|^ +[0-9]|median of|cpu:' <<<"$REF" | sed 's/^/    /'
+grep -E 'paced pairs|^ +[0-9]|median of|cpu:|floor:' <<<"$REF" | sed 's/^/    /'
 R99="$(sed -n 's/.*paced, median.*added p50 [0-9-]* us, p99 \([0-9-]*\) us.*/\1/p' <<<"$REF")"
 RCPU="$(sed -n 's/.*cpu: *gateway \([0-9.]*\) CPU-s.*/\1/p' <<<"$REF")"
 awk -v a99="$(addcol 4 2)" -v cpu="$(col 6)" -v r99="$R99" -v rcpu="$RCPU" 'BEGIN {

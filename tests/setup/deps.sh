@@ -32,6 +32,8 @@ apt_pkgs=(
     rpm rpmlint elfutils systemd
     # load generation and timing for benchmarks; misc test tools
     wrk hyperfine jq curl procps python3-venv
+    # the reverse proxy the gateway benchmarks measure beside it as the floor (never started as a service)
+    nginx-light
     # the Slurm 24.11 leg: Debian 13's Slurm in a root of its own (tests/lab/slurm24-root.sh)
     debootstrap
 )
