@@ -4,12 +4,14 @@
 # gpu01, one on gpu02; least-outstanding routing between them), in one run. Prints, per paced
 # pair (direct, then gateway) and as medians:
 #   - added p50/p99 latency at ~RATE requests/s (wrk's delay() paces each connection),
-#   - the gateway's CPU-seconds per 1000 requests (utime+stime of gpu01's agent, /proc/PID/stat).
+#   - the gateway's CPU-seconds per 1000 requests (utime+stime of gpu01's agent, /proc/PID/stat),
+#   - the proxy floor: the same for nginx on the host in front of the replica on gpu02
+#     (bench/lib/nginx.sh), the third run of each pair.
 # The upstream is the repo's test worker (answers from memory), as in bench/gateway.sh.
 #   sudo bench/gateway-replicas.sh          DURATION=10 RATE=2000 CONNS=20 REPEAT=3 by default
 # It holds /run/gpuhub-run-all.lock (the lab is shared), switches the lab to two nodes
 # (GPUHUB_LAB_NODES=2 tests/lab/up.sh) and restores the one-node lab at exit.
-# Needs: cargo build --release; wrk (apt). Results go to stdout; copy them to BENCHMARKS.md.
+# Needs: cargo build --release; wrk and nginx-light (apt). Results go to stdout; copy them to BENCHMARKS.md.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${GPUHUB_BENCH_LOCKED:-}" ]; then
@@ -19,6 +21,7 @@ fi
 . "$REPO/tests/lab/nodes.sh"
 lab_require
 command -v wrk >/dev/null || { echo "wrk not installed (apt-get install wrk)" >&2; exit 1; }
+command -v nginx >/dev/null || { echo "nginx not installed (apt-get install nginx-light): each pair measures it as the proxy floor" >&2; exit 1; }
 DURATION="${DURATION:-10}"; RATE="${RATE:-2000}"; CONNS="${CONNS:-20}"; REPEAT="${REPEAT:-3}"
 NODES_SH="$REPO/tests/lab/nodes.sh"
 PSQL=(psql -h 127.0.0.1 -p "$NODES_PG_PORT" -U postgres -d "$NODES_PG_DB" -tAq)
@@ -75,11 +78,14 @@ WKEY="$("${PSQL[@]}" -c "SELECT api_key FROM model_workers WHERE instance_id = '
 KEY="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys create --user bench --app wrk | tail -n 1)"
 WRK_DIR="$DIR"
 . "$REPO/bench/lib/wrk.sh"
+. "$REPO/bench/lib/nginx.sh"
+nginx_start "${DIRECT#http://}" || exit 1
+lab_cleanup_add "kill $NGINX_PID"
 run() { wrk_run "$1" "$2" "$3" "$BODY" "$CONNS" "$DELAY" || exit 1; }   # run NAME URL AUTH -> P50 P99 RPS REQS
 BODY="{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}]}"
 DELAY=$(( CONNS * 1000 / RATE ))
 echo "gateway with 2 replicas on 2 nodes: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), wrk -t2, ${DURATION}s per run, $CONNS connections at ~$RATE req/s"
-echo "replicas: $(jq -c '[.replicas[] | {job_id, node, base_url}]' <<<"$m"); direct: $DIRECT (gpu02); gateway: $GW (gpu01, pid $GW_PID)"
+echo "replicas: $(jq -c '[.replicas[] | {job_id, node, base_url}]' <<<"$m"); direct: $DIRECT (gpu02); gateway: $GW (gpu01, pid $GW_PID); proxy floor: nginx at $NGINX_URL -> $DIRECT"
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 # The agent's own work without calls (telemetry, Slurm polls, quota pass), for scale: it is
 # counted in the per-call figures below, not taken off them.
@@ -92,18 +98,23 @@ for i in $(seq "$REPEAT"); do
     C0="$(cpu_ticks "$GW_PID")"
     run "gateway-$i" "$GW" "$KEY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
     C1="$(cpu_ticks "$GW_PID")"
+    N0="$(cpu_ticks "$NGINX_WORKER")"
+    run "nginx-$i" "$NGINX_URL" "$WKEY"; N50=$P50; N99=$P99; NREQS=$REQS
+    N1="$(cpu_ticks "$NGINX_WORKER")"
     S1="$(steal_ticks)"
     awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v grps="$GRPS" -v tick="$TICK" -v c="$((C1 - C0))" -v reqs="$GREQS" -v st="$((S1 - S0))" \
-        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st }' >>"$DIR/pairs"
+        -v n50="$N50" -v n99="$N99" -v n="$((N1 - N0))" -v nreqs="$NREQS" \
+        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d %.0f %.0f %.4f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st, n50, n99, (n / tick) / (nreqs / 1000) }' >>"$DIR/pairs"
 done
 col() { awk -v c="$1" '{ print $c }' "$DIR/pairs" | median; }
 addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$DIR/pairs" | median; }
-echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks):"
+echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks | nginx p50 p99 us, CPU-s per 1000):"
 sed 's/^/    /' "$DIR/pairs"
 awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
-    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" 'BEGIN {
+    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" -v n50="$(addcol 8 1)" -v n99="$(addcol 9 2)" -v ncpu="$(col 10)" 'BEGIN {
     printf "median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", n, d50, d99, grps, g50, g99, a50, a99
     printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
+    printf "floor: nginx on the host in front of the replica on gpu02, median of %d: added p50 %.0f us, p99 %.0f us, %.3f CPU-s per 1000 requests\n", n, n50, n99, ncpu
 }'
 echo "gpu01's agent without calls: $IDLE CPU-s per second"
 # The gateway's own account of its overhead (latency minus the time it waited for a replica),

@@ -9,9 +9,9 @@
 #   STORE=postgres://... bench/gateway.sh   the same on a PostgreSQL store (default: SQLite)
 #   MODES=plain QUICK=1 bench/gateway.sh     plain calls' paced pairs only (no saturated runs, no
 #                                            chunk delays): bench/gateway-replicas.sh's reference
-# Each paced pair also calls the same worker through nginx (one worker process, keep-alive to
-# the upstream, no access log): the floor, what any reverse proxy adds on this host in the same
-# minute, so a figure above the targets can be told from a host on which no proxy meets them.
+# Each paced pair also calls the same worker through nginx (bench/lib/nginx.sh): the floor, what
+# any reverse proxy adds on this host in the same minute, so a figure above the targets can be
+# told from a host on which no proxy meets them.
 # Needs: cargo build --release; wrk and nginx-light (apt, tests/setup/deps.sh). Results go to
 # stdout; copy them to BENCHMARKS.md.
 set -euo pipefail
@@ -27,39 +27,11 @@ KEY="$(gw_key bench wrk)"
 DIRECT="http://$GW_WORKER_ADDR"
 WRK_DIR="$GW_DIR"
 . "$(dirname "$0")/lib/wrk.sh"
+. "$(dirname "$0")/lib/nginx.sh"
+nginx_start "$GW_WORKER_ADDR" || gw_fail "the proxy floor (nginx) did not start"
+GW_PIDS+=("$NGINX_PID")
 # run NAME URL AUTH BODY CONNS DELAY_MS -> sets P50 P99 RPS REQS
 run() { wrk_run "$@" || gw_fail "$1: the benchmark got non-2xx answers"; }
-
-# The proxy floor: nginx in front of the same worker, with its own files in $GW_DIR.
-NGINX_PORT="$(gw_free_port)"
-mkdir -p "$GW_DIR/nginx"
-cat >"$GW_DIR/nginx/nginx.conf" <<NGINX
-worker_processes 1;
-daemon off;
-pid $GW_DIR/nginx/nginx.pid;
-error_log $GW_DIR/nginx/error.log warn;
-events { worker_connections 1024; }
-http {
-    access_log off;
-    client_body_temp_path $GW_DIR/nginx/body;
-    proxy_temp_path $GW_DIR/nginx/proxy;
-    upstream worker { server $GW_WORKER_ADDR; keepalive 64; }
-    server {
-        listen 127.0.0.1:$NGINX_PORT;
-        location / { proxy_pass http://worker; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
-    }
-}
-NGINX
-nginx -c "$GW_DIR/nginx/nginx.conf" -e "$GW_DIR/nginx/error.log" 2>"$GW_DIR/nginx/start.log" &
-GW_PIDS+=($!)
-NGINX_URL="http://127.0.0.1:$NGINX_PORT"
-NGINX_WORKER=""
-for _ in $(seq 100); do
-    NGINX_WORKER="$(pgrep -P "${GW_PIDS[-1]}" 2>/dev/null | head -n 1)" || true
-    [ -n "$NGINX_WORKER" ] && curl -s -o /dev/null "$NGINX_URL/health" && break
-    sleep 0.05
-done
-[ -n "$NGINX_WORKER" ] || gw_fail "nginx did not start: $(cat "$GW_DIR/nginx/start.log" "$GW_DIR/nginx/error.log" 2>/dev/null)"
 
 echo "gateway benchmark: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start, wrk -t2, ${DURATION}s per run, paced runs: $CONNS connections at ~$RATE req/s"
 echo "upstream: gpuhub-test-worker at $DIRECT; gateway: $GW_URL (pid $GW_AGENT_PID); proxy floor: nginx at $NGINX_URL (worker pid $NGINX_WORKER)"

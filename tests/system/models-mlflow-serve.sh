@@ -60,6 +60,14 @@ CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 cp "$MT_DIR/agent.toml" "$MT_DIR/agent.toml.orig"
 # roles_check: gpuhub doctor's `roles` check, as "ok|detail".
 roles_check() { "${CLI[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "roles") | "\(.ok)|\(.detail)"'; }
+# unserved_gauge: the agent's gpuhub_roles_unserved on its metrics endpoint.
+unserved_gauge() { curl -sf --max-time 5 "http://$MT_METRICS/metrics" | awk '$1 == "gpuhub_roles_unserved" { print $2 }'; }
+# gauge_is N WHEN: gpuhub_roles_unserved reads N within 5 s (it is set after the catalog changes).
+gauge_is() {
+    local i
+    for ((i = 0; i < 25; i++)); do [ "$(unserved_gauge)" = "$1" ] && return; sleep 0.2; done
+    models_fail "gpuhub_roles_unserved $2: expected $1, got '$(unserved_gauge)'"
+}
 
 echo "== 0. [roles] mlchat names $SERVED, which no registry poll serves yet: 503 naming it, a warning, doctor fails"
 models_call mlchat
@@ -71,6 +79,7 @@ logged_unserved() { grep -F "a role's model is not served on this node" "$MT_DIR
 for ((i = 0; i < 50; i++)); do logged_unserved && break; sleep 0.2; done
 logged_unserved || models_fail "the agent did not log that role mlchat's model $SERVED is not served"
 [[ "$(roles_check)" == "false|not served now: mlchat -> $SERVED" ]] || models_fail "gpuhub doctor's roles check: $(roles_check)"
+gauge_is 1 "with mlchat's model not served"
 "${CLI[@]}" env | grep -qx "MLCHAT_MODEL=$SERVED" || models_fail "gpuhub env does not give jobs MLCHAT_MODEL=$SERVED: $("${CLI[@]}" env)"
 echo "ok: $MC_STATUS $(jq -r .error.message <<<"$MC_BODY" | cut -c1-100)..."
 
@@ -126,6 +135,7 @@ models_call mlchat "Say hi."
 [ "$MC_STATUS" = 200 ] || models_fail "the role mlchat, now served by $SERVED, answered $MC_STATUS: $MC_BODY"
 [[ "$(roles_check)" == true\|* ]] || models_fail "gpuhub doctor's roles check after $SERVED is served: $(roles_check)"
 grep -qF "every assigned role's model is served again" "$MT_DIR/agent.log" || models_fail "the agent did not log that role mlchat is served again"
+gauge_is 0 "once mlchat's model is served"
 echo "ok: the role mlchat ([roles] in agent.toml) is served by $SERVED from the registry"
 
 echo "== 2. a bad tag is reported with the model, the tag and the fix"
@@ -180,6 +190,7 @@ echo "$MC_BODY" | jq -r .error.message | grep -F "\`$SERVED\` was retired" | gre
 models_call mlchat
 [ "$MC_STATUS" = 503 ] && [ "$(jq -r .error.code <<<"$MC_BODY")" = role_model_not_served ] ||
     models_fail "a call to the role mlchat after $SERVED was untagged: expected 503 role_model_not_served, got $MC_STATUS: $MC_BODY"
+gauge_is 1 "after $SERVED was untagged"
 for ((i = 0; i < 300; i++)); do
     [ -z "$(models_jobs "$SERVED")" ] && break
     sleep 0.1

@@ -19,6 +19,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::access::AccessLists;
 use super::auth;
 use super::key_policy::{self, KeyPolicyError};
 use crate::AppState;
@@ -99,8 +100,8 @@ pub struct SetKey {
 
 const ZERO_LIMIT: &str = "--rpm and --tokens-per-day must be at least 1; leave one out for no limit of the key's own (its user's limits in [gateway.limits] still apply)";
 
-/// A key's allow-list: catalog names, within its user's `[gateway.user_models]`.
-fn check_key_models(state: &AppState, user: &str, models: &[String]) -> Result<(), (StatusCode, Json<Value>)> {
+/// A key's allow-list: catalog names, within its user's `[gateway.user_models]` (as in `access`).
+fn check_key_models(state: &AppState, access: &AccessLists, user: &str, models: &[String]) -> Result<(), (StatusCode, Json<Value>)> {
     let catalog = state.catalog.load();
     for m in models {
         if catalog.get(m).is_none() {
@@ -111,8 +112,7 @@ fn check_key_models(state: &AppState, user: &str, models: &[String]) -> Result<(
             ));
         }
     }
-    key_policy::check_models(user, models, state.gateway.access.get().user_models_of(user), |m| catalog.get(m).map(|c| c.name.clone()))
-        .map_err(policy)
+    key_policy::check_models(user, models, access.user_models_of(user), |m| catalog.get(m).map(|c| c.name.clone())).map_err(policy)
 }
 
 fn public(k: &ApiKeyRecord) -> Value {
@@ -123,14 +123,17 @@ async fn create_key(State(state): State<AppState>, caller: Caller, Json(req): Js
     let user = key_policy::owner(&caller, req.user.as_deref()).map_err(policy)?;
     check_label("user", &user).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
     check_label("app", &req.app).map_err(|m| err(StatusCode::BAD_REQUEST, m))?;
-    check_key_models(&state, &user, &req.models)?;
+    // One snapshot of the access lists for the whole creation: a reload in between cannot
+    // check the models against one version and the key count against another.
+    let access = state.gateway.access.get();
+    check_key_models(&state, &access, &user, &req.models)?;
     if req.rpm == Some(0) || req.tokens_per_day == Some(0) {
         return Err(err(StatusCode::BAD_REQUEST, ZERO_LIMIT));
     }
     key_policy::check_limits(&user, req.rpm, req.tokens_per_day, state.gateway.fair_use.user_limits(&user)).map_err(policy)?;
     if !caller.admin {
         let mine = state.store.api_keys_of(&user).await.map_err(store_err)?;
-        key_policy::check_count(&caller, &mine, state.gateway.access.get().keys_per_user).map_err(policy)?;
+        key_policy::check_count(&caller, &mine, access.keys_per_user).map_err(policy)?;
     }
     let key = auth::new_key();
     let record = ApiKeyRecord {
@@ -199,7 +202,7 @@ async fn set_key(State(state): State<AppState>, caller: Caller, Path(id): Path<S
     }
     let user = existing.user.clone();
     let models = req.models.unwrap_or_else(|| existing.models.clone());
-    check_key_models(&state, &user, &models)?;
+    check_key_models(&state, &state.gateway.access.get(), &user, &models)?;
     let rpm = if req.no_rpm { None } else { req.rpm.or(existing.rpm) };
     let tokens_per_day = if req.no_tokens_per_day { None } else { req.tokens_per_day.or(existing.tokens_per_day) };
     key_policy::check_limits(&user, rpm, tokens_per_day, state.gateway.fair_use.user_limits(&user)).map_err(policy)?;

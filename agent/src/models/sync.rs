@@ -69,6 +69,7 @@ struct RegistryMetrics {
     up: Family<RegistryLabel, Gauge>,
     errors: Family<RegistryLabel, Counter>,
     unservable: Family<RegistryLabel, Gauge>,
+    unserved_roles: Gauge,
 }
 
 impl RegistryMetrics {
@@ -81,6 +82,11 @@ impl RegistryMetrics {
             "mlflow_registry_unservable_models",
             "Models tagged served_by=gateway that are not served because of a bad tag (gpuhub models registry says which)",
             m.unservable.clone(),
+        );
+        r.register(
+            "roles_unserved",
+            "Roles assigned a model this node does not serve: calls to them get 503 role_model_not_served (gpuhub names list and gpuhub doctor say which)",
+            m.unserved_roles.clone(),
         );
         m
     }
@@ -201,7 +207,9 @@ impl CatalogSync {
     /// model no registry poll serves, a model untagged or removed since), once per change, and
     /// once when every role is served again.
     pub fn report_roles(&self, names: &crate::names::NameRegistry) {
-        let now = names.unserved_roles_line();
+        let unserved = names.unserved_roles();
+        self.metrics.unserved_roles.set(i64::try_from(unserved.len()).unwrap_or(i64::MAX));
+        let now = crate::names::unserved_roles_line(&unserved);
         let mut last = self.unserved_roles.lock().unwrap_or_else(|p| p.into_inner());
         if *last == now {
             return;

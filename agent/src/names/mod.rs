@@ -579,8 +579,7 @@ impl NameRegistry {
     /// Roles assigned a model this node does not serve now, as one line (`chat -> smol-chat;
     /// ...`), or `None` when every assigned role is served.
     pub fn unserved_roles_line(&self) -> Option<String> {
-        let list = self.unserved_roles();
-        (!list.is_empty()).then(|| list.iter().map(|(r, m)| format!("{r} -> {}", crate::util::sanitize(m))).collect::<Vec<_>>().join("; "))
+        unserved_roles_line(&self.unserved_roles())
     }
 
     /// Roles assigned a model this node does not serve now: (role, model), by role.
@@ -599,6 +598,11 @@ impl NameRegistry {
         let inner = self.view();
         entries_in(&self.catalog.load(), &inner)
     }
+}
+
+/// `(role, model)` pairs as one line (`chat -> smol-chat; ...`), `None` for none.
+pub fn unserved_roles_line(list: &[(String, String)]) -> Option<String> {
+    (!list.is_empty()).then(|| list.iter().map(|(r, m)| format!("{r} -> {}", crate::util::sanitize(m))).collect::<Vec<_>>().join("; "))
 }
 
 /// What to do about a role whose model is not served.
