@@ -5,7 +5,7 @@
 #   nginx_start ADDR   proxies 127.0.0.1:<free port> to ADDR (host:port); sets NGINX_URL,
 #                      NGINX_PID (the master, stop it with kill) and NGINX_WORKER (whose CPU
 #                      counts); files in $WRK_DIR/nginx. Status 1 with nginx's errors if it
-#                      does not start.
+#                      does not answer within 5 s (then it is stopped).
 nginx_start() {
     local dir="$WRK_DIR/nginx" port
     port="$(python3 "$(dirname "${BASH_SOURCE[0]}")/../../tests/lib/free_port.py")"
@@ -37,6 +37,7 @@ NGINX
         [ -n "$NGINX_WORKER" ] && curl -s -o /dev/null "$NGINX_URL/health" && return 0
         sleep 0.05
     done
+    kill "$NGINX_PID" 2>/dev/null || true
     echo "nginx did not start: $(cat "$dir/start.log" "$dir/error.log" 2>/dev/null)" >&2
     return 1
 }
