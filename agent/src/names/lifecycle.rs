@@ -325,7 +325,7 @@ fn check_target(ctx: &Ctx<'_>, old: &str, target: &str) -> Result<String, Lifecy
             Err(LifecycleError::Invalid(format!("`{target}` is a role, not a model name; rename to the role's model (see `gpuhub roles`)")))
         }
         Current::Unknown => Err(LifecycleError::Invalid(format!(
-            "`{target}` is not served here{}; add a [[models]] entry (or an alias) named `{target}` to agent.toml and restart the agent, then rename",
+            "`{target}` is not served here{}; serve it first ({SERVE_FIRST}), then rename",
             suggestions(ctx, target)
         ))),
     }
@@ -624,6 +624,9 @@ pub fn plan_restore(ctx: &Ctx<'_>, name: &str) -> Result<Plan, LifecycleError> {
     Ok(plan)
 }
 
+/// How a model name comes to be served, for the refusals of a rename or role change to it.
+const SERVE_FIRST: &str = "a [[models]] entry or alias of that name in agent.toml, then `gpuhub models reload`; or, with [mlflow] registry_poll_s, a registered model tagged served_by=gateway with gpuhub.name";
+
 /// `gpuhub roles set ROLE MODEL` / `gpuhub roles unset ROLE` (`model = None`).
 pub fn plan_role(ctx: &Ctx<'_>, role: &str, model: Option<&str>) -> Result<Plan, LifecycleError> {
     let Some(var) = gpuhub_wire::snapshot::role_env_var(role) else {
@@ -649,7 +652,7 @@ pub fn plan_role(ctx: &Ctx<'_>, role: &str, model: Option<&str>) -> Result<Plan,
             }
             Resolution::RoleUnassigned { .. } | Resolution::RoleUnserved { .. } | Resolution::Unknown { .. } => {
                 return Err(LifecycleError::Invalid(format!(
-                    "`{m}` is not served here{}; add it to the catalog first",
+                    "`{m}` is not served here{}; serve it first ({SERVE_FIRST}), then assign it",
                     suggestions(ctx, m)
                 )));
             }
@@ -939,7 +942,8 @@ mod tests {
                 .to_string()
                 .contains("deprecated (renamed to `dots.ocr`); assign `dots.ocr`")
         );
-        assert!(plan_role(&c, "ocr", Some("nope")).unwrap_err().to_string().contains("not served here"));
+        let nope = plan_role(&c, "ocr", Some("nope")).unwrap_err().to_string();
+        assert!(nope.contains("not served here") && nope.contains("gpuhub models reload") && nope.contains("served_by=gateway"), "{nope}");
         assert!(plan_role(&c, "ocr", Some("dots.ocr")).unwrap_err().to_string().contains("already"));
         assert!(plan_role(&c, "bad role", Some("dots.ocr")).unwrap_err().to_string().contains("must be"));
         let u = plan_role(&c, "ocr", None).unwrap();
