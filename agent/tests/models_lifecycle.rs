@@ -25,6 +25,12 @@ struct Env {
     store: Store,
 }
 
+impl Drop for Env {
+    fn drop(&mut self) {
+        gateway_support::stop_workers_in(self.dir.path());
+    }
+}
+
 impl Env {
     async fn new() -> Env {
         let dir = tempfile::tempdir().unwrap();

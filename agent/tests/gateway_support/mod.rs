@@ -252,7 +252,23 @@ impl Agent {
         if let Some(t) = self.task.take() {
             tokio::time::timeout(Duration::from_secs(30), t).await.expect("agent did not stop within 30 s").unwrap().unwrap();
         }
+        stop_workers_in(self.dir.path());
         self.dir
+    }
+}
+
+/// Stops the local workers started under `dir` (their command lines name it: the key file):
+/// a local worker outlives its agent by design, so that a restarted agent adopts it, and a test
+/// must not leave one running.
+pub fn stop_workers_in(dir: &std::path::Path) {
+    let needle = dir.to_string_lossy().into_owned();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else { continue };
+        if pid != std::process::id() && String::from_utf8_lossy(&cmdline).contains(&needle) {
+            let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+        }
     }
 }
 
