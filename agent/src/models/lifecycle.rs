@@ -1194,6 +1194,26 @@ impl Shared {
                 }
                 return;
             }
+            if let Some(owner) = &inst.borrowed_from
+                && !single_flight::still_offered(rt.store.as_ref(), &rt.owner, &w.cfg.name, &inst.id).await
+            {
+                // Its owner is stopping it (a switch, an unload): new calls go elsewhere, the
+                // calls in flight finish there, their use recorded so the owner waits for them.
+                {
+                    let mut s = w.lock();
+                    if s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst)) && s.state == State::Ready {
+                        s.instance = None;
+                        let detail = format!(
+                            "agent {owner} withdrew worker {} (it drains); the next call finds its newer worker or starts one",
+                            inst.id
+                        );
+                        self.transition(&w, &mut s, State::Unloaded, Some(detail));
+                    }
+                }
+                let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
+                single_flight::hold_while_in_flight(rt.store.clone(), inst, deadline, rt.shutdown.clone()).await;
+                return;
+            }
             self.tick_replicas(rt, &w).await;
             let (idle_for, busy) = (w.lock().last_used.elapsed(), w.busy());
             // Calls through other gateways count too (a borrowed worker records its own here).
@@ -1230,6 +1250,7 @@ impl Shared {
     async fn drain_and_stop(&self, w: &Arc<Worker>, draining: Draining, reason: &str) {
         let Some(rt) = &self.rt else { return };
         let Draining { inst, changed: mut rx } = draining;
+        single_flight::withdraw(rt.store.as_ref(), &rt.owner, &w.cfg.name, &inst).await;
         let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
         while w.in_flight.load(Ordering::Acquire) > 0 {
             tokio::select! {
@@ -1240,6 +1261,7 @@ impl Shared {
                 }
             }
         }
+        single_flight::wait_for_borrowers(rt.store.as_ref(), &inst, deadline, &rt.shutdown).await;
         rt.launchers.stop(&inst).await;
         self.forget(&w.cfg.name, &inst).await;
         if !w.rep.is_extra {

@@ -14,6 +14,10 @@
 //! - [`UseTracker`]: a gateway using a borrowed worker writes when it last used it into the
 //!   store; the owner's idle unload reads it, so a worker in use through another gateway is
 //!   not unloaded.
+//! - Stopping a worker others borrow: the owner [`withdraw`]s its row first (borrowers see it
+//!   gone within a supervisor period and route new calls elsewhere, [`still_offered`]), then
+//!   [`wait_for_borrowers`] while their calls in flight there finish ([`hold_while_in_flight`]
+//!   records their use each second).
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -126,6 +130,10 @@ pub async fn borrow(store: Option<&Store>, slurm: &Slurm, owner: &str, m: &Model
             tracing::info!(model = %m.name, worker = %row.instance_id, owner = %row.owner, "another agent's worker does not answer its health check; not routing to it");
             continue;
         }
+        // Recorded before the first call goes there: an owner stopping it now waits for it.
+        if let Err(e) = store.touch_worker_use(&row.launcher, &row.instance_id, crate::util::now_us()).await {
+            tracing::warn!(model = %m.name, worker = %row.instance_id, error = %e, "cannot record the use of another agent's worker; its owner may stop it under a call");
+        }
         let mut inst = Instance::new(LauncherKind::Slurm, row.instance_id.clone(), row.api_key.clone(), uid, row.log_path.clone().into());
         inst.set_base_url(row.base_url.clone());
         inst.version = row.version.clone();
@@ -209,6 +217,95 @@ impl UseTracker {
                 tracing::warn!(worker = %inst.id, error = %e, "cannot read the worker's use through other gateways; keeping it for now");
                 true
             }
+        }
+    }
+}
+
+/// How long after a worker's last recorded use through another gateway its owner still waits
+/// before it stops the worker: more than a borrowing gateway's supervisor period (1 s: it
+/// records a use, or notices that the worker's row is gone) plus a store round trip.
+pub const BORROWER_GRACE: Duration = Duration::from_secs(3);
+
+/// The owner's first step in stopping its worker `inst` of `model`: its row leaves the store,
+/// so no gateway borrows it from now on and those that do stop sending it new calls (they see
+/// the row gone within a second). Then [`wait_for_borrowers`]; the stop's `forget` deletes the
+/// row again (harmless) with the worker's use.
+pub async fn withdraw(store: Option<&Store>, owner: &str, model: &str, inst: &Instance) {
+    if let Some(store) = store
+        && inst.borrowed_from.is_none()
+        && let Err(e) = store.delete_worker(owner, model, &inst.id).await
+    {
+        tracing::warn!(model, worker = %inst.id, error = %e, "cannot withdraw a stopping worker from the store; other gateways notice when its job ends");
+    }
+}
+
+/// The owner's second step: waits (until `deadline`) while another gateway has used `inst`
+/// within [`BORROWER_GRACE`] (a borrower records `now` each second while a call of its own is
+/// in flight there, [`hold_while_in_flight`]), so a switch or an unload does not break the
+/// calls other gateways sent. Returns at once for a worker no other gateway used.
+pub async fn wait_for_borrowers(store: Option<&Store>, inst: &Instance, deadline: Instant, shutdown: &CancellationToken) {
+    let Some(store) = store else { return };
+    if inst.borrowed_from.is_some() {
+        return;
+    }
+    let launcher = launcher_name(inst.launcher);
+    let grace = i64::try_from(BORROWER_GRACE.as_micros()).unwrap_or(i64::MAX);
+    let mut logged = false;
+    loop {
+        let recent = match store.worker_last_used(launcher, &inst.id).await {
+            Ok(Some(us)) => crate::util::now_us().saturating_sub(us) < grace,
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(worker = %inst.id, error = %e, "cannot read the worker's use through other gateways; stopping it without waiting for them");
+                false
+            }
+        };
+        if !recent {
+            return;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(worker = %inst.id, "drain timeout; stopping the worker while another gateway may still call it");
+            return;
+        }
+        if !logged {
+            tracing::info!(worker = %inst.id, "another gateway used this worker within the last few seconds; waiting for its calls before stopping it");
+            logged = true;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(250)) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// A borrowing gateway's check, each supervisor period: whether the owner still offers the
+/// borrowed worker `id` of `model` (its row is in the store). A store that cannot be read
+/// counts as yes (the worker's end still shows as its job ending).
+pub async fn still_offered(store: Option<&Store>, me: &str, model: &str, id: &str) -> bool {
+    let Some(store) = store else { return true };
+    match store.others_workers(me, model).await {
+        Ok(rows) => rows.iter().any(|r| r.instance_id == id),
+        Err(e) => {
+            tracing::debug!(model, worker = id, error = %e, "cannot read other agents' workers; keeping the borrowed worker");
+            true
+        }
+    }
+}
+
+/// A borrowed worker this gateway no longer routes new calls to (its owner withdrew it):
+/// while calls still hold `inst` (a lease holds its instance), records their use each second,
+/// so the owner's [`wait_for_borrowers`] lets them finish; at most until `deadline`.
+pub async fn hold_while_in_flight(store: Option<Store>, inst: std::sync::Arc<Instance>, deadline: Instant, shutdown: CancellationToken) {
+    let Some(store) = store else { return };
+    let launcher = launcher_name(inst.launcher);
+    // Left when no call holds it: this task's reference.
+    while std::sync::Arc::strong_count(&inst) > 1 && Instant::now() < deadline {
+        if let Err(e) = store.touch_worker_use(launcher, &inst.id, crate::util::now_us()).await {
+            tracing::warn!(worker = %inst.id, error = %e, "cannot record the use of another agent's worker; its owner may stop it under a call");
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = shutdown.cancelled() => return,
         }
     }
 }
@@ -445,6 +542,71 @@ mod tests {
             let mut late = UseTracker::default();
             late.used_elsewhere(Some(&store), &borrowed, Duration::from_secs(8), false, idle).await;
             assert!(!owner.used_elsewhere(Some(&store), &own, Duration::from_secs(6), false, idle).await);
+        }
+    }
+
+    /// An owner stopping its worker (a switch, an unload) withdraws its row first: a borrowing
+    /// gateway sees it gone (and stops routing new calls there); the owner then waits while
+    /// that gateway still has calls in flight on it (their use recorded each second), and no
+    /// longer than [`BORROWER_GRACE`] after the last one; at once when nobody else used it, and
+    /// at its deadline at the latest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_withdrawn_worker_is_stopped_only_after_the_calls_other_gateways_sent_it() {
+        for (store, _dir) in testing::stores().await {
+            let b = store.backend();
+            let row = WorkerRow {
+                owner: "gpu02".into(),
+                model: "m".into(),
+                launcher: "slurm".into(),
+                instance_id: "601".into(),
+                base_url: "http://10.77.0.12:9000".into(),
+                api_key: "k".into(),
+                version: None,
+                log_path: "/tmp/l".into(),
+                started_us: 1,
+            };
+            store.put_worker(&row).await.unwrap();
+            let own = Instance::new(LauncherKind::Slurm, "601".into(), "k".into(), 0, "/tmp/l".into());
+            let mut borrowed = Instance::new(LauncherKind::Slurm, "601".into(), "k".into(), 0, "/tmp/l".into());
+            borrowed.borrowed_from = Some("gpu02".into());
+            let borrowed = std::sync::Arc::new(borrowed);
+            let token = CancellationToken::new();
+            let far = Instant::now() + Duration::from_secs(30);
+
+            // Nobody else used it: the owner's wait ends at once.
+            let t = Instant::now();
+            wait_for_borrowers(Some(&store), &own, far, &token).await;
+            assert!(t.elapsed() < Duration::from_secs(1), "{b:?}: waited {:?} for nobody", t.elapsed());
+
+            assert!(still_offered(Some(&store), "gpu01", "m", "601").await, "{b:?}");
+            withdraw(Some(&store), "gpu02", "m", &own).await;
+            assert!(!still_offered(Some(&store), "gpu01", "m", "601").await, "{b:?}: withdrawn, still offered");
+
+            // gpu01 borrowed it (its use recorded) and still has a call on it (a lease holds
+            // the instance) for 2 s.
+            store.touch_worker_use("slurm", "601", crate::util::now_us()).await.unwrap();
+            let lease = borrowed.clone();
+            let hold = tokio::spawn(hold_while_in_flight(Some(store.clone()), borrowed, far, token.clone()));
+            let (s2, t2) = (store.clone(), token.clone());
+            let t = Instant::now();
+            let owner = tokio::spawn(async move { wait_for_borrowers(Some(&s2), &own, far, &t2).await });
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            assert!(!owner.is_finished(), "{b:?}: the owner stopped the worker under gpu01's call");
+            drop(lease);
+            hold.await.unwrap();
+            owner.await.unwrap();
+            let waited = t.elapsed();
+            assert!(
+                waited >= Duration::from_secs(2) && waited < Duration::from_secs(2) + BORROWER_GRACE + Duration::from_secs(2),
+                "{b:?}: the owner waited {waited:?} (the call ended after 2 s)"
+            );
+
+            // A deadline ends the wait while another gateway still uses it.
+            store.touch_worker_use("slurm", "601", crate::util::now_us()).await.unwrap();
+            let own = Instance::new(LauncherKind::Slurm, "601".into(), "k".into(), 0, "/tmp/l".into());
+            let t = Instant::now();
+            wait_for_borrowers(Some(&store), &own, Instant::now() + Duration::from_millis(300), &token).await;
+            assert!(t.elapsed() < Duration::from_secs(2), "{b:?}: waited {:?} past its deadline", t.elapsed());
         }
     }
 }
