@@ -120,6 +120,9 @@ run_leg() {
             rc=$?
             lfail=$((lfail + 1)); failed+=("$name[$leg]")
             log "FAIL [$leg] $name (exit $rc after $((SECONDS - start))s; limit ${limit}s); last lines of $dir/$name.log:"
+            # The test's own verdict first: a long log tail (a multinode test's node logs) can
+            # push it out of the last 40 lines.
+            grep -m 3 '^FAIL' "$dir/$name.log" | sed 's/^/    /' || true
             tail -n 40 "$dir/$name.log" | sed 's/^/    /'
         fi
         leftovers_note "$name"
