@@ -9,6 +9,9 @@ A leftover is
     everything the run starts, setsid'd daemons included), was not there at the baseline, and is
     not one of the lab's own daemons (Slurm, munge, MariaDB, the test PostgreSQL) or the lab's
     gpuhub-agent (/run/gpuhub/agent.pid);
+  - a model worker a test's agent started with the `local` launcher (its environment is
+    cleared, so it has no marker: GPUHUB_WORKER_TAG in its environment), not there at the
+    baseline and not a child of the lab's gpuhub-agent;
   - a listening TCP port that was not listening at the baseline, held by a process of this run;
   - a Slurm job other than the lab agent's own model workers (they unload themselves when idle);
   - a file or directory /tmp/gpuhub* that was not there at the baseline (every test's mktemp
@@ -24,6 +27,8 @@ LAB_DAEMONS = {"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "munged", "maria
 # which are a job's processes (and a job still there is a leftover of its own).
 LAB_DAEMON_TREES = LAB_DAEMONS - {"slurmstepd", "slurmd"}
 LAB_AGENT_PID = "/run/gpuhub/agent.pid"
+# Set in every model worker's environment by gpuhub-agent (agent/src/models/launcher/secret.rs).
+WORKER_TAG = b"GPUHUB_WORKER_TAG="
 # The lab agent's worker jobs: comment `gpuhub-worker:<owner>:<workers dir>` (the owner is its
 # Slurm node, gpu01).
 LAB_WORKERS = ("gpuhub-worker:/var/lib/gpuhub/workers", "gpuhub-worker:gpu01:/var/lib/gpuhub/workers")
@@ -126,7 +131,8 @@ def scan(d):
         if any(b"SLURM_JOB_ID=" + j in env for j in lab_jobs):
             lab_procs.add(pid)
             continue
-        if b"GPUHUB_TEST_RUN=" + marker not in env:
+        local_worker = any(v.startswith(WORKER_TAG) for v in env) and not (agent.isdigit() and int(agent) in ancestors(pid, procs))
+        if b"GPUHUB_TEST_RUN=" + marker not in env and not local_worker:
             continue
         ours.add(pid)
         if pid in old_pids:
