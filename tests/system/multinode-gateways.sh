@@ -254,11 +254,17 @@ version_at() { st="$(chat_at gpu01 "$G1" "$PKEY" sync-reg)"; [ "$st" = 200 ] && 
 until_ok 10 version_at 7 || fail "gpu01's gateway does not serve sync-reg version 7 from gpu02's worker: HTTP $st $(cat "$BODY")"
 LOOP="$(mktemp /tmp/gpuhub-multigw-loop.XXXXXX)"
 lab_cleanup_add "rm -f '$LOOP' '$LOOP.stop'"
-# 0.2 s apart until the file STOP exists: one line per call, "STATUS VERSION".
+# 0.2 s apart until the file STOP exists: one line per call, "STATUS VERSION" (a failed call:
+# "STATUS - TIME MESSAGE", the gateway's error message).
 ( while [ ! -e "$LOOP.stop" ]; do
       out="$(nodes_exec gpu01 curl -s -w '\n%{http_code}' --max-time 30 "$G1/v1/chat/completions" -H "Authorization: Bearer $PKEY" \
           -H content-type:application/json -d '{"model":"sync-reg","messages":[{"role":"user","content":"hi"}]}')"
-      echo "$(tail -n 1 <<<"$out") $(sed -n 's/.*Hello from sync-reg version \([0-9]*\).*/\1/p' <<<"$out" | head -n 1)" >>"$LOOP"
+      st="$(tail -n 1 <<<"$out")"
+      if [ "$st" = 200 ]; then
+          echo "$st $(sed -n 's/.*Hello from sync-reg version \([0-9]*\).*/\1/p' <<<"$out" | head -n 1)" >>"$LOOP"
+      else
+          echo "$st - $(date +%T.%N | cut -c1-12) $(sed '$d' <<<"$out" | jq -r '.error.message? // empty' 2>/dev/null | tr -d '\n' | cut -c1-200)" >>"$LOOP"
+      fi
       sleep 0.2
   done ) &
 looper=$!
@@ -275,7 +281,7 @@ sleep 1
 touch "$LOOP.stop"; wait "$looper" 2>/dev/null || true; rm -f "$LOOP.stop"
 grep -q "promotion: starting a second worker" "$NODES_DIR/gpu02/agent.log" || fail "gpu02 did not start its second worker for the promotion"
 if grep -q "promotion: starting a second worker.*sync-reg" "$NODES_DIR/gpu01/agent.log"; then fail "gpu01 started a worker for sync-reg, which gpu02 owns"; fi
-bad="$(awk '$1 != 200' "$LOOP" | sort | uniq -c | tr '\n' ';')"
+bad="$(awk '$1 != 200' "$LOOP" | tr '\n' ';')"
 [ -z "$bad" ] || fail "calls through gpu01 failed while gpu02 switched its worker: $bad (of $(wc -l <"$LOOP"))"
 new_job="$(squeue -h -n gpuhub-worker-sync-reg -o %i)"
 [ "$(wc -w <<<"$new_job")" = 1 ] && [ "$new_job" != "$old_job" ] || fail "after the switch sync-reg runs as job(s) '$new_job' (old $old_job)"
