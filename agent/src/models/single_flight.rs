@@ -130,9 +130,15 @@ pub async fn borrow(store: Option<&Store>, slurm: &Slurm, owner: &str, m: &Model
             tracing::info!(model = %m.name, worker = %row.instance_id, owner = %row.owner, "another agent's worker does not answer its health check; not routing to it");
             continue;
         }
-        // Recorded before the first call goes there: an owner stopping it now waits for it.
+        // Recorded before the first call goes there, then the row asked for again: an owner
+        // that withdrew it after that read sees this use and waits ([`wait_for_borrowers`]);
+        // one that withdrew it before is not borrowed from.
         if let Err(e) = store.touch_worker_use(&row.launcher, &row.instance_id, crate::util::now_us()).await {
             tracing::warn!(model = %m.name, worker = %row.instance_id, error = %e, "cannot record the use of another agent's worker; its owner may stop it under a call");
+        }
+        if !still_offered(Some(store), owner, &m.name, &row.instance_id).await {
+            tracing::info!(model = %m.name, worker = %row.instance_id, owner = %row.owner, "another agent's worker is being stopped by its owner; not routing to it");
+            continue;
         }
         let mut inst = Instance::new(LauncherKind::Slurm, row.instance_id.clone(), row.api_key.clone(), uid, row.log_path.clone().into());
         inst.set_base_url(row.base_url.clone());
