@@ -133,9 +133,7 @@ pub async fn borrow(store: Option<&Store>, slurm: &Slurm, owner: &str, m: &Model
         // Recorded before the first call goes there, then the row asked for again: an owner
         // that withdrew it after that read sees this use and waits ([`wait_for_borrowers`]);
         // one that withdrew it before is not borrowed from.
-        if let Err(e) = store.touch_worker_use(&row.launcher, &row.instance_id, crate::util::now_us()).await {
-            tracing::warn!(model = %m.name, worker = %row.instance_id, error = %e, "cannot record the use of another agent's worker; its owner may stop it under a call");
-        }
+        record_use(store, &row.launcher, &row.instance_id).await;
         if !still_offered(Some(store), owner, &m.name, &row.instance_id).await {
             tracing::info!(model = %m.name, worker = %row.instance_id, owner = %row.owner, "another agent's worker is being stopped by its owner; not routing to it");
             continue;
@@ -306,13 +304,19 @@ pub async fn hold_while_in_flight(store: Option<Store>, inst: std::sync::Arc<Ins
     let launcher = launcher_name(inst.launcher);
     // Left when no call holds it: this task's reference.
     while std::sync::Arc::strong_count(&inst) > 1 && Instant::now() < deadline {
-        if let Err(e) = store.touch_worker_use(launcher, &inst.id, crate::util::now_us()).await {
-            tracing::warn!(worker = %inst.id, error = %e, "cannot record the use of another agent's worker; its owner may stop it under a call");
-        }
+        record_use(&store, launcher, &inst.id).await;
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
             () = shutdown.cancelled() => return,
         }
+    }
+}
+
+/// Records that this gateway uses another agent's worker now (a failure is logged: its owner
+/// may then stop it under a call).
+async fn record_use(store: &Store, launcher: &str, id: &str) {
+    if let Err(e) = store.touch_worker_use(launcher, id, crate::util::now_us()).await {
+        tracing::warn!(worker = id, error = %e, "cannot record the use of another agent's worker; its owner may stop it under a call");
     }
 }
 
