@@ -9,7 +9,11 @@
 #  3. a replica whose health check fails turns `unhealthy` after unhealthy_after probes
 #     (`gpuhub models --json`, gpuhub_model_replicas{state="unhealthy"}) and gets no call while
 #     it is: concurrent calls all go to the other replica, and none fails;
-#  4. once its health check passes again it is `ready` and takes calls again.
+#  4. once its health check passes again it is `ready` and takes calls again;
+#  5. a replica whose worker dies between calls (SIGKILL, nothing in flight) costs no call: the
+#     calls sent before its job's end or a probe shows it (the first goes to it: the oldest
+#     replica takes ties) find its port closed, nothing was sent, and the other replica answers
+#     them (the agent logs each such reroute); none fails.
 # timeout: 240
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -131,4 +135,22 @@ check_codes 4
 [ "$(max_of "$sick")" -ge 1 ] && [ "$(max_of "$well")" -ge 1 ] ||
     models_fail "least-outstanding routing should spread the calls over both replicas again: $LOADED"
 echo "   ok: both replicas took calls"
+read -r dead dead_url < <(replicas | jq -r '.[0] | "\(.job_id) \(.base_url)"')
+echo "== 5. the worker of replica $dead ($dead_url) dies between calls: no call fails"
+dead_pid="$(ss -Hltnp "sport = :${dead_url##*:}" | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n1)"
+[ -n "$dead_pid" ] || models_fail "cannot find the process listening at $dead_url"
+reroutes_before="$(grep -c 'the call goes to another one' "$MT_DIR/agent.log" || true)"
+kill -9 "$dead_pid"
+body="$(jq -nc --arg m "$MODEL" '{model: $m, messages: [{role: "user", content: "after"}]}')"
+for _ in 1 2 3; do
+    curl -s -o /dev/null -w '%{http_code}\n' --max-time 60 -H "Authorization: Bearer $MT_KEY" \
+        -H 'content-type: application/json' -d "$body" "http://$MT_GW/v1/chat/completions" >>"$MT_DIR/codes"
+done
+check_codes 3
+reroutes="$(( $(grep -c 'the call goes to another one' "$MT_DIR/agent.log" || true) - reroutes_before ))"
+[ "$reroutes" -ge 1 ] ||
+    models_fail "no call was sent to the dead replica $dead and rerouted (the agent logged no 'the call goes to another one'): the test did not reach the case"
+grep 'the call goes to another one' "$MT_DIR/agent.log" | tail -n1 | grep -q "from=${dead_url}" ||
+    models_fail "the reroute logged is not from the dead replica's $dead_url: $(grep 'the call goes to another one' "$MT_DIR/agent.log" | tail -n1)"
+echo "   ok: 3 of 3 calls answered 200; $reroutes sent to the dead replica first and rerouted"
 echo "PASS models-replicas"

@@ -199,7 +199,43 @@ pub async fn send_upstream(
     out: &Outgoing,
     request_id: &str,
 ) -> Result<upstream::Response, GatewayError> {
-    let target = upstream::Target::parse(&lease.base_url).map_err(|e| upstream_error(lease, e))?;
+    attempt(state, lease, out, request_id).await?.map_err(|e| upstream_error(lease, e))
+}
+
+/// [`send_upstream`], and once more to another replica when no connection could be made to
+/// the one the lease chose: nothing was sent, so the call is not lost to a replica that died
+/// or stopped since its last probe. That replica gets no call until a probe passes again;
+/// the lease (and the row's model version) becomes the new replica's.
+pub async fn send_failover(
+    state: &AppState,
+    lease: &mut crate::models::Lease,
+    out: &Outgoing,
+    row: &mut UsageRow,
+) -> Result<upstream::Response, GatewayError> {
+    let first = match attempt(state, lease, out, &row.request_id).await? {
+        Ok(resp) => return Ok(resp),
+        Err(e) if e.is_connect() && !matches!(e, upstream::UpstreamError::Url { .. }) => upstream_error(lease, e),
+        Err(e) => return Err(upstream_error(lease, e)),
+    };
+    let Some(next) = state.models.reroute(lease, &row.user).await else { return Err(first) };
+    tracing::info!(model = %lease.model, from = %lease.base_url, to = %next.base_url, request_id = %row.request_id, "a replica could not be reached; the call goes to another one");
+    *lease = next;
+    row.model_version = lease.version.clone().unwrap_or_default();
+    send_upstream(state, lease, out, &row.request_id).await
+}
+
+/// One try: `Err` when the request cannot be built for this worker, `Ok(Err)` when it
+/// failed on the way.
+async fn attempt(
+    state: &AppState,
+    lease: &crate::models::Lease,
+    out: &Outgoing,
+    request_id: &str,
+) -> Result<Result<upstream::Response, upstream::UpstreamError>, GatewayError> {
+    let target = match upstream::Target::parse(&lease.base_url) {
+        Ok(t) => t,
+        Err(e) => return Ok(Err(e)),
+    };
     let mut headers = Vec::with_capacity(4);
     for h in [header::CONTENT_TYPE, header::ACCEPT] {
         if let Some(v) = out.headers.get(&h) {
@@ -221,7 +257,7 @@ pub async fn send_upstream(
         headers.push((HeaderName::from_static("x-request-id"), v));
     }
     let req = upstream::Request { method: &out.method, path_and_query: &out.path_and_query, headers, body: &out.body };
-    state.gateway.upstream.send(target, &req).await.map_err(|e| upstream_error(lease, e))
+    Ok(state.gateway.upstream.send(target, &req).await)
 }
 
 /// The time a whole upstream call may take.
@@ -303,7 +339,7 @@ pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
 
 /// A call answered in one piece (JSON, audio bytes, ...).
 async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
-    let lease = match acquire(state, &mut call).await {
+    let mut lease = match acquire(state, &mut call).await {
         Ok(l) => l,
         Err(e) => return call.fail(state, e),
     };
@@ -311,7 +347,7 @@ async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
     let t0 = Instant::now();
     let limit = upstream_timeout(state);
     let answer = tokio::time::timeout(limit, async {
-        let mut resp = send_upstream(state, &lease, &out, &call.row.request_id).await?;
+        let mut resp = send_failover(state, &mut lease, &out, &mut call.row).await?;
         let ttfb = us_since(t0);
         let (status, headers) = (resp.status, std::mem::take(&mut resp.headers));
         let body = resp.bytes_limited(state.config.file.gateway.max_response_bytes).await.map_err(|e| upstream_error(&lease, e))?;

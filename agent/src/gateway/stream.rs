@@ -271,7 +271,7 @@ impl Driver {
             self.call.wait_us += us_since(t);
             r
         };
-        let lease = match lease {
+        let mut lease = match lease {
             Ok(l) => l,
             Err(e) => return self.fail(e.into()).await,
         };
@@ -282,7 +282,7 @@ impl Driver {
         let t0 = Instant::now();
         let limit = proxy::upstream_timeout(&self.state);
         let deadline = tokio::time::Instant::from_std(t0 + limit);
-        let sent = tokio::time::timeout_at(deadline, proxy::send_upstream(&self.state, &lease, &out, &self.call.row.request_id)).await;
+        let sent = tokio::time::timeout_at(deadline, proxy::send_failover(&self.state, &mut lease, &out, &mut self.call.row)).await;
         let mut resp = match sent {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {

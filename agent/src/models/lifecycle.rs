@@ -457,6 +457,13 @@ impl ModelManager {
         self.shared.acquire(w, user).await
     }
 
+    /// Another ready replica for a call of `user` whose replica could not be reached before
+    /// anything was sent (`failed` has had [`Lease::upstream_failed`]); `None` when the model
+    /// has no other one. The new lease is taken before `failed` is dropped.
+    pub async fn reroute(&self, failed: &Lease, user: &str) -> Option<Lease> {
+        self.shared.reroute(failed, user).await
+    }
+
     pub fn statuses(&self) -> Vec<ModelStatus> {
         self.shared.current_workers().iter().map(|w| self.shared.status(w)).collect()
     }
@@ -795,6 +802,38 @@ impl Shared {
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
             _guard: InFlightGuard { worker: w, _permit: permit, _instance: Some(instance), route: Some(route) },
+        })
+    }
+
+    /// [`ModelManager::reroute`]: the least outstanding of the model's ready, healthy replicas,
+    /// unless that is the one `failed` went to.
+    async fn reroute(self: &Arc<Self>, failed: &Lease, user: &str) -> Option<Lease> {
+        let failed_route = failed._guard.route.as_ref()?;
+        let w = failed._guard.worker.clone();
+        let instance = {
+            let mut s = w.lock();
+            let i = s.instance.clone().filter(|_| s.state == State::Ready)?;
+            // Counted under the lock, as in `acquire`; the guard below gives it back.
+            w.in_flight.fetch_add(1, Ordering::AcqRel);
+            s.last_used = Instant::now();
+            i
+        };
+        let mut guard = InFlightGuard { worker: w.clone(), _permit: None, _instance: None, route: None };
+        let (target, instance, route) = self.route(&w, instance);
+        if failed_route.goes_to(&target) {
+            drop(route);
+            return None;
+        }
+        guard.route = Some(route);
+        guard._instance = Some(instance.clone());
+        // The caller bounds the wait (`gateway.upstream_timeout_s`).
+        guard._permit = Some(target.permits.acquire(user).await);
+        Some(Lease {
+            model: w.cfg.name.clone(),
+            base_url: instance.base_url().unwrap_or_default().to_string(),
+            api_key: Some(instance.api_key.clone()),
+            version: instance.version.clone(),
+            _guard: guard,
         })
     }
 

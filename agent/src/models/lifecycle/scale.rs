@@ -92,6 +92,11 @@ pub(super) struct Route {
 }
 
 impl Route {
+    /// Whether the call went to the replica `w`.
+    pub(super) fn goes_to(&self, w: &Arc<Worker>) -> bool {
+        Arc::ptr_eq(&self.target, w)
+    }
+
     /// The call could not reach the replica (connection refused or broken): no call goes
     /// there until a probe passes again.
     pub(super) fn failed(&self) {
