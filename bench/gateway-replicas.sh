@@ -5,6 +5,8 @@
 # pair (direct, then gateway) and as medians:
 #   - added p50/p99 latency at ~RATE requests/s (wrk's delay() paces each connection),
 #   - the gateway's CPU-seconds per 1000 requests (utime+stime of gpu01's agent, /proc/PID/stat),
+#   - the store's CPU-seconds per 1000 gateway requests (utime+stime of the lab's PostgreSQL:
+#     its postmaster and backends), work the gateway's figure does not count,
 #   - the proxy floor: the same for nginx on the host in front of the replica on gpu02
 #     (bench/lib/nginx.sh), the third run of each pair.
 # The upstream is the repo's test worker (answers from memory), as in bench/gateway.sh.
@@ -86,6 +88,10 @@ BODY="{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hello
 DELAY=$(( CONNS * 1000 / RATE ))
 echo "gateway with 2 replicas on 2 nodes: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), wrk -t2, ${DURATION}s per run, $CONNS connections at ~$RATE req/s"
 echo "replicas: $(jq -c '[.replicas[] | {job_id, node, base_url}]' <<<"$m"); direct: $DIRECT (gpu02); gateway: $GW (gpu01, pid $GW_PID); proxy floor: nginx at $NGINX_URL -> $DIRECT"
+# The lab's PostgreSQL (tests/lab/nodes.sh): its postmaster and every backend (the agents'
+# pools keep theirs for the run).
+PG_PM="$(head -n1 "$NODES_PG_DATA/postmaster.pid")"
+pg_ticks() { local t=0 p; for p in "$PG_PM" $(pgrep -P "$PG_PM"); do t=$((t + $(cpu_ticks "$p" 2>/dev/null || echo 0))); done; echo "$t"; }
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 # The agent's own work without calls (telemetry, Slurm polls, quota pass), for scale: it is
 # counted in the per-call figures below, not taken off them.
@@ -95,25 +101,26 @@ IDLE="$(awk -v c="$((C1 - C0))" -v tick="$TICK" -v d="$DURATION" 'BEGIN { printf
 for i in $(seq "$REPEAT"); do
     S0="$(steal_ticks)"
     run "direct-$i" "$DIRECT" "$WKEY"; D50=$P50; D99=$P99
-    C0="$(cpu_ticks "$GW_PID")"
+    C0="$(cpu_ticks "$GW_PID")"; Q0="$(pg_ticks)"
     run "gateway-$i" "$GW" "$KEY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
-    C1="$(cpu_ticks "$GW_PID")"
+    C1="$(cpu_ticks "$GW_PID")"; Q1="$(pg_ticks)"
     N0="$(cpu_ticks "$NGINX_WORKER")"
     run "nginx-$i" "$NGINX_URL" "$WKEY"; N50=$P50; N99=$P99; NREQS=$REQS
     N1="$(cpu_ticks "$NGINX_WORKER")"
     S1="$(steal_ticks)"
     awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v grps="$GRPS" -v tick="$TICK" -v c="$((C1 - C0))" -v reqs="$GREQS" -v st="$((S1 - S0))" \
-        -v n50="$N50" -v n99="$N99" -v n="$((N1 - N0))" -v nreqs="$NREQS" \
-        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d %.0f %.0f %.4f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st, n50, n99, (n / tick) / (nreqs / 1000) }' >>"$DIR/pairs"
+        -v n50="$N50" -v n99="$N99" -v n="$((N1 - N0))" -v nreqs="$NREQS" -v q="$((Q1 - Q0))" \
+        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d %.0f %.0f %.4f %.4f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st, n50, n99, (n / tick) / (nreqs / 1000), (q / tick) / (reqs / 1000) }' >>"$DIR/pairs"
 done
 col() { awk -v c="$1" '{ print $c }' "$DIR/pairs" | median; }
 addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$DIR/pairs" | median; }
-echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks | nginx p50 p99 us, CPU-s per 1000):"
+echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks | nginx p50 p99 us, CPU-s per 1000 | PostgreSQL CPU-s per 1000 gateway requests):"
 sed 's/^/    /' "$DIR/pairs"
 awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
-    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" -v n50="$(addcol 8 1)" -v n99="$(addcol 9 2)" -v ncpu="$(col 10)" 'BEGIN {
+    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" -v n50="$(addcol 8 1)" -v n99="$(addcol 9 2)" -v ncpu="$(col 10)" -v pg="$(col 11)" 'BEGIN {
     printf "median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", n, d50, d99, grps, g50, g99, a50, a99
     printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
+    printf "store: PostgreSQL %.3f CPU-s per 1000 gateway requests (median; not in the gateway figure)\n", pg
     printf "floor: nginx on the host in front of the replica on gpu02, median of %d: added p50 %.0f us, p99 %.0f us, %.3f CPU-s per 1000 requests\n", n, n50, n99, ncpu
 }'
 echo "gpu01's agent without calls: $IDLE CPU-s per second"

@@ -98,7 +98,7 @@ pub async fn once(state: &AppState) -> Result<(), StoreError> {
             tracing::error!(error = %e, "cannot rewrite the snapshot after another agent moved a role; new jobs get the old roles until it is");
         }
         // Another agent may serve a model this one does not.
-        state.catalog_sync.report_roles(&state.names);
+        state.catalog_sync.report_unserved(state);
     }
     promotions(state).await?;
     limits(state).await

@@ -276,7 +276,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
                             // Errors are logged by the poll, once per change.
                             let _ = state.catalog_sync.poll(&state).await;
                         }
-                        state.catalog_sync.report_roles(&state.names);
+                        state.catalog_sync.report_unserved(&state);
                         models::gate::check_aliases(&state.models).await;
                     }
                     _ = token.cancelled() => return,

@@ -45,6 +45,8 @@ REG="gpuhub-test-serve-$STAMP"
 SERVED="mt-smol-$STAMP"
 BAD="gpuhub-test-badtag-$STAMP"
 POLL_S=2
+# An allow-list entry no registry read serves (a typo): agent.toml cannot be checked for it.
+TYPO="mt-smoll-$STAMP"
 
 # No [[models]] entry: the site's llama-cpp-python template (as tests/lab/agent.toml runs the
 # server: the lab's venv on PATH, one thread, a passive OpenMP wait) is all agent.toml says.
@@ -55,11 +57,15 @@ registry_poll_s = $POLL_S
 command = \"python3 -m llama_cpp.server --model {model_file} --model_alias {model} --host {host} --port {port} --n_threads 1 --n_threads_batch 1 --n_ctx 2048 --verbose false\"
 env = { PATH = \"/opt/gpuhub-lab/llama-venv/bin:/usr/bin:/bin\", OMP_WAIT_POLICY = \"PASSIVE\", OMP_NUM_THREADS = \"1\" }
 [roles]
-mlchat = \"$SERVED\""
+mlchat = \"$SERVED\"
+[gateway.user_models]
+nobody = [\"$SERVED\", \"$TYPO\"]"
 CLI=("$MT_CLI" --socket "$MT_DIR/run/agent.sock")
 cp "$MT_DIR/agent.toml" "$MT_DIR/agent.toml.orig"
 # roles_check: gpuhub doctor's `roles` check, as "ok|detail".
 roles_check() { "${CLI[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "roles") | "\(.ok)|\(.detail)"'; }
+# allowed_check: gpuhub doctor's `user-models` check, as "ok|detail".
+allowed_check() { "${CLI[@]}" doctor --json 2>/dev/null | jq -r '.[] | select(.name == "user-models") | "\(.ok)|\(.detail)"'; }
 # unserved_gauge: the agent's gpuhub_roles_unserved on its metrics endpoint.
 unserved_gauge() { curl -sf --max-time 5 "http://$MT_METRICS/metrics" | awk '$1 == "gpuhub_roles_unserved" { print $2 }'; }
 # gauge_is N WHEN: gpuhub_roles_unserved reads N within 5 s (it is set after the catalog changes).
@@ -80,6 +86,7 @@ for ((i = 0; i < 50; i++)); do logged_unserved && break; sleep 0.2; done
 logged_unserved || models_fail "the agent did not log that role mlchat's model $SERVED is not served"
 [[ "$(roles_check)" == "false|not served now: mlchat -> $SERVED" ]] || models_fail "gpuhub doctor's roles check: $(roles_check)"
 gauge_is 1 "with mlchat's model not served"
+[[ "$(allowed_check)" == "false|"*"nobody: $SERVED; nobody: $TYPO" ]] || models_fail "gpuhub doctor's user-models check before $SERVED is served: $(allowed_check)"
 "${CLI[@]}" env | grep -qx "MLCHAT_MODEL=$SERVED" || models_fail "gpuhub env does not give jobs MLCHAT_MODEL=$SERVED: $("${CLI[@]}" env)"
 echo "ok: $MC_STATUS $(jq -r .error.message <<<"$MC_BODY" | cut -c1-100)..."
 
@@ -136,6 +143,10 @@ models_call mlchat "Say hi."
 [[ "$(roles_check)" == true\|* ]] || models_fail "gpuhub doctor's roles check after $SERVED is served: $(roles_check)"
 grep -qF "every assigned role's model is served again" "$MT_DIR/agent.log" || models_fail "the agent did not log that role mlchat is served again"
 gauge_is 0 "once mlchat's model is served"
+# The allow-list's typo stays: a warning naming the user and the name, and doctor fails.
+[[ "$(allowed_check)" == "false|"*": nobody: $TYPO" ]] || models_fail "gpuhub doctor's user-models check once $SERVED is served: $(allowed_check)"
+grep -F "an allow-list names a model that is not served here" "$MT_DIR/agent.log" | tail -n1 | grep -qF "entries=nobody: $TYPO" ||
+    models_fail "the agent did not log the allow-list entry nobody: $TYPO as not served: $(grep -F 'allow-list names' "$MT_DIR/agent.log" | tail -n1)"
 echo "ok: the role mlchat ([roles] in agent.toml) is served by $SERVED from the registry"
 
 echo "== 2. a bad tag is reported with the model, the tag and the fix"

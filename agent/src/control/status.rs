@@ -86,6 +86,17 @@ pub async fn status(State(state): State<AppState>) -> Json<Vec<Check>> {
         Some(line) => check("roles", false, format!("not served now: {line}"), crate::names::UNSERVED_ROLE_FIX),
     });
 
+    let allowed = state.names.unserved_allowed(&state.gateway.access.get().user_models);
+    checks.push(match crate::names::unserved_allowed_line(&allowed) {
+        None => check("user-models", true, "every [gateway.user_models] entry names a served model".into(), ""),
+        Some(line) => check(
+            "user-models",
+            false,
+            format!("[gateway.user_models] names what is not served here (its user's calls to it are refused): {line}"),
+            crate::names::UNSERVED_ALLOWED_FIX,
+        ),
+    });
+
     if let Some(c) = policy_check(&state).await {
         checks.push(c);
     }

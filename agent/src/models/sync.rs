@@ -102,8 +102,10 @@ pub struct CatalogSync {
     view: Mutex<RegistryView>,
     /// One change at a time (poll, reload).
     changing: tokio::sync::Mutex<()>,
-    /// Roles whose model was not served, as last logged ([`Self::report_roles`]).
+    /// Roles whose model was not served, and `[gateway.user_models]` entries naming nothing
+    /// served, as last logged ([`Self::report_unserved`]).
     unserved_roles: Mutex<Option<String>>,
+    unserved_allowed: Mutex<Option<String>>,
     metrics: RegistryMetrics,
 }
 
@@ -116,6 +118,7 @@ impl CatalogSync {
             view: Mutex::new(RegistryView::default()),
             changing: tokio::sync::Mutex::new(()),
             unserved_roles: Mutex::new(None),
+            unserved_allowed: Mutex::new(None),
             metrics: RegistryMetrics::register(registry),
         }
     }
@@ -195,7 +198,7 @@ impl CatalogSync {
         if let Err(e) = crate::snapshot::write(state) {
             tracing::error!(error = %e, "cannot rewrite the snapshot after a reload; new jobs get the old roles until it is");
         }
-        self.report_roles(&state.names);
+        self.report_unserved(state);
         if !needs_restart.is_empty() {
             tracing::warn!(sections = %needs_restart.join(", "), "agent.toml reloaded: these sections changed and take effect at the next restart");
         }
@@ -204,22 +207,36 @@ impl CatalogSync {
     }
 
     /// Logs the roles assigned a model this node does not serve (a `[roles]` seed naming a
-    /// model no registry poll serves, a model untagged or removed since), once per change, and
-    /// once when every role is served again.
-    pub fn report_roles(&self, names: &crate::names::NameRegistry) {
+    /// model no registry poll serves, a model untagged or removed since), and the
+    /// `[gateway.user_models]` entries that name nothing served (with a polled registry such a
+    /// name cannot be checked when agent.toml is read: a typo would show only as its user's
+    /// 403), each once per change, and once when all is served again.
+    pub fn report_unserved(&self, state: &AppState) {
+        let names = &state.names;
         let unserved = names.unserved_roles();
         self.metrics.unserved_roles.set(i64::try_from(unserved.len()).unwrap_or(i64::MAX));
         let now = crate::names::unserved_roles_line(&unserved);
         let mut last = self.unserved_roles.lock().unwrap_or_else(|p| p.into_inner());
-        if *last == now {
-            return;
+        if *last != now {
+            match &now {
+                Some(line) => tracing::warn!(roles = %line, fix = crate::names::UNSERVED_ROLE_FIX,
+                    "roles: a role's model is not served on this node; calls to the role get 503 role_model_not_served"),
+                None => tracing::info!("roles: every assigned role's model is served again"),
+            }
+            *last = now;
         }
-        match &now {
-            Some(line) => tracing::warn!(roles = %line, fix = crate::names::UNSERVED_ROLE_FIX,
-                "roles: a role's model is not served on this node; calls to the role get 503 role_model_not_served"),
-            None => tracing::info!("roles: every assigned role's model is served again"),
+        drop(last);
+        let allowed = names.unserved_allowed(&state.gateway.access.get().user_models);
+        let now = crate::names::unserved_allowed_line(&allowed);
+        let mut last = self.unserved_allowed.lock().unwrap_or_else(|p| p.into_inner());
+        if *last != now {
+            match &now {
+                Some(line) => tracing::warn!(entries = %line, fix = crate::names::UNSERVED_ALLOWED_FIX,
+                    "gateway.user_models: an allow-list names a model that is not served here; that user's calls to it are refused"),
+                None => tracing::info!("gateway.user_models: every allow-list entry is served again"),
+            }
+            *last = now;
         }
-        *last = now;
     }
 
     /// Builds the registry's entries for `file` and remembers the outcome; tag errors are

@@ -582,6 +582,20 @@ impl NameRegistry {
         unserved_roles_line(&self.unserved_roles())
     }
 
+    /// `[gateway.user_models]` entries that name nothing served now (a typo, a registry model
+    /// not tagged yet or any more): (user, name), by user. Their users' calls to that name are
+    /// refused, and the allow-list permits them nothing else under it.
+    pub fn unserved_allowed(&self, lists: &BTreeMap<crate::config::UserName, Vec<String>>) -> Vec<(String, String)> {
+        let inner = self.view();
+        let catalog = self.catalog.load();
+        lists
+            .iter()
+            .flat_map(|(user, names)| names.iter().map(move |n| (user, n)))
+            .filter(|(_, n)| resolve_in(&catalog, &inner, n).model().is_none())
+            .map(|(user, n)| (user.0.clone(), n.clone()))
+            .collect()
+    }
+
     /// Roles assigned a model this node does not serve now: (role, model), by role.
     pub fn unserved_roles(&self) -> Vec<(String, String)> {
         let inner = self.view();
@@ -604,6 +618,14 @@ impl NameRegistry {
 pub fn unserved_roles_line(list: &[(String, String)]) -> Option<String> {
     (!list.is_empty()).then(|| list.iter().map(|(r, m)| format!("{r} -> {}", crate::util::sanitize(m))).collect::<Vec<_>>().join("; "))
 }
+
+/// [`NameRegistry::unserved_allowed`] as one line: `alice: nope; bob: chat-x`.
+pub fn unserved_allowed_line(list: &[(String, String)]) -> Option<String> {
+    (!list.is_empty()).then(|| list.iter().map(|(u, m)| format!("{u}: {}", crate::util::sanitize(m))).collect::<Vec<_>>().join("; "))
+}
+
+/// What to do about a `[gateway.user_models]` entry that names nothing served.
+pub const UNSERVED_ALLOWED_FIX: &str = "correct the name in [gateway.user_models] (it must be a served model, alias or role: `gpuhub names list`) and run `gpuhub models reload`, or serve that model";
 
 /// What to do about a role whose model is not served.
 pub const UNSERVED_ROLE_FIX: &str = "serve the model (a [[models]] entry, or tag its MLflow registered model served_by=gateway with gpuhub.name, gpuhub.template and gpuhub.resources) or assign a served one: `gpuhub roles set ROLE MODEL`";
@@ -1047,5 +1069,21 @@ sunset = "2026-12-31"
         // Served roles are not listed.
         assert!(!r.unserved_roles().iter().any(|(role, _)| role == "ocr"));
         assert_eq!(registry().unserved_roles_line(), None);
+    }
+
+    #[test]
+    fn an_allow_list_entry_that_names_nothing_served_is_listed() {
+        // With [mlflow] registry polling, agent.toml's [gateway.user_models] may name models the
+        // registry serves later, so a typo passes the config check: the agent lists it.
+        let toml = format!(
+            "[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\nregistry_poll_s = 30\n[gateway.user_models]\nalice = [\"dots.ocr\", \"dots-ocrr\"]\nbob = [\"chat-latest\", \"svc-ocr\", \"ocr\"]\n{LAB}"
+        );
+        let cfg = Config::from_toml(&toml).unwrap();
+        let r = NameRegistry::new(Arc::new(Catalog::from_config(&cfg.file)), &cfg.file.names);
+        // A served model, an alias, a deprecated name and a role are served; the typo is not.
+        let unserved = r.unserved_allowed(&cfg.file.gateway.user_models);
+        assert_eq!(unserved, vec![("alice".to_string(), "dots-ocrr".to_string())]);
+        assert_eq!(unserved_allowed_line(&unserved).as_deref(), Some("alice: dots-ocrr"));
+        assert_eq!(unserved_allowed_line(&[]), None);
     }
 }
