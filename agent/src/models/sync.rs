@@ -215,28 +215,24 @@ impl CatalogSync {
         let names = &state.names;
         let unserved = names.unserved_roles();
         self.metrics.unserved_roles.set(i64::try_from(unserved.len()).unwrap_or(i64::MAX));
-        let now = crate::names::unserved_roles_line(&unserved);
-        let mut last = self.unserved_roles.lock().unwrap_or_else(|p| p.into_inner());
-        if *last != now {
-            match &now {
-                Some(line) => tracing::warn!(roles = %line, fix = crate::names::UNSERVED_ROLE_FIX,
-                    "roles: a role's model is not served on this node; calls to the role get 503 role_model_not_served"),
-                None => tracing::info!("roles: every assigned role's model is served again"),
-            }
-            *last = now;
-        }
-        drop(last);
-        let allowed = names.unserved_allowed(&state.gateway.access.get().user_models);
-        let now = crate::names::unserved_allowed_line(&allowed);
-        let mut last = self.unserved_allowed.lock().unwrap_or_else(|p| p.into_inner());
-        if *last != now {
-            match &now {
-                Some(line) => tracing::warn!(entries = %line, fix = crate::names::UNSERVED_ALLOWED_FIX,
-                    "gateway.user_models: an allow-list names a model that is not served here; that user's calls to it are refused"),
-                None => tracing::info!("gateway.user_models: every allow-list entry is served again"),
-            }
-            *last = now;
-        }
+        once_per_change(
+            &self.unserved_roles,
+            crate::names::unserved_roles_line(&unserved),
+            |line| {
+                tracing::warn!(roles = %line, fix = crate::names::UNSERVED_ROLE_FIX,
+                "roles: a role's model is not served on this node; calls to the role get 503 role_model_not_served")
+            },
+            || tracing::info!("roles: every assigned role's model is served again"),
+        );
+        once_per_change(
+            &self.unserved_allowed,
+            crate::names::unserved_allowed_line(&names.unserved_allowed(&state.gateway.access.get().user_models)),
+            |line| {
+                tracing::warn!(entries = %line, fix = crate::names::UNSERVED_ALLOWED_FIX,
+                "gateway.user_models: an allow-list names a model that is not served here; that user's calls to it are refused")
+            },
+            || tracing::info!("gateway.user_models: every allow-list entry is served again"),
+        );
     }
 
     /// Builds the registry's entries for `file` and remembers the outcome; tag errors are
@@ -325,6 +321,20 @@ fn reloaded(old: &ConfigFile, new: &ConfigFile) -> (ConfigFile, bool, Vec<String
     let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
     let later = keys.into_iter().filter(|k| a.get(*k) != b.get(*k)).cloned().collect();
     (file, limits, later)
+}
+
+/// Calls `warn` with `now` when it differs from what `last` holds, or `ok` when it turned
+/// `None`, and keeps `now`: a condition is logged once per change, not on every pass.
+fn once_per_change(last: &Mutex<Option<String>>, now: Option<String>, warn: impl FnOnce(&str), ok: impl FnOnce()) {
+    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+    if *last == now {
+        return;
+    }
+    match &now {
+        Some(line) => warn(line),
+        None => ok(),
+    }
+    *last = now;
 }
 
 #[cfg(test)]

@@ -583,8 +583,8 @@ impl NameRegistry {
     }
 
     /// `[gateway.user_models]` entries that name nothing served now (a typo, a registry model
-    /// not tagged yet or any more): (user, name), by user. Their users' calls to that name are
-    /// refused, and the allow-list permits them nothing else under it.
+    /// not tagged yet or any more): (user, name), by user. A user who calls the name gets its
+    /// 404; one who calls the model meant gets the allow-list's 403.
     pub fn unserved_allowed(&self, lists: &BTreeMap<crate::config::UserName, Vec<String>>) -> Vec<(String, String)> {
         let inner = self.view();
         let catalog = self.catalog.load();
