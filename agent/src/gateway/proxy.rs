@@ -233,7 +233,7 @@ async fn attempt(
     request_id: &str,
 ) -> Result<Result<upstream::Response, upstream::UpstreamError>, GatewayError> {
     let target = match upstream::Target::parse(&lease.base_url) {
-        Ok(t) => t,
+        Ok(t) => t.owned_by(lease.owner_uid),
         Err(e) => return Ok(Err(e)),
     };
     let mut headers = Vec::with_capacity(4);
@@ -276,6 +276,14 @@ pub fn upstream_error(lease: &crate::models::Lease, e: upstream::UpstreamError) 
     if let upstream::UpstreamError::TooLarge { limit } = e {
         tracing::warn!(model = %lease.model, upstream = %lease.base_url, limit, "a worker's answer is over gateway.max_response_bytes");
         return GatewayError::ResponseTooLarge { model: lease.model.clone(), limit, what: "" };
+    }
+    if let upstream::UpstreamError::NotTheWorker { what, .. } = &e {
+        tracing::error!(model = %lease.model, upstream = %lease.base_url, reason = %what, "a worker's port is not held by the worker account (its worker gone, another process on the port?); nothing was sent there");
+        lease.upstream_failed();
+        return GatewayError::Upstream {
+            model: lease.model.clone(),
+            what: "its worker's port is no longer held by the worker (the worker died or stopped); nothing was sent there; retry: the next call goes to another replica or restarts it".into(),
+        };
     }
     let what = if e.is_connect() {
         "cannot connect to its worker (the worker died or stopped; retry: the next call goes to another replica or restarts it)"

@@ -48,6 +48,10 @@ pub enum UpstreamError {
     Connect { addr: String, source: io::Error },
     #[error("connecting to {addr} took longer than {seconds}s")]
     ConnectTimeout { addr: String, seconds: u64 },
+    /// The port is on this host, and what listens there is not the worker's account (its
+    /// worker died and another process took the port) or cannot be told: nothing was sent.
+    #[error("the port of {addr} is not held by the worker's account: {what}")]
+    NotTheWorker { addr: String, what: String },
     #[error("the connection broke off: {0}")]
     Io(#[from] io::Error),
     #[error("the worker closed the connection before it answered")]
@@ -63,7 +67,13 @@ pub enum UpstreamError {
 impl UpstreamError {
     /// True when no connection could be made (the worker is not listening).
     pub fn is_connect(&self) -> bool {
-        matches!(self, UpstreamError::Connect { .. } | UpstreamError::ConnectTimeout { .. } | UpstreamError::Url { .. })
+        matches!(
+            self,
+            UpstreamError::Connect { .. }
+                | UpstreamError::ConnectTimeout { .. }
+                | UpstreamError::NotTheWorker { .. }
+                | UpstreamError::Url { .. }
+        )
     }
 }
 
@@ -74,6 +84,9 @@ pub struct Target<'a> {
     pub authority: &'a str,
     /// A path the worker is mounted under (`""` usually).
     pub prefix: &'a str,
+    /// The uid that must own the port's listening sockets (a worker gpuhub started); checked
+    /// on every new connection to a port on this host ([`Target::owned_by`]).
+    pub owner_uid: Option<u32>,
 }
 
 impl<'a> Target<'a> {
@@ -85,7 +98,15 @@ impl<'a> Target<'a> {
         if authority.is_empty() || authority.contains('@') || authority.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control()) {
             return Err(bad());
         }
-        Ok(Target { authority, prefix: prefix.trim_end_matches('/') })
+        Ok(Target { authority, prefix: prefix.trim_end_matches('/'), owner_uid: None })
+    }
+
+    /// A worker whose port must be held by `uid`: a new connection to it on this host is used
+    /// only when every socket listening on that port is `uid`'s (the one-time proof at start
+    /// says nothing once the worker is gone and another user has bound its port: that process
+    /// would get the calls' prompts and the worker's key).
+    pub fn owned_by(self, uid: Option<u32>) -> Target<'a> {
+        Target { owner_uid: uid, ..self }
     }
 
     /// The address to connect to (port 80 when the URL names none).
@@ -231,9 +252,33 @@ impl Client {
             Ok(Err(source)) => return Err(UpstreamError::Connect { addr, source }),
             Ok(Ok(c)) => c,
         };
+        if let Some(uid) = target.owner_uid {
+            check_owner(&conn, uid).map_err(|what| UpstreamError::NotTheWorker { addr, what })?;
+        }
         // Small SSE events must not wait for Nagle.
         conn.set_nodelay(true)?;
         Ok(conn)
+    }
+}
+
+/// For a connection to a port on this host (its peer address is one of ours: loopback, or the
+/// node's address), that every socket listening on the port is `uid`'s. A worker on another
+/// node proved its port on that node at start (`launcher::proof`); this host cannot see it.
+fn check_owner(conn: &TcpStream, uid: u32) -> Result<(), String> {
+    use crate::models::launcher::proof::{self, PortOwner};
+    let (Ok(local), Ok(peer)) = (conn.local_addr(), conn.peer_addr()) else {
+        return Err("the connection has no addresses".into());
+    };
+    if local.ip() != peer.ip() && !peer.ip().is_loopback() {
+        return Ok(());
+    }
+    match proof::owner(peer.port(), uid) {
+        Ok(PortOwner::Worker) => Ok(()),
+        Ok(PortOwner::Other { uid: other }) => {
+            Err(format!("uid {other} listens on port {} (the worker account is uid {uid})", peer.port()))
+        }
+        Ok(PortOwner::Nobody) => Err(format!("nothing listens on port {} any more", peer.port())),
+        Err(e) => Err(format!("cannot ask the kernel who listens on port {}: {e}", peer.port())),
     }
 }
 

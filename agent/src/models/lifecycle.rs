@@ -105,6 +105,9 @@ pub struct Lease {
     pub base_url: String,
     pub api_key: Option<String>,
     pub version: Option<String>,
+    /// The uid that must own the worker's port (a worker gpuhub started; `None` for a static
+    /// URL): the gateway checks it on each new connection ([`crate::gateway::upstream`]).
+    pub owner_uid: Option<u32>,
     /// Held for its `Drop`: ends the call (in-flight count, queue permit, idle timer).
     _guard: InFlightGuard,
 }
@@ -717,6 +720,7 @@ impl Shared {
                 base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
                 api_key: m.api_key.clone(),
                 version: None,
+                owner_uid: None,
                 _guard: InFlightGuard { worker: w, _permit: permit, _instance: None, route: None },
             });
         }
@@ -801,6 +805,7 @@ impl Shared {
             base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
+            owner_uid: Some(instance.uid),
             _guard: InFlightGuard { worker: w, _permit: permit, _instance: Some(instance), route: Some(route) },
         })
     }
@@ -833,6 +838,7 @@ impl Shared {
             base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
+            owner_uid: Some(instance.uid),
             _guard: guard,
         })
     }

@@ -195,10 +195,28 @@ async fn broken_answers_are_errors() {
     assert!(e.is_connect(), "{e:?}");
 }
 
+/// A worker's port taken by another account (its worker gone): a new connection there is not
+/// used, and the request is not sent; the worker's own account is served.
+#[tokio::test]
+async fn a_port_held_by_another_account_gets_nothing() {
+    let (url, mut seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]]).await;
+    // SAFETY: plain syscall.
+    let me = unsafe { libc::geteuid() };
+    let c = client();
+    let e = c.send(Target::parse(&url).unwrap().owned_by(Some(me.wrapping_add(1))), &post(b"{}")).await.unwrap_err();
+    assert!(matches!(&e, UpstreamError::NotTheWorker { what, .. } if what.contains(&format!("uid {me} listens"))), "{e:?}");
+    assert!(e.is_connect(), "nothing was sent: a replica may take the call ({e:?})");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(seen.try_recv().is_err(), "the request reached a process of another account");
+    let r = c.send(Target::parse(&url).unwrap().owned_by(Some(me)), &post(b"{}")).await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &b"ok"[..]);
+    assert!(seen.try_recv().is_ok(), "the worker's own account is served");
+}
+
 #[test]
 fn targets() {
-    assert_eq!(Target::parse("http://127.0.0.1:8000").unwrap(), Target { authority: "127.0.0.1:8000", prefix: "" });
-    assert_eq!(Target::parse("http://gpu01:8000/vllm/").unwrap(), Target { authority: "gpu01:8000", prefix: "/vllm" });
+    assert_eq!(Target::parse("http://127.0.0.1:8000").unwrap(), Target { authority: "127.0.0.1:8000", prefix: "", owner_uid: None });
+    assert_eq!(Target::parse("http://gpu01:8000/vllm/").unwrap(), Target { authority: "gpu01:8000", prefix: "/vllm", owner_uid: None });
     assert_eq!(Target::parse("http://gpu01").unwrap().connect_addr(), "gpu01:80");
     assert_eq!(Target::parse("http://[::1]:9").unwrap().connect_addr(), "[::1]:9");
     assert_eq!(Target::parse("http://[::1]").unwrap().connect_addr(), "[::1]:80");
