@@ -58,26 +58,8 @@ for ((i = 0; i < 300; i++)); do [ -s "$addr" ] && break; sleep 0.05; done
 [ -s "$addr" ] || models_fail "job $job wrote no address file $addr"
 read -r host port jobid < "$addr"
 [ "$jobid" = "$job" ] || models_fail "$addr names job $jobid, not $job"
-cat > "$MT_DIR/squat.py" <<'PY'
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def answer(self):
-        n = int(self.headers.get("content-length") or 0)
-        body = self.rfile.read(n) if n else b""
-        with open(sys.argv[2], "ab") as log:
-            log.write(f"{self.command} {self.path} {body[:200]!r}\n".encode())
-        out = b'{"status":"ok","object":"list","data":[{"id":"sq-chat"}],"choices":[{"message":{"role":"assistant","content":"squatted"}}]}'
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-    do_GET = do_POST = answer
-    def log_message(self, *a):
-        pass
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-PY
-chmod 644 "$MT_DIR/squat.py"
+# A copy the lab user can read whatever the checkout's permissions.
+install -m 644 "$REPO/tests/lib/squat.py" "$MT_DIR/squat.py"
 touch "$MT_DIR/squat.log" && chown "$LAB_USER" "$MT_DIR/squat.log"
 runuser -u "$LAB_USER" -- python3 "$MT_DIR/squat.py" "$port" "$MT_DIR/squat.log" &
 squatter=$!
