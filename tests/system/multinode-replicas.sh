@@ -130,6 +130,9 @@ for _ in $(seq 80); do
     sleep 0.1
 done
 [ -n "$victim" ] || fail "the long call never reached a replica"
+# Routed is not yet sent: a replica killed before the call reaches it costs no call (the call
+# goes to the other one, models-replicas section 5). Mid-call means well into its ~5 s.
+sleep 1
 survivor="$(models | jq -r --arg v "$victim" '.replicas[] | select(.job_id != $v) | .job_id')"
 # The victim's worker process dies (SIGKILL; its job ends with it): scancel's SIGTERM would let
 # the worker finish the call first.

@@ -228,15 +228,25 @@ impl Client {
         } else {
             req.body
         };
+        let mut resent = false;
         if let Some(conn) = self.pool.checkout(target.authority) {
             match exchange(conn, &head, rest, req.method).await {
                 Ok(r) => return Ok(self.response(target, r)),
                 // The worker closed this idle connection without reading the request.
-                Err(UpstreamError::Closed) => tracing::debug!(upstream = %target.authority, "a pooled connection was closed; reconnecting"),
+                Err(UpstreamError::Closed) => {
+                    tracing::debug!(upstream = %target.authority, "a pooled connection was closed; reconnecting");
+                    resent = true;
+                }
                 Err(e) => return Err(e),
             }
         }
-        let conn = self.connect(target).await?;
+        let conn = match self.connect(target).await {
+            Ok(c) => c,
+            // No worker there now: it may have read the request on the pooled connection and
+            // died before answering, so this is not a call that was never sent (no failover).
+            Err(e) if resent && e.is_connect() => return Err(UpstreamError::Closed),
+            Err(e) => return Err(e),
+        };
         let r = exchange(conn, &head, rest, req.method).await?;
         Ok(self.response(target, r))
     }
@@ -259,6 +269,18 @@ impl Client {
         conn.set_nodelay(true)?;
         Ok(conn)
     }
+}
+
+/// Whether a worker still holds its port, without sending it anything: a connection is
+/// accepted within `timeout` and, on this host, every listener there is `owner_uid`'s. For the
+/// lifecycle's check after a call could not reach the worker.
+pub async fn holds_port(base_url: &str, owner_uid: Option<u32>, timeout: Duration) -> bool {
+    let Ok(target) = Target::parse(base_url) else { return false };
+    let conn = match tokio::time::timeout(timeout, TcpStream::connect(target.connect_addr())).await {
+        Ok(Ok(c)) => c,
+        _ => return false,
+    };
+    owner_uid.is_none_or(|uid| check_owner(&conn, uid).is_ok())
 }
 
 /// For a connection to a port on this host (its peer address is one of ours: loopback, or the

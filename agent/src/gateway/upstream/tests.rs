@@ -213,6 +213,29 @@ async fn a_port_held_by_another_account_gets_nothing() {
     assert!(seen.try_recv().is_ok(), "the worker's own account is served");
 }
 
+/// A worker that read the request on a pooled connection and died before answering: the
+/// reconnect finds nothing, and the error is not one of a call never sent (no failover).
+#[tokio::test]
+async fn a_worker_that_died_after_reading_a_pooled_request_is_not_a_connect_failure() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        let (mut conn, _) = l.accept().await.unwrap();
+        read_request(&mut conn).await.unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
+        // The second request is read, then the worker is gone: connection and port.
+        read_request(&mut conn).await.unwrap();
+    });
+    let c = client();
+    let t = Target::parse(&url).unwrap();
+    let r = c.send(t, &post(b"{}")).await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &b"ok"[..]);
+    let e = c.send(t, &post(b"{}")).await.unwrap_err();
+    server.await.unwrap();
+    assert!(matches!(e, UpstreamError::Closed), "{e:?}");
+    assert!(!e.is_connect(), "the request may have been read: not a call that was never sent");
+}
+
 #[test]
 fn targets() {
     assert_eq!(Target::parse("http://127.0.0.1:8000").unwrap(), Target { authority: "127.0.0.1:8000", prefix: "", owner_uid: None });
