@@ -9,7 +9,10 @@
 #      server that answers 200 to everything and logs what it receives;
 #   3. the next call gets a 502 that says the worker's port is no longer held by the worker and
 #      nothing was sent; the squatter receives nothing (no prompt, no worker key); the agent
-#      logs the uid it found there.
+#      logs the uid it found there;
+#   4. that failed call makes the agent check the port at once: not its worker's any more, so
+#      it stops the job (no waiting for a job that would run on for minutes) and the next call
+#      starts a new worker and is answered (200); the squatter still has received nothing.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 . "$REPO/tests/lib/lab.sh"
@@ -69,4 +72,16 @@ grep -q "model \`tk-chat\`" <<<"$msg" && grep -q "no longer held by the worker" 
 grep -F "is not held by the worker account" "$MT_DIR/agent.log" | grep -q "uid $squatter_uid listens on port $port" ||
     models_fail "the agent did not log the uid on the worker's port: $(grep -F 'not held by' "$MT_DIR/agent.log" | tail -n1)"
 echo "   ok: $MC_STATUS $msg"
+
+echo "== 4. the agent stops job $job; the next call starts a new worker"
+stopped() { grep -F "its server stopped holding its port while the job ran" "$MT_DIR/agent.log" | grep -q 'to="unloaded"'; }
+for ((i = 0; i < 100; i++)); do [ -z "$(squeue -h -j "$job" -o %T 2>/dev/null)" ] && stopped && break; sleep 0.1; done
+[ -z "$(squeue -h -j "$job" -o %T 2>/dev/null)" ] || models_fail "job $job still runs 10 s after its port was found taken over: $(squeue -h -j "$job" -o '%T %r')"
+stopped || models_fail "the agent did not log why it stopped job $job (model state unloaded)"
+MC_TIMEOUT=60 models_call tk-chat "hello again"
+[ "$MC_STATUS" = 200 ] || models_fail "the call after the stop: expected 200 from a new worker, got $MC_STATUS: $MC_BODY"
+new_job="$(models_jobs tk-chat)"
+[ -n "$new_job" ] && [ "$new_job" != "$job" ] || models_fail "expected a new worker job, got '$new_job' (old $job)"
+[ -s "$MT_DIR/squat.log" ] && models_fail "the squatter received a request: $(cat "$MT_DIR/squat.log")"
+echo "   ok: job $job stopped; job $new_job answers"
 echo "PASS security-port-takeover"

@@ -125,10 +125,13 @@ struct InFlightGuard {
 
 impl Lease {
     /// The call could not reach its worker (refused, broken off): the replica gets no call
-    /// until a health probe passes again, so the next call goes to another replica.
+    /// until a health probe passes again, so the next call goes to another replica; and its
+    /// supervisor checks now whether the worker still holds its port (a worker whose server
+    /// died while its job runs on is stopped, and the next call starts another).
     pub fn upstream_failed(&self) {
         if let Some(r) = &self._guard.route {
             r.failed();
+            r.target().suspect.notify_one();
         }
     }
 }
@@ -231,6 +234,9 @@ pub(crate) struct Worker {
     leaving: AtomicBool,
     /// Further replicas, routing and health ([`scale`]).
     rep: scale::Replicas,
+    /// A call could not reach this worker: its supervisor checks its port now, not at its
+    /// next period ([`Shared::supervise`]).
+    suspect: tokio::sync::Notify,
 }
 
 impl Worker {
@@ -246,6 +252,7 @@ impl Worker {
     fn with_role(cfg: Arc<ModelConfig>, is_extra: bool) -> Worker {
         Worker {
             rep: scale::Replicas::new(&cfg, is_extra),
+            suspect: tokio::sync::Notify::new(),
             permits: FairQueue::new(cfg.max_concurrency as usize),
             cfg,
             st: Mutex::new(WState {
@@ -1180,10 +1187,11 @@ impl Shared {
         let mut ready_at = Instant::now();
         let mut uses = single_flight::UseTracker::default();
         loop {
-            tokio::select! {
+            let suspect = tokio::select! {
                 () = rt.shutdown.cancelled() => return,
-                () = tokio::time::sleep(period) => {}
-            }
+                () = tokio::time::sleep(period) => false,
+                () = w.suspect.notified() => true,
+            };
             {
                 let s = w.lock();
                 let current = s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, &inst));
@@ -1191,7 +1199,17 @@ impl Shared {
                     return; // unloaded or draining by someone else; they stop the worker
                 }
             }
-            if let RunState::Gone(how) = rt.launchers.poll(&inst).await {
+            let gone = match rt.launchers.poll(&inst).await {
+                RunState::Gone(how) => Some(how),
+                // A call could not reach it: gone if its port is closed, or no longer its own,
+                // while its job runs on (a wrapper that outlives its server); the job is stopped.
+                _ if suspect && !holds_port(&inst).await => {
+                    rt.launchers.stop(&inst).await;
+                    Some("its server stopped holding its port while the job ran; the job was stopped".to_string())
+                }
+                _ => None,
+            };
+            if let Some(how) = gone {
                 let tail = launcher::log_tail(&inst.log_path, LOG_TAIL_LINES, &inst.api_key);
                 self.forget(&w.cfg.name, &inst).await;
                 let mut s = w.lock();
@@ -1995,4 +2013,19 @@ pub fn launcher_name(k: LauncherKind) -> &'static str {
         LauncherKind::Local => "local",
         LauncherKind::Slurm => "slurm",
     }
+}
+
+/// Whether `inst` still holds its port (a connection accepted there, by the worker account
+/// where this host can tell), tried twice 100 ms apart so a momentary refusal is not a death.
+async fn holds_port(inst: &Instance) -> bool {
+    let Some(url) = inst.base_url() else { return true };
+    for i in 0..2 {
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if crate::gateway::upstream::holds_port(url, Some(inst.uid), Duration::from_secs(2)).await {
+            return true;
+        }
+    }
+    false
 }

@@ -97,6 +97,11 @@ impl Route {
         Arc::ptr_eq(&self.target, w)
     }
 
+    /// The replica the call went to.
+    pub(super) fn target(&self) -> &Worker {
+        &self.target
+    }
+
     /// The call could not reach the replica (connection refused or broken): no call goes
     /// there until a probe passes again.
     pub(super) fn failed(&self) {
