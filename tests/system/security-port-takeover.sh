@@ -46,17 +46,20 @@ echo "== 2. the server dies (its job runs on); $LAB_USER binds its port"
 install -m 644 "$REPO/tests/lib/squat.py" "$MT_DIR/squat.py"
 touch "$MT_DIR/squat.log" && chown "$LAB_USER" "$MT_DIR/squat.log"
 kill -9 "$pid"
+# listener_uid: the uid of what listens on the port now (none while the dead server's socket
+# is torn down and before the squatter binds).
+listener_uid() { ss -Hltne "sport = :$port" | sed -n 's/.*uid:\([0-9]*\).*/\1/p' | head -n1; }
 squatter=""
-for ((i = 0; i < 100; i++)); do
+for ((i = 0; i < 200; i++)); do
     if [ -z "$squatter" ] || ! kill -0 "$squatter" 2>/dev/null; then
         runuser -u "$LAB_USER" -- python3 "$MT_DIR/squat.py" "$port" "$MT_DIR/squat.log" 2>/dev/null &
         squatter=$!
         lab_cleanup_add "kill $squatter 2>/dev/null || true"
     fi
-    ss -Hltn "sport = :$port" | grep -q . && break
+    [ "$(listener_uid)" = "$squatter_uid" ] && break
     sleep 0.05
 done
-owner="$(ss -Hltne "sport = :$port" | sed -n 's/.*uid:\([0-9]*\).*/\1/p' | head -n1)"
+owner="$(listener_uid)"
 [ "$owner" = "$squatter_uid" ] || models_fail "$LAB_USER did not get port $port (its listener's uid: '${owner:-none}')"
 [ "$(squeue -h -j "$job" -o %T)" = RUNNING ] || models_fail "worker job $job should still run (its wrapper sleeps): $(squeue -h -j "$job" -o '%T %r')"
 echo "   $LAB_USER (uid $squatter_uid) listens on port $port; job $job still runs"
