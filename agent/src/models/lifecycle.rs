@@ -1203,9 +1203,16 @@ impl Shared {
                 RunState::Gone(how) => Some(how),
                 // A call could not reach it: gone if its port is closed, or no longer its own,
                 // while its job runs on (a wrapper that outlives its server); the job is stopped.
-                _ if suspect && !holds_port(&inst).await => {
+                _ if suspect && !still_holds_port(&inst).await => {
+                    // Another agent's worker is its owner's to stop (`stop` leaves it alone).
                     rt.launchers.stop(&inst).await;
-                    Some("its server stopped holding its port while the job ran; the job was stopped".to_string())
+                    Some(
+                        match inst.borrowed_from {
+                            None => "its server stopped holding its port while the job ran; the job was stopped",
+                            Some(_) => "its server stopped holding its port while the job ran",
+                        }
+                        .to_string(),
+                    )
                 }
                 _ => None,
             };
@@ -2017,7 +2024,7 @@ pub fn launcher_name(k: LauncherKind) -> &'static str {
 
 /// Whether `inst` still holds its port (a connection accepted there, by the worker account
 /// where this host can tell), tried twice 100 ms apart so a momentary refusal is not a death.
-async fn holds_port(inst: &Instance) -> bool {
+async fn still_holds_port(inst: &Instance) -> bool {
     let Some(url) = inst.base_url() else { return true };
     for i in 0..2 {
         if i > 0 {
