@@ -270,6 +270,38 @@ async fn a_crash_restarts_on_the_next_call_and_repeated_crashes_surface_as_faile
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_cannot_reach_its_only_worker_learns_at_once_whether_it_is_gone() {
+    let env = Env::new().await;
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "", "")).await;
+    let lease = m.acquire("a").await.unwrap();
+    let first = m.status("a").unwrap().worker_id.unwrap();
+    // Not asked: nothing to wait for.
+    assert!(!m.worker_gone(&lease, Duration::from_secs(5)).await);
+    // A worker that still holds its port: the supervisor's check says so, well within the bound.
+    let t = Instant::now();
+    lease.upstream_failed();
+    assert!(!m.worker_gone(&lease, Duration::from_secs(5)).await, "the worker is alive");
+    assert!(t.elapsed() < Duration::from_secs(2), "the verdict came from the check, not the bound: {:?}", t.elapsed());
+    assert_eq!(m.status("a").unwrap().state, "ready");
+    // Killed between calls: gone, and the next lease is a new worker that answers.
+    // SAFETY: test-only; kills the worker we started.
+    unsafe { libc::kill(first.parse().unwrap(), libc::SIGKILL) };
+    // As a call finds it: its port closed (the process is gone).
+    let t = Instant::now();
+    while pid_alive(&first) && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    lease.upstream_failed();
+    assert!(m.worker_gone(&lease, Duration::from_secs(5)).await, "the worker was killed");
+    drop(lease);
+    let lease = m.acquire("a").await.unwrap();
+    assert_ne!(m.status("a").unwrap().worker_id.unwrap(), first, "a new worker");
+    assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
+    drop(lease);
+    m.unload("a", "test over").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_cannot_start_fails_with_its_last_log_lines() {
     let env = Env::new().await;
     let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--exit-at-start 7", "")).await;

@@ -211,17 +211,67 @@ pub async fn send_failover(
     lease: &mut crate::models::Lease,
     out: &Outgoing,
     row: &mut UsageRow,
-) -> Result<upstream::Response, GatewayError> {
+) -> Result<upstream::Response, NoAnswer> {
     let first = match attempt(state, lease, out, &row.request_id).await? {
         Ok(resp) => return Ok(resp),
-        Err(e) if e.is_connect() && !matches!(e, upstream::UpstreamError::Url { .. }) => upstream_error(lease, e),
-        Err(e) => return Err(upstream_error(lease, e)),
+        Err(e) => unsent(lease, e)?,
     };
-    let Some(next) = state.models.reroute(lease, &row.user).await else { return Err(first) };
+    let Some(next) = state.models.reroute(lease, &row.user).await else { return Err(NoAnswer::Unreachable(first)) };
     tracing::info!(model = %lease.model, from = %lease.base_url, to = %next.base_url, request_id = %row.request_id, "a replica could not be reached; the call goes to another one");
     *lease = next;
     row.model_version = lease.version.clone().unwrap_or_default();
-    send_upstream(state, lease, out, &row.request_id).await
+    match attempt(state, lease, out, &row.request_id).await? {
+        Ok(resp) => Ok(resp),
+        Err(e) => Err(NoAnswer::Unreachable(unsent(lease, e)?)),
+    }
+}
+
+/// Why [`send_failover`] has no answer for the client.
+pub enum NoAnswer {
+    /// No connection could be made to the replica the call went to, so nothing was sent:
+    /// [`worker_gone`] tells whether the call may wait for the model's next worker.
+    Unreachable(GatewayError),
+    Failed(GatewayError),
+}
+
+impl From<GatewayError> for NoAnswer {
+    fn from(e: GatewayError) -> Self {
+        NoAnswer::Failed(e)
+    }
+}
+
+impl From<NoAnswer> for GatewayError {
+    fn from(e: NoAnswer) -> Self {
+        match e {
+            NoAnswer::Unreachable(e) | NoAnswer::Failed(e) => e,
+        }
+    }
+}
+
+/// A failed try's error for the client: `Ok` when nothing reached the worker (no connection
+/// could be made), `Err` when the request may have.
+fn unsent(lease: &crate::models::Lease, e: upstream::UpstreamError) -> Result<GatewayError, NoAnswer> {
+    let nothing_sent = e.is_connect() && !matches!(e, upstream::UpstreamError::Url { .. });
+    let e = upstream_error(lease, e);
+    if nothing_sent { Ok(e) } else { Err(NoAnswer::Failed(e)) }
+}
+
+/// How long a call that could reach none of its model's replicas waits for the worker's
+/// supervisor to tell a dead worker (which it stops) from one that refused this connection.
+const GONE_VERDICT: Duration = Duration::from_secs(5);
+
+/// After [`NoAnswer::Unreachable`]: whether the worker the call went to is gone (its
+/// supervisor found it dead or not holding its port, and stopped it). The call then waits for
+/// the model again, as a first call does, instead of failing: nothing was sent, and the
+/// model's next worker (or another replica) serves it. Counted as the call's wait.
+pub async fn worker_gone(state: &AppState, lease: &crate::models::Lease, call: &mut Call) -> bool {
+    let t = Instant::now();
+    let gone = state.models.worker_gone(lease, GONE_VERDICT).await;
+    call.wait_us += us_since(t);
+    if gone {
+        tracing::info!(model = %lease.model, upstream = %lease.base_url, request_id = %call.row.request_id, "the model's worker is gone; the call, sent nowhere yet, waits for the model again");
+    }
+    gone
 }
 
 /// One try: `Err` when the request cannot be built for this worker, `Ok(Err)` when it
@@ -352,23 +402,34 @@ async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
         Err(e) => return call.fail(state, e),
     };
     let _in_flight = GaugeGuard::new(&state.gateway.metrics.in_flight, &lease.model);
-    let t0 = Instant::now();
     let limit = upstream_timeout(state);
-    let answer = tokio::time::timeout(limit, async {
-        let mut resp = send_failover(state, &mut lease, &out, &mut call.row).await?;
-        let ttfb = us_since(t0);
-        let (status, headers) = (resp.status, std::mem::take(&mut resp.headers));
-        let body = resp.bytes_limited(state.config.file.gateway.max_response_bytes).await.map_err(|e| upstream_error(&lease, e))?;
-        Ok::<_, GatewayError>((ttfb, (status, headers, body)))
-    })
-    .await;
-    call.upstream_us += us_since(t0);
-    let (status, headers, body) = match answer {
-        Err(_) => return call.fail(state, timed_out(&lease, limit)),
-        Ok(Err(e)) => return call.fail(state, e),
-        Ok(Ok((ttfb, answer))) => {
-            call.row.upstream_ttfb_us = ttfb;
-            answer
+    let mut again = true;
+    let (status, headers, body) = loop {
+        let t0 = Instant::now();
+        let answer = tokio::time::timeout(limit, async {
+            let mut resp = send_failover(state, &mut lease, &out, &mut call.row).await?;
+            let ttfb = us_since(t0);
+            let (status, headers) = (resp.status, std::mem::take(&mut resp.headers));
+            let body = resp.bytes_limited(state.config.file.gateway.max_response_bytes).await.map_err(|e| upstream_error(&lease, e))?;
+            Ok::<_, NoAnswer>((ttfb, (status, headers, body)))
+        })
+        .await;
+        call.upstream_us += us_since(t0);
+        match answer {
+            Err(_) => return call.fail(state, timed_out(&lease, limit)),
+            Ok(Err(NoAnswer::Unreachable(_))) if again && worker_gone(state, &lease, &mut call).await => {
+                again = false;
+                drop(lease);
+                lease = match acquire(state, &mut call).await {
+                    Ok(l) => l,
+                    Err(e) => return call.fail(state, e),
+                };
+            }
+            Ok(Err(e)) => return call.fail(state, e.into()),
+            Ok(Ok((ttfb, answer))) => {
+                call.row.upstream_ttfb_us = ttfb;
+                break answer;
+            }
         }
     };
     if status.is_server_error() {

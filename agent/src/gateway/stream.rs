@@ -41,6 +41,7 @@ use super::proxy::{self, Call, Outgoing};
 use super::us_since;
 use super::usage_log::UsageSource;
 use crate::AppState;
+use crate::models::{Lease, ModelError};
 
 /// How long a stream waits for its model before committing to SSE with loading comments.
 const LOAD_GRACE: Duration = Duration::from_millis(500);
@@ -246,52 +247,63 @@ impl Driver {
         }
     }
 
+    /// Waits for `model` (counted as queued), sending loading comments while it loads.
+    async fn lease(&mut self, model: &str) -> Result<Lease, ModelError> {
+        let state = self.state.clone();
+        let t = Instant::now();
+        let _queued = GaugeGuard::new(&state.gateway.metrics.queued, model);
+        let user = self.call.row.user.clone();
+        let acquire = state.models.acquire_for(model, &user);
+        tokio::pin!(acquire);
+        let mut wait = LOAD_GRACE;
+        let r = loop {
+            tokio::select! {
+                r = &mut acquire => break r,
+                _ = tokio::time::sleep(wait) => {
+                    wait = self.keepalive();
+                    let note = loading_comment(model, state.models.status(model).as_ref(), t.elapsed().as_secs());
+                    self.send(Bytes::from(note)).await;
+                }
+            }
+        };
+        self.call.wait_us += us_since(t);
+        let lease = r?;
+        self.call.row.model_version = lease.version.clone().unwrap_or_default();
+        Ok(lease)
+    }
+
     async fn run(mut self, parsed: Parsed, out: Outgoing) {
         self.call.row.streamed = true;
         // 1. The model, with loading comments if it takes more than a moment.
         let model = self.call.row.resolved_model.clone();
-        let lease = {
-            let state = self.state.clone();
-            let t = Instant::now();
-            let _queued = GaugeGuard::new(&state.gateway.metrics.queued, &model);
-            let user = self.call.row.user.clone();
-            let acquire = state.models.acquire_for(&model, &user);
-            tokio::pin!(acquire);
-            let mut wait = LOAD_GRACE;
-            let r = loop {
-                tokio::select! {
-                    r = &mut acquire => break r,
-                    _ = tokio::time::sleep(wait) => {
-                        wait = self.keepalive();
-                        let note = loading_comment(&model, state.models.status(&model).as_ref(), t.elapsed().as_secs());
-                        self.send(Bytes::from(note)).await;
-                    }
-                }
-            };
-            self.call.wait_us += us_since(t);
-            r
-        };
-        let mut lease = match lease {
+        let mut lease = match self.lease(&model).await {
             Ok(l) => l,
             Err(e) => return self.fail(e.into()).await,
         };
-        self.call.row.model_version = lease.version.clone().unwrap_or_default();
         let _in_flight = GaugeGuard::new(&self.state.gateway.metrics.in_flight, &lease.model);
 
         // 2. The upstream's answer: must be a 2xx event stream before anything is committed.
-        let t0 = Instant::now();
         let limit = proxy::upstream_timeout(&self.state);
-        let deadline = tokio::time::Instant::from_std(t0 + limit);
-        let sent = tokio::time::timeout_at(deadline, proxy::send_failover(&self.state, &mut lease, &out, &mut self.call.row)).await;
-        let mut resp = match sent {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
+        let mut again = true;
+        let (mut resp, t0, deadline) = loop {
+            let t0 = Instant::now();
+            let deadline = tokio::time::Instant::from_std(t0 + limit);
+            let sent = tokio::time::timeout_at(deadline, proxy::send_failover(&self.state, &mut lease, &out, &mut self.call.row)).await;
+            if !matches!(sent, Ok(Ok(_))) {
                 self.call.upstream_us += us_since(t0);
-                return self.fail(e).await;
             }
-            Err(_) => {
-                self.call.upstream_us += us_since(t0);
-                return self.fail(proxy::timed_out(&lease, limit)).await;
+            match sent {
+                Ok(Ok(r)) => break (r, t0, deadline),
+                Ok(Err(proxy::NoAnswer::Unreachable(_))) if again && proxy::worker_gone(&self.state, &lease, &mut self.call).await => {
+                    again = false;
+                    drop(lease);
+                    lease = match self.lease(&model).await {
+                        Ok(l) => l,
+                        Err(e) => return self.fail(e.into()).await,
+                    };
+                }
+                Ok(Err(e)) => return self.fail(e.into()).await,
+                Err(_) => return self.fail(proxy::timed_out(&lease, limit)).await,
             }
         };
         self.call.row.upstream_ttfb_us = us_since(t0);

@@ -17,7 +17,7 @@
 //! - Workers' jobs are recorded in the store and adopted after an agent restart.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -121,6 +121,9 @@ struct InFlightGuard {
     _instance: Option<Arc<Instance>>,
     /// The replica the call went to ([`scale`]).
     route: Option<scale::Route>,
+    /// Its `found_alive` when [`Lease::upstream_failed`] asked for a check (`u64::MAX`: not
+    /// asked): [`ModelManager::worker_gone`] waits for the verdict after that one.
+    alive_before: AtomicU64,
 }
 
 impl Lease {
@@ -131,6 +134,7 @@ impl Lease {
     pub fn upstream_failed(&self) {
         if let Some(r) = &self._guard.route {
             r.failed();
+            self._guard.alive_before.store(r.target().found_alive.load(Ordering::Acquire), Ordering::Release);
             r.target().suspect.notify_one();
         }
     }
@@ -237,6 +241,8 @@ pub(crate) struct Worker {
     /// A call could not reach this worker: its supervisor checks its port now, not at its
     /// next period ([`Shared::supervise`]).
     suspect: tokio::sync::Notify,
+    /// Such checks that found the worker still holding its port ([`ModelManager::worker_gone`]).
+    found_alive: AtomicU64,
 }
 
 impl Worker {
@@ -253,6 +259,7 @@ impl Worker {
         Worker {
             rep: scale::Replicas::new(&cfg, is_extra),
             suspect: tokio::sync::Notify::new(),
+            found_alive: AtomicU64::new(0),
             permits: FairQueue::new(cfg.max_concurrency as usize),
             cfg,
             st: Mutex::new(WState {
@@ -472,6 +479,38 @@ impl ModelManager {
     /// has no other one. The new lease is taken before `failed` is dropped.
     pub async fn reroute(&self, failed: &Lease, user: &str) -> Option<Lease> {
         self.shared.reroute(failed, user).await
+    }
+
+    /// After a call could reach none of its model's ready replicas (nothing was sent): waits
+    /// up to `within` for the supervisor of the replica `failed` went to (woken by
+    /// [`Lease::upstream_failed`]). `true` when that worker is no longer the ready one (it
+    /// died, or its server stopped holding its port and its job was stopped; another replica
+    /// took its place), so a new lease finds or starts another; `false` when it still holds
+    /// its port, or is a static URL, which gpuhub does not restart.
+    pub async fn worker_gone(&self, failed: &Lease, within: Duration) -> bool {
+        let g = &failed._guard;
+        let (Some(inst), Some(route)) = (g._instance.as_ref(), g.route.as_ref()) else { return false };
+        let alive = g.alive_before.load(Ordering::Acquire);
+        if inst.launcher == LauncherKind::Static || alive == u64::MAX {
+            return false;
+        }
+        let w = route.target();
+        let mut changed = w.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            {
+                let s = w.lock();
+                if s.state != State::Ready || !s.instance.as_ref().is_some_and(|i| Arc::ptr_eq(i, inst)) {
+                    return true;
+                }
+            }
+            if w.found_alive.load(Ordering::Acquire) != alive {
+                return false;
+            }
+            if !matches!(tokio::time::timeout_at(deadline, changed.changed()).await, Ok(Ok(()))) {
+                return false;
+            }
+        }
     }
 
     pub fn statuses(&self) -> Vec<ModelStatus> {
@@ -728,7 +767,7 @@ impl Shared {
                 api_key: m.api_key.clone(),
                 version: None,
                 owner_uid: None,
-                _guard: InFlightGuard { worker: w, _permit: permit, _instance: None, route: None },
+                _guard: InFlightGuard { worker: w, _permit: permit, _instance: None, route: None, alive_before: AtomicU64::new(u64::MAX) },
             });
         }
         let Some(rt) = &self.rt else {
@@ -813,7 +852,13 @@ impl Shared {
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
             owner_uid: Some(instance.uid),
-            _guard: InFlightGuard { worker: w, _permit: permit, _instance: Some(instance), route: Some(route) },
+            _guard: InFlightGuard {
+                worker: w,
+                _permit: permit,
+                _instance: Some(instance),
+                route: Some(route),
+                alive_before: AtomicU64::new(u64::MAX),
+            },
         })
     }
 
@@ -830,7 +875,8 @@ impl Shared {
             s.last_used = Instant::now();
             i
         };
-        let mut guard = InFlightGuard { worker: w.clone(), _permit: None, _instance: None, route: None };
+        let mut guard =
+            InFlightGuard { worker: w.clone(), _permit: None, _instance: None, route: None, alive_before: AtomicU64::new(u64::MAX) };
         let (target, instance, route) = self.route(&w, instance);
         if failed_route.goes_to(&target) {
             drop(route);
@@ -1214,7 +1260,14 @@ impl Shared {
                         .to_string(),
                     )
                 }
-                _ => None,
+                _ => {
+                    if suspect {
+                        // The call that could not reach it is told to give up (`worker_gone`).
+                        w.found_alive.fetch_add(1, Ordering::AcqRel);
+                        w.bump();
+                    }
+                    None
+                }
             };
             if let Some(how) = gone {
                 let tail = launcher::log_tail(&inst.log_path, LOG_TAIL_LINES, &inst.api_key);
