@@ -258,7 +258,7 @@ fn unsent(lease: &crate::models::Lease, e: upstream::UpstreamError) -> Result<Ga
 
 /// How long a call that could reach none of its model's replicas waits for the worker's
 /// supervisor to tell a dead worker (which it stops) from one that refused this connection.
-const GONE_VERDICT: Duration = Duration::from_secs(5);
+const GONE_VERDICT: Duration = Duration::from_secs(10);
 
 /// After [`NoAnswer::Unreachable`]: whether the worker the call went to is gone (its
 /// supervisor found it dead or not holding its port, and stopped it). The call then waits for
