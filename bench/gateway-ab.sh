@@ -8,6 +8,8 @@
 #   bench/gateway-ab.sh A_BIN [B_BIN]   directories holding gpuhub-agent, gpuhub and
 #                                       gpuhub-test-worker (B_BIN: this tree's target/release)
 #   DURATION=10 RATE=1000 CONNS=10 REPEAT=5 by default (RATE per gateway)
+#   A_ENV, B_ENV: NAME=VALUE words for that gateway's agent only, to compare one build under
+#   two settings (e.g. B_ENV=TOKIO_WORKER_THREADS=1 bench/gateway-ab.sh target/release)
 # Both gateways call B's test worker binary; A's agent must accept this tree's agent.toml.
 # Needs: wrk (apt). Results go to stdout.
 set -euo pipefail
@@ -23,6 +25,7 @@ if [ "${1:-}" = --instance ]; then
     gw_worker demo-chat
     GW_BIN="$3"
     gw_config
+    if [ "$TAG" = A ]; then GW_AGENT_ENV="${A_ENV:-}"; else GW_AGENT_ENV="${B_ENV:-}"; fi
     gw_start
     KEY="$(gw_key bench wrk)"
     WRK_DIR="$GW_DIR"
@@ -73,8 +76,8 @@ done
 WRK_DIR="$SYNC"
 . "$(dirname "$0")/lib/wrk.sh"   # steal_ticks
 echo "gateway A/B: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start; both at ~$RATE req/s ($CONNS connections), ${DURATION}s per round, at the same time"
-echo "A: $A_BIN"
-echo "B: $B_BIN"
+echo "A: $A_BIN${A_ENV:+ with $A_ENV}"
+echo "B: $B_BIN${B_ENV:+ with $B_ENV}"
 echo "round  A CPU-s/1000  B CPU-s/1000  B/A    A req/s  B req/s  A p99 us  B p99 us  host steal (ticks)"
 : >"$SYNC/ratios"
 for i in $(seq "$REPEAT"); do

@@ -81,8 +81,10 @@ gw_config_add() {
     sed -i "/^\[$section\]\$/a $line" "$GW_DIR/agent.toml"
 }
 
+# GW_AGENT_ENV: NAME=VALUE words added to the agent's environment (bench/gateway-ab.sh).
 gw_start() {
-    GPUHUB_LOG_FORMAT=text "$GW_BIN/gpuhub-agent" --config "$GW_DIR/agent.toml" run >>"$GW_DIR/agent.log" 2>&1 &
+    # shellcheck disable=SC2086 # word splitting intended: NAME=VALUE words
+    env ${GW_AGENT_ENV:-} GPUHUB_LOG_FORMAT=text "$GW_BIN/gpuhub-agent" --config "$GW_DIR/agent.toml" run >>"$GW_DIR/agent.log" 2>&1 &
     GW_AGENT_PID=$!
     local i
     for i in $(seq 200); do curl -sf "$GW_URL/healthz" >/dev/null 2>&1 && return 0; sleep 0.05; done
