@@ -12,6 +12,8 @@
 #     other way round (ownership in the store, migration 0014); both still serve afterwards;
 #     each agent's `workers.vram_gib` is 8 GiB, what dots.ocr alone takes: the worker gpu02
 #     routes to is gpu01's, so it does not count against gpu02's budget (SmolLM2 still starts);
+#  3b. gpu01's worker on gpu02 killed between calls: the next call through gpu01 is answered by a
+#     new worker (not a 502);
 #  4. a shard job on each node: the shard-seconds the store holds for them (read through gpu01's
 #     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum.
 # Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
@@ -108,6 +110,24 @@ read -r _ code _ < <(call gpu02) || fail "the job on gpu02 did not run"
 [ "$code" = 200 ] || fail "after both restarts, gpu01's gateway got HTTP $code"
 [ "$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu01' AND model = 'dots.ocr'")" = "$w1_job" ] ||
     fail "gpu01's gateway no longer serves through its adopted worker $w1_job"
+
+echo "== 3b. gpu01's worker on gpu02 dies between calls: the next call through gpu01 gets a new worker"
+port="${w1_url##*:}"
+wpid="$(nodes_exec gpu02 ss -Hltnp "sport = :$port" | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n1)"
+[ -n "$wpid" ] || fail "cannot find the process of worker $w1_job listening at $w1_url on gpu02"
+key="$(nodes_exec gpu01 "$REPO/target/release/gpuhub" keys create --user "$LAB_USER" --app multinode-dead-worker | tail -n 1)"
+kill -9 "$wpid"
+code="$(curl -s -o "$NODES_DIR/after-kill.json" -w '%{http_code}' --max-time 120 -H "Authorization: Bearer $key" \
+    -H 'content-type: application/json' -d '{"model": "dots.ocr", "messages": [{"role": "user", "content": "hi"}]}' \
+    "$NODES_GATEWAY/v1/chat/completions" || true)"
+[ "$code" = 200 ] || fail "the call right after gpu01's worker on gpu02 died got HTTP $code: $(cat "$NODES_DIR/after-kill.json")"
+w1b="$("${PSQL[@]}" -c "SELECT instance_id FROM model_workers WHERE owner = 'gpu01' AND model = 'dots.ocr'")"
+[ -n "$w1b" ] && [ "$w1b" != "$w1_job" ] || fail "expected a new dots.ocr worker of gpu01's after $w1_job died, the store has '$w1b'"
+if grep -qF "the model's worker is gone; the call, sent nowhere yet, waits for the model again" "$NODES_DIR/gpu01/agent.log"; then
+    echo "   ok: the call found worker $w1_job dead, waited, and was answered by $w1b"
+else
+    echo "   ok: answered by $w1b (gpu01's agent had seen $w1_job end before the call)"
+fi
 
 echo "== 4. usage summed over both nodes equals sacct (a shard:3 job on each node)"
 lab_cancel "$blocker"
