@@ -35,8 +35,9 @@ pub(super) struct Replicas {
     routed: AtomicU32,
     probe: Mutex<Probe>,
     scaler: Mutex<Scaler>,
-    /// The Slurm node the replica runs on, once known.
-    node: Mutex<Option<String>>,
+    /// The Slurm node the replica runs on, once known: (worker id, node), so a node learned for
+    /// an earlier worker of this replica (before a restart) is not taken for the current one's.
+    node: Mutex<Option<(String, String)>>,
     /// Nodes its job must avoid (`sbatch --exclude`).
     exclude: Mutex<Vec<String>>,
 }
@@ -57,6 +58,11 @@ impl Replicas {
     /// The further replicas of a model's first replica (none on an extra one).
     pub(super) fn extras(&self) -> Vec<Arc<Worker>> {
         lock(&self.extras).clone()
+    }
+
+    /// The node of worker `id`, if known.
+    fn node_of(&self, id: &str) -> Option<String> {
+        lock(&self.node).as_ref().filter(|(i, _)| i == id).map(|(_, n)| n.clone())
     }
 
     pub(super) fn exclude(&self) -> Vec<String> {
@@ -182,7 +188,7 @@ impl Shared {
             Some(ReplicaStatus {
                 state: s.state.as_str(),
                 health: lock(&r.rep.probe).health.as_str(),
-                node: lock(&r.rep.node).clone(),
+                node: r.rep.node_of(&inst.id),
                 version: inst.version.clone(),
                 base_url: inst.base_url().map(str::to_string),
                 in_flight: r.rep.routed.load(Ordering::Relaxed),
@@ -226,8 +232,8 @@ impl Shared {
         // Its supervisor ends (no longer ready); the job keeps running as the first replica.
         self.transition(&e, &mut s, State::Unloaded, Some(format!("replica {} is now the model's first", inst.id)));
         *lock(&w.rep.probe) = Probe::new(Instant::now(), &Policy::of(&w.cfg));
-        let node = lock(&e.rep.node).clone();
-        *lock(&w.rep.node) = node.clone();
+        let node = e.rep.node_of(&inst.id);
+        *lock(&w.rep.node) = node.clone().map(|n| (inst.id.clone(), n));
         Some((inst, node))
     }
 
@@ -273,12 +279,7 @@ impl Shared {
                 _ => {}
             }
             let Some(inst) = inst.filter(|_| state == State::Ready) else { continue };
-            if lock(&r.rep.node).is_none()
-                && let Ok(Some(n)) = rt.launchers.slurm.node_of(&inst.id).await
-            {
-                *lock(&r.rep.node) = Some(n);
-            }
-            used.extend(lock(&r.rep.node).clone());
+            used.extend(learn_node(rt, r, &inst).await);
             if now >= lock(&r.rep.probe).next_at {
                 let ok = probe(r, &inst).await;
                 let changed = lock(&r.rep.probe).record(ok, &p, Instant::now());
@@ -360,6 +361,8 @@ impl Shared {
         match result {
             Ok((inst, weights)) => {
                 let inst = Arc::new(inst);
+                // Known before it is listed ready (`gpuhub models`, the next replica's spread).
+                learn_node(rt, &e, &inst).await;
                 let listed = {
                     let mut s = e.lock();
                     s.instance = Some(inst.clone());
@@ -427,6 +430,19 @@ impl Shared {
 }
 
 /// One health probe of a ready replica: its health path with its key, 2 s at most.
+/// The Slurm node of replica `r`'s worker `inst`, asked of Slurm (squeue) once per worker.
+async fn learn_node(rt: &Runtime, r: &Worker, inst: &Instance) -> Option<String> {
+    if let Some(n) = r.rep.node_of(&inst.id) {
+        return Some(n);
+    }
+    if inst.launcher != LauncherKind::Slurm {
+        return None;
+    }
+    let n = rt.launchers.slurm.node_of(&inst.id).await.ok().flatten()?;
+    *lock(&r.rep.node) = Some((inst.id.clone(), n.clone()));
+    Some(n)
+}
+
 async fn probe(r: &Worker, inst: &Instance) -> bool {
     let Some(base) = inst.base_url() else { return false };
     let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).pool_max_idle_per_host(0).build().unwrap_or_default();
