@@ -429,7 +429,6 @@ impl Shared {
     }
 }
 
-/// One health probe of a ready replica: its health path with its key, 2 s at most.
 /// The Slurm node of replica `r`'s worker `inst`, asked of Slurm (squeue) once per worker.
 async fn learn_node(rt: &Runtime, r: &Worker, inst: &Instance) -> Option<String> {
     if let Some(n) = r.rep.node_of(&inst.id) {
@@ -443,6 +442,7 @@ async fn learn_node(rt: &Runtime, r: &Worker, inst: &Instance) -> Option<String>
     Some(n)
 }
 
+/// One health probe of a ready replica: its health path with its key, 2 s at most.
 async fn probe(r: &Worker, inst: &Instance) -> bool {
     let Some(base) = inst.base_url() else { return false };
     let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).pool_max_idle_per_host(0).build().unwrap_or_default();
