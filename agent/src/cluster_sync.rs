@@ -8,7 +8,8 @@
 //! each gateway. Every [`policy::PUBLISH_EVERY`] passes, and on the pass after a reload changed
 //! them, each gateway also publishes the settings all gateways must share; on every pass it
 //! compares them with the others' ([`crate::gateway::policy`]), so a change at one gateway shows
-//! at the others within a pass of its publication.
+//! at the others within a pass of its publication. And a worker of this agent that another
+//! gateway found without its server (its job running on) is checked here and stopped.
 //!
 //! A store that cannot be read keeps the last view; one line says so, and one when it is read
 //! again. With SQLite (one agent) there is nothing to follow and nothing runs.
@@ -101,7 +102,18 @@ pub async fn once(state: &AppState) -> Result<(), StoreError> {
         state.catalog_sync.report_unserved(state);
     }
     promotions(state).await?;
+    unreachable(state).await?;
     limits(state).await
+}
+
+/// Workers of this agent that another gateway could not reach while their jobs ran: each is
+/// checked here, and its job stopped if its server is gone ([`crate::models::single_flight::report_unreachable`]).
+async fn unreachable(state: &AppState) -> Result<(), StoreError> {
+    let reports = state.store.unreachable_workers(crate::models::lifecycle::launcher_name(crate::config::LauncherKind::Slurm)).await?;
+    if !reports.is_empty() {
+        state.models.check_reported(&reports);
+    }
+    Ok(())
 }
 
 /// `[gateway.limits]` and the keys' own limits across gateways: this gateway's counts of the

@@ -24,13 +24,17 @@
 #     and both values (gateway-policy; the same before), and both agents' logs and
 #     gpuhub_gateway_policy_differences say so (gpu01's within 6 s); its limits set back by
 #     `gpuhub models reload` (no restart), both agree again within 6 s;
+#  2e. gpu02's gateway borrows gpu01's wrap-gw worker, whose job outlives its server; the
+#     server is killed: gpu02's next call gets 200 from a worker gpu02 starts, gpu02 reports the
+#     dead worker through the store, and gpu01 checks it and stops its job within 20 s (its
+#     idle timeout is 300 s);
 #  3. gateway role on gpu01 only ([cluster] gateway_nodes = ["gpu01"]): gpu02's agent opens no
 #     gateway port and removes its published policy, a job on gpu02 is told gpu01's gateway and
 #     is served there, and gpu02's
 #     agent shows that call (`gpuhub usage --calls`, `gpuhub names callers`: the store is
 #     cluster-wide).
 # Restores the one-node lab at exit. About 150 s (two lab re-ups of ~30 s each).
-# timeout: 300
+# timeout: 360
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 . "$REPO/tests/lib/lab.sh"
@@ -58,6 +62,15 @@ launcher = "slurm"
 command = "/usr/local/libexec/gpuhub/gpuhub-test-worker --model {model} --version {version} --host {host} --port {port} --api-key-file {api_key_file}"
 resources = { shards = 1, vram_gib = 1.0 }
 mlflow_model = "sync-reg-model"
+
+[[models]]
+name = "wrap-gw"
+launcher = "slurm"
+# A wrapper that outlives its server: `{ server; sleep 300; }` (the job runs the command in the
+# background, so it is one group).
+command = "{ /usr/local/libexec/gpuhub/gpuhub-test-worker --model {model} --host {host} --port {port} --api-key-file {api_key_file}; sleep 300; }"
+resources = { shards = 1, vram_gib = 1.0 }
+idle_timeout_s = 300
 TOML
 export GPUHUB_LAB_NODES_EXTRA="$EXTRA"
 lab_wait_gpus_free 240
@@ -326,6 +339,48 @@ until_ok 6 differences_at gpu01 0 || fail "gpu01's gpuhub_gateway_policy_differe
 grep -q 'gateway policy: every gateway now has the same' "$NODES_DIR/gpu01/agent.log" ||
     fail "gpu01's agent did not log that the gateways agree again after gpu02's reload"
 echo "   gpu02 reloaded without the rpm: both doctors' policies agree again within 6 s"
+
+echo "== 2e. a borrowed worker whose server died while its job runs on: its owner is told and stops the job"
+# wrap-gw's job outlives its server (`...; sleep 300`) and its idle timeout is 300 s, so only a
+# check of its port shows the server gone. gpu01 starts it; gpu02's gateway borrows it; its
+# server is killed. gpu02's next call cannot reach it: the call gets 200 from a worker gpu02
+# starts, and gpu02 tells the owner through the store; gpu01 checks the port and stops its job
+# (only the owner may), which would otherwise hold its GPU for the idle timeout.
+WKEY="$(nodes_exec gpu01 "${GH[@]}" keys create --user "$LAB_USER" --app multigw-wrap --models wrap-gw | tail -n 1)"
+WKID="$(nodes_exec gpu01 "${GH[@]}" keys list --json | jq -r '.keys[] | select(.app == "multigw-wrap") | .id')"
+lab_cleanup_add "nodes_exec gpu01 ${GH[*]} keys revoke $WKID >/dev/null 2>&1 || true"
+lab_cleanup_add "nodes_exec gpu02 ${GH[*]} models unload wrap-gw >/dev/null 2>&1 || true"
+lab_cleanup_add "nodes_exec gpu01 ${GH[*]} models unload wrap-gw >/dev/null 2>&1 || true"
+st="$(chat_at gpu01 "$G1" "$WKEY" wrap-gw)"
+[ "$st" = 200 ] || fail "the first call to wrap-gw through gpu01: HTTP $st $(cat "$BODY")"
+wjob1="$(squeue -h -n gpuhub-worker-wrap-gw -o %i)"
+[ "$(wc -w <<<"$wjob1")" = 1 ] || fail "the first call to wrap-gw did not start one worker job: '$wjob1'"
+until_ok 6 g2_says "$WKEY" wrap-gw || fail "gpu02's gateway does not know the key created through gpu01 within 6 s"
+st="$(chat_at gpu02 "$G2" "$WKEY" wrap-gw)"
+[ "$st" = 200 ] || fail "a call to wrap-gw through gpu02: HTTP $st $(cat "$BODY")"
+grep -q "routing to another agent's ready worker.*worker=$wjob1" "$NODES_DIR/gpu02/agent.log" ||
+    fail "gpu02's gateway did not route to gpu01's worker $wjob1"
+wurl="$("${PSQL[@]}" -c "SELECT base_url FROM model_workers WHERE owner = 'gpu01' AND instance_id = '$wjob1'")"
+wnode="$(squeue -h -j "$wjob1" -o %N)"
+wpid="$(nodes_exec "$wnode" ss -Hltnp "sport = :${wurl##*:}" | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n 1)"
+[ -n "$wpid" ] || fail "cannot find the server of worker $wjob1 listening at $wurl on $wnode"
+kill -9 "$wpid"
+st="$(chat_at gpu02 "$G2" "$WKEY" wrap-gw)"
+[ "$st" = 200 ] || fail "the call through gpu02 after gpu01's worker's server died: HTTP $st $(cat "$BODY")"
+grep -q "its owner is told to check it.*worker=$wjob1" "$NODES_DIR/gpu02/agent.log" ||
+    fail "gpu02 did not tell gpu01 that worker $wjob1 lost its server"
+wjob1_gone() { [ -z "$(squeue -h -j "$wjob1" -o %T 2>/dev/null)" ]; }
+until_ok 20 wjob1_gone || fail "gpu01 did not stop its worker job $wjob1 (server killed, job sleeping on) within 20 s of gpu02's report"
+grep -q "another gateway could not reach this worker.*worker=$wjob1" "$NODES_DIR/gpu01/agent.log" ||
+    fail "gpu01 did not log gpu02's report about worker $wjob1"
+# (The job ends at its scancel; the state change is logged after the store forgets the worker.)
+until_ok 5 grep -q "its server stopped holding its port while the job ran; the job was stopped" "$NODES_DIR/gpu01/agent.log" ||
+    fail "gpu01 did not log why it stopped worker $wjob1: $(grep -e "$wjob1" -e wrap-gw "$NODES_DIR/gpu01/agent.log" | tail -n 5)"
+wjob2="$(squeue -h -n gpuhub-worker-wrap-gw -o %i)"
+[ "$(wc -w <<<"$wjob2")" = 1 ] && [ "$wjob2" != "$wjob1" ] || fail "after the report wrap-gw runs as job(s) '$wjob2' (first $wjob1)"
+echo "   gpu01's job $wjob1 (server killed) stopped by its owner after gpu02's report; gpu02 serves from job $wjob2"
+nodes_exec gpu02 "${GH[@]}" models unload wrap-gw >/dev/null || fail "cannot unload wrap-gw on gpu02"
+nodes_exec gpu01 "${GH[@]}" keys revoke "$WKID" >/dev/null
 
 echo "== 3. the gateway on gpu01 only"
 export NODES_GATEWAY_NODES=gpu01

@@ -17,7 +17,7 @@
 //! - Workers' jobs are recorded in the store and adopted after an agent restart.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -243,6 +243,9 @@ pub(crate) struct Worker {
     suspect: tokio::sync::Notify,
     /// Such checks that found the worker still holding its port ([`ModelManager::worker_gone`]).
     found_alive: AtomicU64,
+    /// The latest report of another gateway that this (own) worker could not be reached
+    /// that was checked, Unix us ([`ModelManager::check_reported`]).
+    reported_us: AtomicI64,
 }
 
 impl Worker {
@@ -260,6 +263,7 @@ impl Worker {
             rep: scale::Replicas::new(&cfg, is_extra),
             suspect: tokio::sync::Notify::new(),
             found_alive: AtomicU64::new(0),
+            reported_us: AtomicI64::new(0),
             permits: FairQueue::new(cfg.max_concurrency as usize),
             cfg,
             st: Mutex::new(WState {
@@ -511,6 +515,31 @@ impl ModelManager {
                 return false;
             }
         }
+    }
+
+    /// Other gateways' reports that a worker they borrowed could not be reached while its job
+    /// ran (`(instance id, when)`, [`crate::store::Store::unreachable_workers`]). Each of this
+    /// agent's ready Slurm workers named by a report newer than the last one it checked is
+    /// checked now, as after a failed call here: its job is stopped if its server no longer
+    /// holds its port ([`Shared::supervise`]; only the owner may stop it). Returns how many.
+    pub fn check_reported(&self, reports: &[(String, i64)]) -> usize {
+        let mut checks = 0;
+        for w in self.shared.all_workers() {
+            let id = {
+                let s = w.lock();
+                match (&s.instance, s.state) {
+                    (Some(i), State::Ready) if i.borrowed_from.is_none() && i.launcher == LauncherKind::Slurm => i.id.clone(),
+                    _ => continue,
+                }
+            };
+            let Some(&(_, at)) = reports.iter().find(|(r, _)| *r == id) else { continue };
+            if w.reported_us.fetch_max(at, Ordering::AcqRel) < at {
+                tracing::info!(model = %w.cfg.name, worker = %id, "another gateway could not reach this worker while its job runs; checking its port");
+                w.suspect.notify_one();
+                checks += 1;
+            }
+        }
+        checks
     }
 
     pub fn statuses(&self) -> Vec<ModelStatus> {
@@ -1250,8 +1279,10 @@ impl Shared {
                 // A call could not reach it: gone if its port is closed, or no longer its own,
                 // while its job runs on (a wrapper that outlives its server); the job is stopped.
                 _ if suspect && !still_holds_port(&inst).await => {
-                    // Another agent's worker is its owner's to stop (`stop` leaves it alone).
+                    // Another agent's worker is its owner's to stop (`stop` leaves it alone):
+                    // the owner is told, and checks it itself.
                     rt.launchers.stop(&inst).await;
+                    single_flight::report_unreachable(rt.store.as_ref(), &inst).await;
                     Some(
                         match inst.borrowed_from {
                             None => "its server stopped holding its port while the job ran; the job was stopped",

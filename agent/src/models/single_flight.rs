@@ -320,6 +320,22 @@ async fn record_use(store: &Store, launcher: &str, id: &str) {
     }
 }
 
+/// A borrowed worker whose server no longer holds its port while its job runs on (a wrapper
+/// that outlives its server): its owner is told through the store, checks the worker itself
+/// and stops the job ([`crate::models::ModelManager::check_reported`], within a cluster-sync
+/// pass); else it would hold its GPU until its idle timeout. Own workers: nothing to do.
+pub async fn report_unreachable(store: Option<&Store>, inst: &Instance) {
+    let (Some(store), Some(owner)) = (store, inst.borrowed_from.as_deref()) else { return };
+    match store.report_worker_unreachable(launcher_name(inst.launcher), &inst.id, crate::util::now_us()).await {
+        Ok(()) => {
+            tracing::info!(worker = %inst.id, owner, "another agent's worker does not hold its port while its job runs; its owner is told to check it and stop the job")
+        }
+        Err(e) => {
+            tracing::warn!(worker = %inst.id, owner, error = %e, "cannot tell another agent that its worker does not hold its port; that worker keeps its GPU until its idle timeout")
+        }
+    }
+}
+
 /// A stopped worker's use rows go with it.
 pub async fn forget(store: Option<&Store>, inst: &Instance) {
     if let Some(store) = store

@@ -79,6 +79,30 @@ impl Store {
         Ok(())
     }
 
+    /// Records that a gateway found worker `instance_id` unreachable at `at_us` while its job
+    /// ran (its owner checks it: [`Store::unreachable_workers`]). It tried to use it then.
+    pub async fn report_worker_unreachable(&self, launcher: &str, instance_id: &str, at_us: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO worker_use (launcher, instance_id, last_used_us, unreachable_us) VALUES ($1, $2, $3, $3) \
+             ON CONFLICT (launcher, instance_id) DO UPDATE SET unreachable_us = excluded.unreachable_us",
+        )
+        .bind(launcher)
+        .bind(instance_id)
+        .bind(at_us)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// The workers of `launcher` another gateway found unreachable, with when (the latest report).
+    pub async fn unreachable_workers(&self, launcher: &str) -> Result<Vec<(String, i64)>, StoreError> {
+        let rows = sqlx::query("SELECT instance_id, unreachable_us FROM worker_use WHERE launcher = $1 AND unreachable_us > 0")
+            .bind(launcher)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+    }
+
     /// When worker `instance_id` was last used through another gateway (`None`: never).
     pub async fn worker_last_used(&self, launcher: &str, instance_id: &str) -> Result<Option<i64>, StoreError> {
         let row = sqlx::query("SELECT last_used_us FROM worker_use WHERE launcher = $1 AND instance_id = $2")
@@ -145,6 +169,25 @@ mod tests {
             assert_eq!(store.worker_last_used("slurm", "42").await.unwrap(), Some(3_000));
             store.forget_worker_use("slurm", "42").await.unwrap();
             assert_eq!(store.worker_last_used("slurm", "42").await.unwrap(), None);
+
+            // A worker another gateway could not reach: reported with when, a use at that time.
+            let now = crate::util::now_us();
+            store.touch_worker_use("slurm", "43", now - 2).await.unwrap();
+            assert!(store.unreachable_workers("slurm").await.unwrap().is_empty(), "a use is not a report");
+            store.report_worker_unreachable("slurm", "43", now - 1).await.unwrap();
+            store.report_worker_unreachable("slurm", "44", now).await.unwrap();
+            let mut seen = store.unreachable_workers("slurm").await.unwrap();
+            seen.sort();
+            assert_eq!(seen, vec![("43".to_string(), now - 1), ("44".to_string(), now)], "{:?}", store.backend());
+            assert_eq!(store.worker_last_used("slurm", "44").await.unwrap(), Some(now), "a first report is a use");
+            assert_eq!(store.worker_last_used("slurm", "43").await.unwrap(), Some(now - 2));
+            assert!(store.unreachable_workers("local").await.unwrap().is_empty());
+            store.forget_worker_use("slurm", "43").await.unwrap();
+            assert_eq!(
+                store.unreachable_workers("slurm").await.unwrap(),
+                vec![("44".to_string(), now)],
+                "a stopped worker's report goes with it"
+            );
         }
     }
 
