@@ -8,7 +8,11 @@
 #   - the store's CPU-seconds per 1000 gateway requests (utime+stime of the lab's PostgreSQL:
 #     its postmaster and backends), work the gateway's figure does not count,
 #   - the proxy floor: the same for nginx on the host in front of the replica on gpu02
-#     (bench/lib/nginx.sh), the third run of each pair.
+#     (bench/lib/nginx.sh), the third run of each pair;
+#   - the store's share of the added latency: a fourth run through the gateway with the lab's
+#     PostgreSQL stopped (SIGSTOP, SIGCONT after; the gateway keeps answering, its usage rows
+#     wait in its journal and are written after). On these two shared cores the store runs
+#     beside wrk, the gateway and both replicas; in a cluster it usually has a host of its own.
 # The upstream is the repo's test worker (answers from memory), as in bench/gateway.sh.
 #   sudo bench/gateway-replicas.sh          DURATION=10 RATE=2000 CONNS=20 REPEAT=3 by default
 # It holds /run/gpuhub-run-all.lock (the lab is shared), switches the lab to two nodes
@@ -92,6 +96,9 @@ echo "replicas: $(jq -c '[.replicas[] | {job_id, node, base_url}]' <<<"$m"); dir
 # pools keep theirs for the run).
 PG_PM="$(head -n1 "$NODES_PG_DATA/postmaster.pid")"
 pg_ticks() { local t=0 p; for p in "$PG_PM" $(pgrep -P "$PG_PM"); do t=$((t + $(cpu_ticks "$p" 2>/dev/null || echo 0))); done; echo "$t"; }
+# pg_signal STOP|CONT: every process of the lab's PostgreSQL.
+pg_signal() { kill -"$1" "$PG_PM" $(pgrep -P "$PG_PM") 2>/dev/null || true; }
+lab_cleanup_add "kill -CONT $PG_PM \$(pgrep -P $PG_PM) 2>/dev/null || true"
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 # The agent's own work without calls (telemetry, Slurm polls, quota pass), for scale: it is
 # counted in the per-call figures below, not taken off them.
@@ -107,21 +114,25 @@ for i in $(seq "$REPEAT"); do
     N0="$(cpu_ticks "$NGINX_WORKER")"
     run "nginx-$i" "$NGINX_URL" "$WKEY"; N50=$P50; N99=$P99; NREQS=$REQS
     N1="$(cpu_ticks "$NGINX_WORKER")"
+    pg_signal STOP
+    run "gateway-store-paused-$i" "$GW" "$KEY"; P99S=$P99
+    pg_signal CONT
     S1="$(steal_ticks)"
     awk -v d50="$D50" -v d99="$D99" -v g50="$G50" -v g99="$G99" -v grps="$GRPS" -v tick="$TICK" -v c="$((C1 - C0))" -v reqs="$GREQS" -v st="$((S1 - S0))" \
-        -v n50="$N50" -v n99="$N99" -v n="$((N1 - N0))" -v nreqs="$NREQS" -v q="$((Q1 - Q0))" \
-        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d %.0f %.0f %.4f %.4f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st, n50, n99, (n / tick) / (nreqs / 1000), (q / tick) / (reqs / 1000) }' >>"$DIR/pairs"
+        -v n50="$N50" -v n99="$N99" -v n="$((N1 - N0))" -v nreqs="$NREQS" -v q="$((Q1 - Q0))" -v p99s="$P99S" \
+        'BEGIN { printf "%.0f %.0f %.0f %.0f %.0f %.4f %d %.0f %.0f %.4f %.4f %.0f\n", d50, d99, g50, g99, grps, (c / tick) / (reqs / 1000), st, n50, n99, (n / tick) / (nreqs / 1000), (q / tick) / (reqs / 1000), p99s }' >>"$DIR/pairs"
 done
 col() { awk -v c="$1" '{ print $c }' "$DIR/pairs" | median; }
 addcol() { awk -v a="$1" -v b="$2" '{ print $a - $b }' "$DIR/pairs" | median; }
-echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks | nginx p50 p99 us, CPU-s per 1000 | PostgreSQL CPU-s per 1000 gateway requests):"
+echo "paced pairs (direct p50 p99 | gateway p50 p99 us | gateway req/s | gateway CPU-s per 1000 | host steal ticks | nginx p50 p99 us, CPU-s per 1000 | PostgreSQL CPU-s per 1000 gateway requests | gateway p99 us with the store stopped):"
 sed 's/^/    /' "$DIR/pairs"
 awk -v d50="$(col 1)" -v d99="$(col 2)" -v g50="$(col 3)" -v g99="$(col 4)" -v a50="$(addcol 3 1)" -v a99="$(addcol 4 2)" \
-    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" -v n50="$(addcol 8 1)" -v n99="$(addcol 9 2)" -v ncpu="$(col 10)" -v pg="$(col 11)" 'BEGIN {
+    -v grps="$(col 5)" -v cpu="$(col 6)" -v n="$REPEAT" -v n50="$(addcol 8 1)" -v n99="$(addcol 9 2)" -v ncpu="$(col 10)" -v pg="$(col 11)" -v s99="$(addcol 12 2)" 'BEGIN {
     printf "median of %d pairs: direct p50 %.0f us p99 %.0f us | gateway %.0f req/s p50 %.0f us p99 %.0f us | added p50 %.0f us, p99 %.0f us\n", n, d50, d99, grps, g50, g99, a50, a99
     printf "gateway CPU: %.3f CPU-s per 1000 requests (median)\n", cpu
     printf "store: PostgreSQL %.3f CPU-s per 1000 gateway requests (median; not in the gateway figure)\n", pg
     printf "floor: nginx on the host in front of the replica on gpu02, median of %d: added p50 %.0f us, p99 %.0f us, %.3f CPU-s per 1000 requests\n", n, n50, n99, ncpu
+    printf "the store'"'"'s share: through the gateway with PostgreSQL stopped, median of %d: added p99 %.0f us (against %.0f us with it running)\n", n, s99, a99
 }'
 echo "gpu01's agent without calls: $IDLE CPU-s per second"
 # The gateway's own account of its overhead (latency minus the time it waited for a replica),
