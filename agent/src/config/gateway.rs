@@ -21,6 +21,10 @@ pub struct GatewayConfig {
     pub keepalive_s: u64,
     /// Upper bound for a whole upstream call, seconds.
     pub upstream_timeout_s: u64,
+    /// A new connection to a worker must be made within this many seconds; past it the call
+    /// goes to another replica, or the worker is checked (a node that drops packets answers
+    /// nothing, and a call would wait this long before it fails over).
+    pub upstream_connect_timeout_s: u64,
     /// A request body must arrive within this many seconds (slow clients get a 408).
     pub body_timeout_s: u64,
     /// Bound of the in-memory usage-log queue before rows spill to disk; also how many rows
@@ -151,6 +155,7 @@ impl Default for GatewayConfig {
             max_body_bytes: 32 * 1024 * 1024,
             keepalive_s: 10,
             upstream_timeout_s: 600,
+            upstream_connect_timeout_s: 3,
             body_timeout_s: 30,
             usage_queue: 10_000,
             header_timeout_s: 10,
@@ -457,6 +462,15 @@ impl GatewayConfig {
         if self.usage_queue == 0 {
             return Err(("gateway.usage_queue".into(), "must be at least 1".into()));
         }
+        if !(1..=60).contains(&self.upstream_connect_timeout_s) || self.upstream_connect_timeout_s > self.upstream_timeout_s {
+            return Err((
+                "gateway.upstream_connect_timeout_s".into(),
+                format!(
+                    "{} is out of range; use 1..=60 seconds, and no more than gateway.upstream_timeout_s ({})",
+                    self.upstream_connect_timeout_s, self.upstream_timeout_s
+                ),
+            ));
+        }
         for (key, v) in [("gateway.header_timeout_s", self.header_timeout_s), ("gateway.idle_timeout_s", self.idle_timeout_s)] {
             if !(1..=3600).contains(&v) {
                 return Err((key.into(), format!("{v} is out of range; use 1..=3600 seconds")));
@@ -585,6 +599,13 @@ mod tests {
         assert!(e.contains("gateway.max_body_bytes_total") && e.contains("one largest body must fit"), "{e}");
         let e = Config::from_toml("[gateway]\nheader_timeout_s = 0\n").unwrap_err().to_string();
         assert!(e.contains("gateway.header_timeout_s"), "{e}");
+        for bad in
+            ["upstream_connect_timeout_s = 0", "upstream_connect_timeout_s = 61", "upstream_timeout_s = 2\nupstream_connect_timeout_s = 5"]
+        {
+            let e = Config::from_toml(&format!("[gateway]\n{bad}\n")).unwrap_err().to_string();
+            assert!(e.contains("gateway.upstream_connect_timeout_s") && e.contains("1..=60"), "{bad}: {e}");
+        }
+        assert_eq!(Config::from_toml("[gateway]\nupstream_connect_timeout_s = 10\n").unwrap().file.gateway.upstream_connect_timeout_s, 10);
         let e = Config::from_toml("[gateway]\nmax_connections = 2\n").unwrap_err().to_string();
         assert!(e.contains("gateway.max_connections"), "{e}");
         let e = Config::from_toml("[gateway]\nmax_response_bytes = 10\n").unwrap_err().to_string();

@@ -116,7 +116,7 @@ impl Gateway {
             fair_use.start_with_others(day, &others, now);
         }
         keys.replace(records);
-        let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(10));
+        let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(g.upstream_connect_timeout_s));
         upstream.spawn_pruner(Duration::from_secs(15));
         Ok(Gateway {
             metrics,

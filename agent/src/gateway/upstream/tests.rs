@@ -213,6 +213,31 @@ async fn a_port_held_by_another_account_gets_nothing() {
     assert!(seen.try_recv().is_ok(), "the worker's own account is served");
 }
 
+/// A worker whose host answers nothing (here its accept queue is full, so its SYNs are
+/// dropped, as by a node that drops packets): the attempt ends at the client's connect
+/// timeout (`gateway.upstream_connect_timeout_s`), as a call never sent (a replica may take it).
+#[tokio::test]
+async fn a_connection_never_answered_ends_at_the_connect_timeout() {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = sock.listen(0).unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(addr)).await {
+            held.push(c);
+        }
+    }
+    let c = Client::new(8, Duration::from_secs(60), Duration::from_secs(1));
+    let started = std::time::Instant::now();
+    let e = c.send(Target::parse(&format!("http://{addr}")).unwrap(), &post(b"{}")).await.unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(e, UpstreamError::ConnectTimeout { seconds: 1, .. }), "{e:?} (connections held: {})", held.len());
+    assert!(e.is_connect(), "nothing was sent: a replica may take the call ({e:?})");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(5), "the attempt took {took:?}, not the 1 s timeout");
+    drop(l);
+}
+
 /// A worker that read the request on a pooled connection and died before answering: the
 /// reconnect finds nothing, and the error is not one of a call never sent (no failover).
 #[tokio::test]
