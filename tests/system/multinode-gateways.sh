@@ -23,7 +23,9 @@
 #  2d. gpu02's agent restarted with other [gateway.limits]: gpu01's `gpuhub doctor` names gpu02
 #     and both values (gateway-policy; the same before), and both agents' logs and
 #     gpuhub_gateway_policy_differences say so (gpu01's within 6 s); its limits set back by
-#     `gpuhub models reload` (no restart), both agree again within 6 s;
+#     `gpuhub models reload` (no restart), both agree again within 6 s; meanwhile a role set
+#     through gpu02 to a model only gpu02 serves is logged and counted (gpuhub_roles_unserved)
+#     by gpu01 within 6 s, and its return too;
 #  2e. gpu02's gateway borrows gpu01's wrap-gw worker, whose job outlives its server; the
 #     server is killed: gpu02's next call gets 200 from a worker gpu02 starts, gpu02 reports the
 #     dead worker through the store, and gpu01 checks it and stops its job within 20 s (its
@@ -311,7 +313,8 @@ until_ok 6 policy_says gpu01 '^true|the same .* as gpu02' || fail "gpu01's docto
 EXTRA2="$(mktemp /tmp/gpuhub-multigw-extra2.XXXXXX)"
 lab_cleanup_add "rm -f '$EXTRA2'"
 chmod 644 "$EXTRA2"
-{ cat "$EXTRA"; printf '\n[gateway.limits]\nrpm = 6000\n'; } > "$EXTRA2"
+# gpu02 also serves g2-only, a model gpu01 does not (for the role below).
+{ cat "$EXTRA"; printf '\n[[models]]\nname = "g2-only"\nlauncher = "static"\nurl = "http://127.0.0.1:9"\n\n[gateway.limits]\nrpm = 6000\n'; } > "$EXTRA2"
 "$NODES_SH" agent-stop gpu02
 GPUHUB_LAB_NODES_EXTRA="$EXTRA2" "$NODES_SH" agent-start gpu02 60 || fail "gpu02's agent did not start with [gateway.limits] rpm = 6000"
 until_ok 10 policy_says gpu01 '^false|\[gateway.limits\]: here rpm none, tokens_per_day none; at gpu02 rpm 6000' ||
@@ -327,6 +330,21 @@ until_ok 6 differences_at gpu01 1 || fail "gpu01's gpuhub_gateway_policy_differe
 grep -q 'gateway policy: another gateway enforces other settings than this one.*gateways=gpu02' "$NODES_DIR/gpu01/agent.log" ||
     fail "gpu01's agent did not log that gpu02 enforces other settings"
 echo "   gpu01's doctor: $(policy_at gpu01 | cut -c1-120)"
+# A role set through gpu02 to a model only gpu02 serves: gpu01 follows the role (cluster sync)
+# and says, in its log and gpuhub_roles_unserved, that its model is not served on gpu01; set
+# back, it says so again.
+unserved_at_g1() { nodes_exec gpu01 curl -s --max-time 5 "http://$(nodes_ip gpu01):9410/metrics" | grep -qx "gpuhub_roles_unserved $1"; }
+until_ok 6 unserved_at_g1 0 || fail "gpu01 counts an unserved role before the test"
+lab_cleanup_add "nodes_exec gpu01 ${GH[*]} roles set ocr dots.ocr >/dev/null 2>&1 || true"
+nodes_exec gpu02 "${GH[@]}" roles set ocr g2-only >/dev/null || fail "gpuhub roles set ocr g2-only failed on gpu02 (which serves it)"
+until_ok 6 unserved_at_g1 1 || fail "gpu01's gpuhub_roles_unserved is not 1 within 6 s of a role moved through gpu02 to a model gpu01 does not serve"
+grep -q "roles: a role's model is not served on this node.*ocr" "$NODES_DIR/gpu01/agent.log" ||
+    fail "gpu01 did not log that the ocr role's model (g2-only, set through gpu02) is not served there"
+nodes_exec gpu02 "${GH[@]}" roles set ocr dots.ocr >/dev/null || fail "cannot set the ocr role back through gpu02"
+until_ok 6 unserved_at_g1 0 || fail "gpu01's gpuhub_roles_unserved is not 0 within 6 s of the role set back"
+until_ok 2 grep -q "roles: every assigned role's model is served again" "$NODES_DIR/gpu01/agent.log" ||
+    fail "gpu01 did not log that every role's model is served again"
+echo "   a role moved through gpu02 to a model only gpu02 serves: gpu01 logged and counted it, then its return"
 # Back to gpu01's [gateway.limits] by a reload, no restart: published on gpu02's next pass.
 GPUHUB_LAB_NODES_EXTRA="$EXTRA" nodes_agent_config gpu02 > "$NODES_DIR/gpu02/agent.toml"
 nodes_exec gpu02 "${GH[@]}" models reload | grep -q '\[gateway.limits\] apply from the next call' ||
