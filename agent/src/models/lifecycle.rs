@@ -521,9 +521,8 @@ impl ModelManager {
     /// ran (`(instance id, when)`, [`crate::store::Store::unreachable_workers`]). Each of this
     /// agent's ready Slurm workers named by a report newer than the last one it checked is
     /// checked now, as after a failed call here: its job is stopped if its server no longer
-    /// holds its port ([`Shared::supervise`]; only the owner may stop it). Returns how many.
-    pub fn check_reported(&self, reports: &[(String, i64)]) -> usize {
-        let mut checks = 0;
+    /// holds its port ([`Shared::supervise`]; only the owner may stop it).
+    pub fn check_reported(&self, reports: &[(String, i64)]) {
         for w in self.shared.all_workers() {
             let id = {
                 let s = w.lock();
@@ -536,10 +535,8 @@ impl ModelManager {
             if w.reported_us.fetch_max(at, Ordering::AcqRel) < at {
                 tracing::info!(model = %w.cfg.name, worker = %id, "another gateway could not reach this worker while its job runs; checking its port");
                 w.suspect.notify_one();
-                checks += 1;
             }
         }
-        checks
     }
 
     pub fn statuses(&self) -> Vec<ModelStatus> {
