@@ -116,7 +116,8 @@ impl Gateway {
             fair_use.start_with_others(day, &others, now);
         }
         keys.replace(records);
-        let upstream = upstream::Client::new(256, Duration::from_secs(60), Duration::from_secs(g.upstream_connect_timeout_s));
+        let connect = Duration::from_secs(g.upstream_connect_timeout_s.min(g.upstream_timeout_s));
+        let upstream = upstream::Client::new(256, Duration::from_secs(60), connect);
         upstream.spawn_pruner(Duration::from_secs(15));
         Ok(Gateway {
             metrics,
