@@ -31,7 +31,9 @@ mlflow_start() {
     # --workers 1: the default spawns several gunicorn/uvicorn workers (~1.5 GB) on a 2-core box.
     local artifacts=(--default-artifact-root "$dir/artifacts")
     [ "${MLFLOW_SERVE_ARTIFACTS:-0}" = 1 ] && artifacts=(--serve-artifacts --artifacts-destination "$dir/artifacts")
-    setsid "$MLFLOW_BIN" server --host 127.0.0.1 --port "$port" --workers 1 \
+    # No job execution (MLflow's GenAI evaluation jobs, which gpuhub does not use): it starts a
+    # huey consumer beside the server and leaves a store directory in /dev/shm at every start.
+    MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid "$MLFLOW_BIN" server --host 127.0.0.1 --port "$port" --workers 1 \
         --backend-store-uri "sqlite:///$dir/mlflow.db" "${artifacts[@]}" \
         >>"$dir/server.log" 2>&1 </dev/null &
     pid=$!
