@@ -19,8 +19,11 @@ use crate::store::names::{CallerCounts, CallerKey, CallerRow, day_of, upsert_cal
 pub const MAX_USER_AGENT: usize = 200;
 
 /// The name states the registry refuses (counted in `refused`).
+pub const REFUSED_STATES: &[&str] = &["retired", "unknown", "unassigned", "unserved"];
+
+/// Whether a call in name state `state` was refused ([`REFUSED_STATES`]).
 pub fn is_refused(state: &str) -> bool {
-    matches!(state, "retired" | "unknown" | "unassigned" | "unserved")
+    REFUSED_STATES.contains(&state)
 }
 
 /// `10.0.0.1:5433` -> `10.0.0.1`, `[::1]:80` -> `::1`; anything else unchanged.

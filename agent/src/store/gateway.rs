@@ -37,31 +37,15 @@ const USAGE_COLUMNS: &[(&str, &str)] = &[
     ("key_id", "text"),
 ];
 
-/// The row counts of the INSERT statements a batch of `rows` is written with, largest first.
-/// PostgreSQL: one statement for the whole batch, whose rows are one JSON parameter
-/// ([`usage_json`]): one bind per batch instead of 24 per row (encoding those binds was most of
-/// the usage writer's 7.4 % of the agent's CPU at ~1,900 calls/s), and one statement text,
-/// prepared once per connection. SQLite: every count up to 64 is one statement text (few enough to stay prepared:
-/// sqlx keeps 100 per connection), at most 64 x 24 = 1536 of its 32766 bind parameters; SQLite
-/// gets anonymous `?` placeholders (see [`usage_insert_sql`]): sqlx asks
-/// `sqlite3_bind_parameter_name` for every bind, which scans the statement's list of *named*
-/// parameters, so `$N` placeholders made binding quadratic in the parameters per statement
-/// (at 200 rows it took 40 % of the agent's CPU under load); anonymous ones are not in that list.
-fn statement_rows(backend: super::Backend, rows: usize) -> Vec<usize> {
-    let ladder: &[usize] = match backend {
-        super::Backend::Sqlite => &[64],
-        super::Backend::Postgres if rows > 0 => return vec![rows],
-        super::Backend::Postgres => return Vec::new(),
-    };
-    let mut out = Vec::new();
-    let mut left = rows;
-    while left > 0 {
-        let n = ladder.iter().copied().find(|n| *n <= left).unwrap_or(left);
-        out.push(n);
-        left -= n;
-    }
-    out
-}
+/// SQLite: rows per INSERT statement of a batch. Every count up to 64 is one statement text
+/// (few enough to stay prepared: sqlx keeps 100 per connection), at most 64 x 24 = 1536 of its
+/// 32766 bind parameters; SQLite gets anonymous `?` placeholders (see
+/// [`sqlite_usage_insert_sql`]): sqlx asks `sqlite3_bind_parameter_name` for every bind, which
+/// scans the statement's list of *named* parameters, so `$N` placeholders made binding quadratic
+/// in the parameters per statement (at 200 rows it took 40 % of the agent's CPU under load);
+/// anonymous ones are not in that list. (PostgreSQL writes a batch with one statement,
+/// [`pg_usage_batch_sql`].)
+const SQLITE_ROWS_PER_STATEMENT: usize = 64;
 
 /// One stored API key (never the key itself).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -107,6 +91,27 @@ pub struct LimitUsage {
 }
 
 const HOUR_US: i64 = 3_600_000_000;
+
+/// The hourly call rollup's upsert: its columns ([`CALL_ROLLUPS_INSERT`]) and how a bucket
+/// that exists takes more calls ([`CALL_ROLLUPS_CONFLICT`]).
+const CALL_ROLLUPS_INSERT: &str = "INSERT INTO call_rollups (hour_us, user_name, app, requested_name, resolved_model, calls, errors, prompt_tokens, completion_tokens, latency_us_sum)";
+const CALL_ROLLUPS_CONFLICT: &str = " ON CONFLICT (hour_us, user_name, app, requested_name, resolved_model) DO UPDATE SET \
+     calls = call_rollups.calls + excluded.calls, errors = call_rollups.errors + excluded.errors, \
+     prompt_tokens = call_rollups.prompt_tokens + excluded.prompt_tokens, \
+     completion_tokens = call_rollups.completion_tokens + excluded.completion_tokens, \
+     latency_us_sum = call_rollups.latency_us_sum + excluded.latency_us_sum";
+
+/// The connection the usage writer keeps from one batch to the next ([`Store::insert_usage_on`]).
+/// sqlx checks a pooled connection with a round trip when it hands it out and again when it
+/// takes it back: two round trips around every batch (every 10 ms under load) that a kept
+/// connection does without.
+#[derive(Default)]
+pub struct UsageConnection(Option<(sqlx::pool::PoolConnection<sqlx::Any>, std::time::Instant)>);
+
+impl UsageConnection {
+    /// A kept connection idle longer than this goes back to the pool before the next batch.
+    const IDLE: std::time::Duration = std::time::Duration::from_secs(1);
+}
 
 /// Columns of `api_keys` that [`key_record`] reads.
 const KEY_COLUMNS: &str = "id, key_hash, prefix, user_name, app, models, created_us, created_by, revoked_us, rpm, tokens_per_day";
@@ -201,31 +206,56 @@ impl Store {
     /// e.g. replayed from the journal after a crash) are skipped, and only the rows inserted now
     /// are added to the rollups, so replaying is exact. Returns how many rows were new.
     pub async fn insert_usage(&self, rows: &[UsageRow]) -> Result<usize, StoreError> {
+        self.insert_usage_on(&mut UsageConnection::default(), rows).await
+    }
+
+    /// [`Store::insert_usage`] on the connection the caller keeps between batches (the usage
+    /// writer's): taken from the pool when there is none or it was idle too long, kept after a
+    /// batch that succeeded, closed after one that failed.
+    pub async fn insert_usage_on(&self, held: &mut UsageConnection, rows: &[UsageRow]) -> Result<usize, StoreError> {
         if rows.is_empty() {
             return Ok(0);
         }
-        let mut conn = self.pool().acquire().await?;
-        // Usually every row is new, and the insert needs no ids back (with SQLite each returned
-        // id is a message from the database thread). If some were stored before (a replayed
-        // journal, a commit retried after an ambiguous failure), that transaction is rolled
-        // back and the batch inserted again, learning which rows are new.
-        let inserted = match self.insert_usage_with(&mut conn, rows, false).await {
-            Ok(Some(n)) => Ok(n),
-            Ok(None) => self.insert_usage_with(&mut conn, rows, true).await.map(|n| n.unwrap_or(0)),
-            Err(e) => Err(e),
+        let unique = without_repeated_ids(rows);
+        let rows = unique.as_deref().unwrap_or(rows);
+        let mut conn = match held.0.take() {
+            Some((conn, used)) if used.elapsed() < UsageConnection::IDLE => conn,
+            // One that waited longer goes back to the pool (dropped), which hands out one it
+            // checked.
+            _ => self.pool().acquire().await?,
         };
-        if inserted.is_err() {
+        let inserted = match self.backend() {
+            // One statement (so one transaction by itself): a round trip per batch instead of
+            // six (BEGIN, the rows, three rollups, COMMIT), whose cost made small batches dear.
+            super::Backend::Postgres => sqlx::query_scalar::<_, i64>(pg_usage_batch_sql())
+                .bind(usage_json(rows)?)
+                .fetch_one(&mut *conn)
+                .await
+                .map(|n| usize::try_from(n).unwrap_or(0))
+                .map_err(StoreError::from),
+            // Usually every row is new, and the insert needs no ids back (with SQLite each
+            // returned id is a message from the database thread). If some were stored before (a
+            // replayed journal, a commit retried after an ambiguous failure), that transaction is
+            // rolled back and the batch inserted again, learning which rows are new.
+            super::Backend::Sqlite => match self.insert_usage_with(&mut conn, rows, false).await {
+                Ok(Some(n)) => Ok(n),
+                Ok(None) => self.insert_usage_with(&mut conn, rows, true).await.map(|n| n.unwrap_or(0)),
+                Err(e) => Err(e),
+            },
+        };
+        match inserted {
+            Ok(_) => held.0 = Some((conn, std::time::Instant::now())),
             // On some errors (a full disk) SQLite rolls the transaction back by itself; sqlx
             // does not know, and the connection can end up inside a later transaction that
             // holds the write lock, so that every other writer gets "database is locked"
             // (seen with the state directory full). A connection that failed is not reused.
-            conn.close_on_drop();
+            Err(_) => conn.close_on_drop(),
         }
         inserted
     }
 
-    /// One transaction on `conn`: the rows and the rollups of those that are new. Without
-    /// `learn_ids`, gives up (rolls back, `None`) unless every row is new.
+    /// SQLite: one transaction on `conn`, the rows and the rollups of those that are new.
+    /// Without `learn_ids`, gives up (rolls back, `None`) unless every row is new.
     async fn insert_usage_with(
         &self,
         conn: &mut sqlx::AnyConnection,
@@ -235,15 +265,9 @@ impl Store {
         use sqlx::Connection;
         let mut tx = conn.begin().await?;
         let mut learned: Vec<UsageRow> = Vec::new();
-        let mut rest = rows;
-        for n in statement_rows(self.backend(), rows.len()) {
-            let (chunk, after) = rest.split_at(n);
-            rest = after;
-            let sql = usage_insert_sql(self.backend(), chunk.len(), learn_ids);
-            let q = match self.backend() {
-                super::Backend::Postgres => sqlx::query(&sql).bind(usage_json(chunk)?),
-                super::Backend::Sqlite => bind_usage(sqlx::query(&sql), chunk),
-            };
+        for chunk in rows.chunks(SQLITE_ROWS_PER_STATEMENT) {
+            let sql = sqlite_usage_insert_sql(chunk.len(), learn_ids);
+            let q = bind_usage(sqlx::query(&sql), chunk);
             if learn_ids {
                 let ids: Vec<String> =
                     q.fetch_all(&mut *tx).await?.iter().map(|row| row.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
@@ -274,27 +298,19 @@ impl Store {
             s[4] += r.latency_us.saturating_mul(calls);
         }
         for ((hour, user, app, name, model), s) in &sums {
-            sqlx::query(
-                "INSERT INTO call_rollups (hour_us, user_name, app, requested_name, resolved_model, calls, errors, prompt_tokens, completion_tokens, latency_us_sum) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
-                 ON CONFLICT (hour_us, user_name, app, requested_name, resolved_model) DO UPDATE SET \
-                 calls = call_rollups.calls + excluded.calls, errors = call_rollups.errors + excluded.errors, \
-                 prompt_tokens = call_rollups.prompt_tokens + excluded.prompt_tokens, \
-                 completion_tokens = call_rollups.completion_tokens + excluded.completion_tokens, \
-                 latency_us_sum = call_rollups.latency_us_sum + excluded.latency_us_sum",
-            )
-            .bind(*hour)
-            .bind(*user)
-            .bind(*app)
-            .bind(*name)
-            .bind(*model)
-            .bind(s[0])
-            .bind(s[1])
-            .bind(s[2])
-            .bind(s[3])
-            .bind(s[4])
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query(&format!("{CALL_ROLLUPS_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10){CALL_ROLLUPS_CONFLICT}"))
+                .bind(*hour)
+                .bind(*user)
+                .bind(*app)
+                .bind(*name)
+                .bind(*model)
+                .bind(s[0])
+                .bind(s[1])
+                .bind(s[2])
+                .bind(s[3])
+                .bind(s[4])
+                .execute(&mut *tx)
+                .await?;
         }
         crate::names::callers::roll_up(&mut tx, inserted).await?;
         tx.commit().await?;
@@ -489,26 +505,59 @@ fn usage_json(rows: &[UsageRow]) -> Result<String, sqlx::Error> {
     serde_json::to_string(&rows).map_err(|e| sqlx::Error::Encode(Box::new(e)))
 }
 
-/// The INSERT of `rows` usage rows that skips request ids already stored (`returning`: and
-/// answers with the ids it inserted). PostgreSQL: the rows are one JSON parameter
-/// ([`usage_json`]), whatever `rows`; SQLite: `rows` x 24 anonymous `?` placeholders.
-fn usage_insert_sql(backend: super::Backend, rows: usize, returning: bool) -> String {
+/// A request id twice in one batch (a row replayed from the journal beside its own delivery)
+/// is one call: the insert would skip the second and the rollups count it. `None` when every
+/// id is new (the usual batch, no copy), else the rows without the repeats.
+fn without_repeated_ids(rows: &[UsageRow]) -> Option<Vec<UsageRow>> {
+    let mut seen = std::collections::HashSet::with_capacity(rows.len());
+    let first = rows.iter().position(|r| !seen.insert(r.request_id.as_str()))?;
+    let mut out = rows[..first].to_vec();
+    out.extend(rows[first..].iter().filter(|r| seen.insert(r.request_id.as_str())).cloned());
+    Some(out)
+}
+
+/// SQLite: the INSERT of `rows` usage rows (`rows` x 24 anonymous `?` placeholders) that
+/// skips request ids already stored (`returning`: and answers with the ids it inserted).
+fn sqlite_usage_insert_sql(rows: usize, returning: bool) -> String {
     let names = USAGE_COLUMNS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
-    let mut sql = match backend {
-        super::Backend::Postgres => {
-            let record = USAGE_COLUMNS.iter().map(|(n, t)| format!("{n} {t}")).collect::<Vec<_>>().join(", ");
-            format!("INSERT INTO usage_log ({names}) SELECT {names} FROM json_to_recordset($1::json) AS r({record})")
-        }
-        super::Backend::Sqlite => {
-            let one = format!("({})", vec!["?"; USAGE_COLUMNS.len()].join(", "));
-            format!("INSERT INTO usage_log ({names}) VALUES {}", vec![one; rows].join(", "))
-        }
-    };
-    sql.push_str(" ON CONFLICT (request_id) DO NOTHING");
+    let one = format!("({})", vec!["?"; USAGE_COLUMNS.len()].join(", "));
+    let mut sql = format!("INSERT INTO usage_log ({names}) VALUES {} ON CONFLICT (request_id) DO NOTHING", vec![one; rows].join(", "));
     if returning {
         sql.push_str(" RETURNING request_id");
     }
     sql
+}
+
+/// PostgreSQL: a whole batch in one statement, so in one transaction of its own. The rows are
+/// one JSON parameter ([`usage_json`]: one bind per batch instead of 24 per row; encoding those
+/// binds was most of the usage writer's 7.4 % of the agent's CPU at ~1,900 calls/s); those whose
+/// request id is stored already are skipped (`ON CONFLICT DO NOTHING`), and the rollups
+/// (`call_rollups`, `name_callers`, `name_totals`) are summed from the rows inserted now
+/// (`RETURNING`), so a replayed row is never counted twice. Answers how many rows were new. The
+/// rollup rules are those of SQLite's path in Rust ([`Store::insert_usage`]); a test holds
+/// both backends to the same rollups.
+fn pg_usage_batch_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        let names = USAGE_COLUMNS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
+        let record = USAGE_COLUMNS.iter().map(|(n, t)| format!("{n} {t}")).collect::<Vec<_>>().join(", ");
+        let hour = format!("time_us - (time_us % {HOUR_US})");
+        format!(
+            "WITH batch AS (SELECT * FROM json_to_recordset($1::json) AS r({record})), \
+             ins AS (INSERT INTO usage_log ({names}) SELECT {names} FROM batch ON CONFLICT (request_id) DO NOTHING RETURNING request_id), \
+             fresh AS (SELECT batch.* FROM batch JOIN ins USING (request_id)), \
+             hourly AS ({CALL_ROLLUPS_INSERT} \
+               SELECT {hour}, user_name, app, requested_name, resolved_model, CAST(SUM(calls) AS BIGINT), \
+               CAST(SUM(CASE WHEN status >= 400 THEN calls ELSE 0 END) AS BIGINT), CAST(SUM(prompt_tokens) AS BIGINT), \
+               CAST(SUM(completion_tokens) AS BIGINT), CAST(SUM(latency_us * calls) AS BIGINT) \
+               FROM fresh GROUP BY {hour}, user_name, app, requested_name, resolved_model{CALL_ROLLUPS_CONFLICT}), \
+             callers AS ({}), \
+             totals AS ({}) \
+             SELECT COUNT(*) FROM fresh",
+            super::names::callers_rollup_sql("fresh"),
+            super::names::totals_rollup_sql("fresh"),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -518,16 +567,96 @@ mod tests {
     use crate::store::testing;
 
     #[test]
-    fn a_batch_is_written_with_few_statement_texts() {
-        use super::super::Backend::{Postgres, Sqlite};
-        assert_eq!(statement_rows(Postgres, 90), [90], "PostgreSQL: one statement, the rows one JSON parameter");
-        assert!(statement_rows(Postgres, 0).is_empty());
-        assert_eq!(statement_rows(Sqlite, 150), [64, 64, 22]);
-        for n in 0..=500 {
-            assert_eq!(statement_rows(Sqlite, n).iter().sum::<usize>(), n);
+    fn sqlite_binds_anonymous_placeholders_and_a_repeated_id_is_one_call() {
+        assert_eq!(sqlite_usage_insert_sql(2, true).matches('?').count(), 2 * USAGE_COLUMNS.len());
+        let rows: Vec<UsageRow> = ["a", "b", "a", "c", "b"].iter().map(|id| row(id, 1, "alice", 200, 1)).collect();
+        assert!(without_repeated_ids(&rows[..2]).is_none(), "no copy of a batch without repeats");
+        let ids: Vec<String> = without_repeated_ids(&rows).unwrap().into_iter().map(|r| r.request_id).collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+    }
+
+    /// Every rollup a batch feeds (hourly calls, callers, per-name totals) holds the same
+    /// counts on both backends (PostgreSQL sums them in SQL, SQLite in Rust), and the same as
+    /// a rebuild from the usage log: refused states, aggregated refusals (`calls` > 1), calls
+    /// without a name, long user agents, replays and repeats within a batch.
+    #[tokio::test]
+    async fn rollups_are_the_same_on_every_backend_and_after_a_rebuild() {
+        use crate::names::callers;
+        let t = 1_800_000_000_000_000;
+        let states = ["active", "deprecated", "retired", "unknown", "unassigned", "unserved", ""];
+        let rows: Vec<UsageRow> = (0..200i64)
+            .map(|i| {
+                let mut r = row(
+                    &format!("q{i}"),
+                    t + i * 997_000_000,
+                    ["alice", "bob", ""][i as usize % 3],
+                    [200, 429, 500, 401][i as usize % 4],
+                    i % 5,
+                );
+                r.app = ["ocr-service", "batch"][i as usize % 2].into();
+                r.requested_name = ["svc-ocr", "dots.ocr", ""][i as usize / 2 % 3].into();
+                r.resolved_model = if r.status == 200 { "dots.ocr".into() } else { String::new() };
+                r.name_state = states[i as usize % states.len()].into();
+                r.job_id = if i % 4 == 0 { None } else { Some(i % 3) };
+                r.client_addr = ["10.0.0.1", "unix:uid=1000", "::1"][i as usize % 3].into();
+                r.user_agent = if i % 6 == 0 { "ü".repeat(250) } else { "OpenAI/Python 1.0".into() };
+                r.calls = if i % 9 == 0 { 40 } else { 1 };
+                r.latency_us = 500 + i;
+                r
+            })
+            .collect();
+        let mut results = Vec::new();
+        for (store, _d) in testing::stores().await {
+            assert_eq!(store.insert_usage(&rows[..120]).await.unwrap(), 120);
+            // A replay of stored rows, new rows, and a new row twice in one batch.
+            let mut again = rows[60..].to_vec();
+            again.push(rows[150].clone());
+            assert_eq!(store.insert_usage(&again).await.unwrap(), 80, "{:?}", store.backend());
+            let summary = store.call_summary(0, None).await.unwrap();
+            let mut summary = summary;
+            summary.sort_by(|a, b| (&a.user, &a.app, &a.requested_name, &a.model).cmp(&(&b.user, &b.app, &b.requested_name, &b.model)));
+            let hourly: Vec<(i64, i64)> =
+                sqlx::query_as("SELECT hour_us, CAST(SUM(calls) AS BIGINT) FROM call_rollups GROUP BY hour_us ORDER BY hour_us")
+                    .fetch_all(store.pool())
+                    .await
+                    .unwrap();
+            let mut want_hourly: BTreeMap<i64, i64> = BTreeMap::new();
+            for r in &rows {
+                *want_hourly.entry(r.time_us - r.time_us.rem_euclid(HOUR_US)).or_default() += r.calls;
+            }
+            assert_eq!(hourly, want_hourly.into_iter().collect::<Vec<_>>(), "{:?}: hourly calls", store.backend());
+            // Sorted here: PostgreSQL's text order follows its locale.
+            let raw =
+                "SELECT name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us FROM name_callers";
+            type Raw = (String, i64, String, String, String, String, String, i64, i64, i64, i64);
+            let mut live: Vec<Raw> = sqlx::query_as(raw).fetch_all(store.pool()).await.unwrap();
+            live.sort();
+            let totals = store.name_totals().await.unwrap();
+            // What the Rust rollup makes of the same rows.
+            let want: Vec<Raw> = callers::aggregate(&rows)
+                .into_iter()
+                .map(|(k, c)| {
+                    (k.name, k.day_us, k.user, k.app, k.job_id, k.client_addr, k.user_agent, c.calls, c.refused, c.first_us, c.last_us)
+                })
+                .collect();
+            assert_eq!(live, want, "{:?}: the callers rollup", store.backend());
+            assert_eq!(
+                totals.iter().map(|t| t.calls).sum::<i64>(),
+                rows.iter().filter(|r| !r.requested_name.is_empty()).map(|r| r.calls).sum::<i64>()
+            );
+            assert!(live.iter().any(|r| r.6.chars().count() == callers::MAX_USER_AGENT && r.6.starts_with('ü')));
+            store.rebuild_name_callers().await.unwrap();
+            let mut rebuilt: Vec<Raw> = sqlx::query_as(raw).fetch_all(store.pool()).await.unwrap();
+            rebuilt.sort();
+            assert_eq!(rebuilt, live, "{:?}: the rebuild from the usage log", store.backend());
+            assert_eq!(store.name_totals().await.unwrap(), totals, "{:?}: totals after the rebuild", store.backend());
+            results.push((summary, hourly, live, totals));
         }
-        assert_eq!(usage_insert_sql(Postgres, 1, false), usage_insert_sql(Postgres, 300, false), "one PostgreSQL text for every batch");
-        assert_eq!(usage_insert_sql(Sqlite, 2, true).matches('?').count(), 2 * USAGE_COLUMNS.len());
+        let all_calls: i64 = rows.iter().map(|r| r.calls).sum();
+        assert_eq!(results[0].0.iter().map(|c| c.calls).sum::<i64>(), all_calls);
+        if let [sqlite, pg] = &results[..] {
+            assert_eq!(sqlite, pg, "the rollups differ between SQLite and PostgreSQL");
+        }
     }
 
     /// The JSON a PostgreSQL batch is sent as names exactly the columns of the INSERT, in order

@@ -144,19 +144,36 @@ const TOTALS_CONFLICT: &str = " ON CONFLICT (name) DO UPDATE SET \
      first_us = CASE WHEN excluded.first_us < name_totals.first_us THEN excluded.first_us ELSE name_totals.first_us END, \
      last_us = CASE WHEN excluded.last_us > name_totals.last_us THEN excluded.last_us ELSE name_totals.last_us END";
 
-/// Rebuilds the callers rollup from the usage log with the same bucketing and key rules as
-/// the live path ([`upsert_callers`] via `names::callers::roll_up`). Used by the benchmark
-/// generator and by [`Store::rebuild_name_callers`]; tests check both give the same rows.
-/// The live path keeps only the address of `client_addr` (no port) and caps the user agent at
-/// 200 characters; usage rows store the address without a port already.
-pub const REBUILD_CALLERS_SQL: &str = "INSERT INTO name_callers (name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us) \
-     SELECT requested_name, time_us - (time_us % 86400000000), user_name, app, COALESCE(CAST(job_id AS TEXT), ''), client_addr, SUBSTR(user_agent, 1, 200), \
-     COUNT(*), CAST(SUM(CASE WHEN name_state IN ('retired', 'unknown', 'unassigned') THEN 1 ELSE 0 END) AS BIGINT), MIN(time_us), MAX(time_us) \
-     FROM usage_log GROUP BY requested_name, time_us - (time_us % 86400000000), user_name, app, COALESCE(CAST(job_id AS TEXT), ''), client_addr, SUBSTR(user_agent, 1, 200)";
+/// The callers rollup of the usage rows in `from` (a table or a CTE with `usage_log`'s
+/// columns), added to `name_callers`: the same buckets and key rules as the live path's
+/// [`crate::names::callers::key_of`] (UTC day, job id as text, the user agent cut at
+/// [`crate::names::callers::MAX_USER_AGENT`] characters, `calls` and the refused states;
+/// usage rows store the client's address without a port, so `address_only` has nothing to
+/// cut). Used by [`Store::rebuild_name_callers`] and by the PostgreSQL usage batch
+/// (`store::gateway`); tests check both agree with the Rust rollup SQLite's writer uses.
+pub fn callers_rollup_sql(from: &str) -> String {
+    let refused = crate::names::callers::REFUSED_STATES.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ");
+    let key = format!(
+        "requested_name, time_us - (time_us % {DAY_US}), user_name, app, COALESCE(CAST(job_id AS TEXT), ''), client_addr, SUBSTR(user_agent, 1, {})",
+        crate::names::callers::MAX_USER_AGENT
+    );
+    format!(
+        "INSERT INTO name_callers (name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us) \
+         SELECT {key}, CAST(SUM(calls) AS BIGINT), CAST(SUM(CASE WHEN name_state IN ({refused}) THEN calls ELSE 0 END) AS BIGINT), MIN(time_us), MAX(time_us) \
+         FROM {from} WHERE requested_name <> '' GROUP BY {key}{CALLERS_CONFLICT}"
+    )
+}
 
-/// Rebuilds `name_totals` from `name_callers`.
-pub const REBUILD_TOTALS_SQL: &str = "INSERT INTO name_totals (name, calls, refused, first_us, last_us) \
-     SELECT name, CAST(SUM(calls) AS BIGINT), CAST(SUM(refused) AS BIGINT), MIN(first_us), MAX(last_us) FROM name_callers GROUP BY name";
+/// The per-name totals of the usage rows in `from`, added to `name_totals` (see
+/// [`callers_rollup_sql`]).
+pub fn totals_rollup_sql(from: &str) -> String {
+    let refused = crate::names::callers::REFUSED_STATES.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ");
+    format!(
+        "INSERT INTO name_totals (name, calls, refused, first_us, last_us) \
+         SELECT requested_name, CAST(SUM(calls) AS BIGINT), CAST(SUM(CASE WHEN name_state IN ({refused}) THEN calls ELSE 0 END) AS BIGINT), MIN(time_us), MAX(time_us) \
+         FROM {from} WHERE requested_name <> '' GROUP BY requested_name{TOTALS_CONFLICT}"
+    )
+}
 
 /// Adds aggregated counts to the callers rollup and the per-name totals, on the caller's
 /// connection or transaction (the gateway's usage writer calls this inside its batch
@@ -367,8 +384,8 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         sqlx::query("DELETE FROM name_callers").execute(&mut *tx).await?;
         sqlx::query("DELETE FROM name_totals").execute(&mut *tx).await?;
-        sqlx::query(REBUILD_CALLERS_SQL).execute(&mut *tx).await?;
-        sqlx::query(REBUILD_TOTALS_SQL).execute(&mut *tx).await?;
+        sqlx::query(&callers_rollup_sql("usage_log")).execute(&mut *tx).await?;
+        sqlx::query(&totals_rollup_sql("usage_log")).execute(&mut *tx).await?;
         tx.commit().await?;
         Ok(())
     }
