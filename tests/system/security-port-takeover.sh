@@ -2,8 +2,8 @@
 # timeout: 240
 # A worker's port taken over after the worker is gone gets no call (the one-time proof at start
 # says nothing then). A test agent (tests/lib/models.sh) serves `tk-chat`, a Slurm worker whose
-# job outlives its server (`...; sleep 300`: a wrapper that keeps running after its server
-# crashed, so neither the job's end nor a replica probe tells the agent):
+# job outlives its server (`{ server; sleep 300; }`: a wrapper that keeps running after its
+# server crashed, so neither the job's end nor a replica probe tells the agent):
 #   1. a call loads it and is answered (200), over a kept-alive connection;
 #   2. its server is killed (SIGKILL) and the unprivileged $LAB_USER binds the freed port with a
 #      server that answers 200 to everything and logs what it receives;
@@ -26,7 +26,7 @@ models_setup "
 [[models]]
 name = \"tk-chat\"
 launcher = \"slurm\"
-command = \"@WORKER@ --model {model} --host {host} --port {port} --api-key-file {api_key_file}; sleep 300\"
+command = \"{ @WORKER@ --model {model} --host {host} --port {port} --api-key-file {api_key_file}; sleep 300; }\"
 resources = { shards = 1, vram_gib = 1.0 }
 idle_timeout_s = 120
 load_timeout_s = 60
