@@ -105,11 +105,14 @@ median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 C0="$(cpu_ticks "$GW_PID")"; sleep "$DURATION"; C1="$(cpu_ticks "$GW_PID")"
 IDLE="$(awk -v c="$((C1 - C0))" -v tick="$TICK" -v d="$DURATION" 'BEGIN { printf "%.4f", c / tick / d }')"
 : >"$DIR/pairs"
+WINDOWS=""
 for i in $(seq "$REPEAT"); do
     S0="$(steal_ticks)"
     run "direct-$i" "$DIRECT" "$WKEY"; D50=$P50; D99=$P99
     C0="$(cpu_ticks "$GW_PID")"; Q0="$(pg_ticks)"
+    W0="$(date +%s%6N)"
     run "gateway-$i" "$GW" "$KEY"; G50=$P50; G99=$P99; GRPS=$RPS; GREQS=$REQS
+    WINDOWS="${WINDOWS:+$WINDOWS OR }time_us BETWEEN $W0 AND $(date +%s%6N)"
     C1="$(cpu_ticks "$GW_PID")"; Q1="$(pg_ticks)"
     N0="$(cpu_ticks "$NGINX_WORKER")"
     run "nginx-$i" "$NGINX_URL" "$WKEY"; N50=$P50; N99=$P99; NREQS=$REQS
@@ -138,8 +141,11 @@ echo "gpu01's agent without calls: $IDLE CPU-s per second"
 # The gateway's own account of its overhead (latency minus the time it waited for a replica),
 # from the usage rows of the calls above: what is left of the added latency is outside the
 # gateway's code (the scheduler of a busy 2-core VM, the bridge between the node namespaces).
+# Only the calls of the gateway runs with the store running (WINDOWS), not those it answered
+# while PostgreSQL was stopped.
 sleep 1
-pct() { "${PSQL[@]}" -c "SELECT $1 FROM usage_log WHERE requested_name = '$MODEL' AND status = 200 ORDER BY $1 LIMIT 1 OFFSET (SELECT COUNT(*) * $2 / 100 FROM usage_log WHERE requested_name = '$MODEL' AND status = 200)"; }
+GW_ROWS="requested_name = '$MODEL' AND status = 200 AND ($WINDOWS)"
+pct() { "${PSQL[@]}" -c "SELECT $1 FROM usage_log WHERE $GW_ROWS ORDER BY $1 LIMIT 1 OFFSET (SELECT COUNT(*) * $2 / 100 FROM usage_log WHERE $GW_ROWS)"; }
 echo "usage rows: overhead_us p50 $(pct overhead_us 50) p99 $(pct overhead_us 99); upstream_ttfb_us p50 $(pct upstream_ttfb_us 50) p99 $(pct upstream_ttfb_us 99)"
 # The single-node gateway's own bench (bench/gateway.sh: loopback, SQLite, a static upstream),
 # plain calls, right after on the same machine: its targets are the ones this one is held to,
