@@ -260,8 +260,8 @@ pub struct UsageLog {
 const BATCH: usize = 500;
 /// How long the writer lets rows gather after the first one of a batch. A batch's insert is
 /// a burst of the store's work on the node's cores: 50 ms (~100 rows at 2,000 calls/s, about
-/// 1.5 ms of PostgreSQL) put +1.46 ms on the two-node gateway's p99 where 10 ms (~20 rows)
-/// put +0.8-1.0 ms, for ~0.01 CPU-s more per 1,000 calls (BENCHMARKS.md, "Smaller batches").
+/// 1.5 ms of PostgreSQL) put +1.46-1.61 ms on the two-node gateway's p99 where 10 ms (~20 rows)
+/// put +0.77-1.25 ms, for ~0.01 CPU-s more per 1,000 calls (BENCHMARKS.md, "Smaller batches").
 const LINGER: Duration = Duration::from_millis(10);
 /// How often the journal segment is rotated (and a partial batch written).
 const TICK: Duration = Duration::from_millis(250);
