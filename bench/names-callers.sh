@@ -5,7 +5,7 @@
 # For each backend it starts the real agent (target/release/gpuhub-agent run) on a fresh store,
 # generates BENCH_ROWS usage_log rows in SQL (a recursive CTE in SQLite, generate_series in
 # PostgreSQL: no client round trips), builds the callers rollup with the same SQL the agent's
-# `gpuhub names rebuild-callers` runs (store/names.rs REBUILD_CALLERS_SQL, whose bucketing and
+# `gpuhub names rebuild-callers` runs (store/names.rs callers_rollup_sql, whose bucketing and
 # keys a unit test checks against the live path), then times the CLI with hyperfine.
 #
 # Data shape: 90 days; 3,000 caller profiles (user of 200, app of 60, client address, user

@@ -9,7 +9,7 @@ use super::{Store, StoreError};
 use crate::gateway::usage_log::UsageRow;
 
 /// Columns of `usage_log`, in bind order, with their PostgreSQL types (the record that
-/// `json_to_recordset` reads a batch into, [`usage_insert_sql`]).
+/// `json_to_recordset` reads a batch into, [`pg_usage_batch_sql`]).
 const USAGE_COLUMNS: &[(&str, &str)] = &[
     ("request_id", "text"),
     ("time_us", "bigint"),

@@ -152,25 +152,32 @@ const TOTALS_CONFLICT: &str = " ON CONFLICT (name) DO UPDATE SET \
 /// cut). Used by [`Store::rebuild_name_callers`] and by the PostgreSQL usage batch
 /// (`store::gateway`); tests check both agree with the Rust rollup SQLite's writer uses.
 pub fn callers_rollup_sql(from: &str) -> String {
-    let refused = crate::names::callers::REFUSED_STATES.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ");
+    let refused = refused_calls_sql();
     let key = format!(
         "requested_name, time_us - (time_us % {DAY_US}), user_name, app, COALESCE(CAST(job_id AS TEXT), ''), client_addr, SUBSTR(user_agent, 1, {})",
         crate::names::callers::MAX_USER_AGENT
     );
     format!(
         "INSERT INTO name_callers (name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us) \
-         SELECT {key}, CAST(SUM(calls) AS BIGINT), CAST(SUM(CASE WHEN name_state IN ({refused}) THEN calls ELSE 0 END) AS BIGINT), MIN(time_us), MAX(time_us) \
+         SELECT {key}, CAST(SUM(calls) AS BIGINT), CAST(SUM({refused}) AS BIGINT), MIN(time_us), MAX(time_us) \
          FROM {from} WHERE requested_name <> '' GROUP BY {key}{CALLERS_CONFLICT}"
     )
+}
+
+/// A usage row's refused calls in SQL: `calls` if its name state is one of
+/// [`crate::names::callers::REFUSED_STATES`], else 0.
+fn refused_calls_sql() -> String {
+    let states = crate::names::callers::REFUSED_STATES.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ");
+    format!("CASE WHEN name_state IN ({states}) THEN calls ELSE 0 END")
 }
 
 /// The per-name totals of the usage rows in `from`, added to `name_totals` (see
 /// [`callers_rollup_sql`]).
 pub fn totals_rollup_sql(from: &str) -> String {
-    let refused = crate::names::callers::REFUSED_STATES.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ");
+    let refused = refused_calls_sql();
     format!(
         "INSERT INTO name_totals (name, calls, refused, first_us, last_us) \
-         SELECT requested_name, CAST(SUM(calls) AS BIGINT), CAST(SUM(CASE WHEN name_state IN ({refused}) THEN calls ELSE 0 END) AS BIGINT), MIN(time_us), MAX(time_us) \
+         SELECT requested_name, CAST(SUM(calls) AS BIGINT), CAST(SUM({refused}) AS BIGINT), MIN(time_us), MAX(time_us) \
          FROM {from} WHERE requested_name <> '' GROUP BY requested_name{TOTALS_CONFLICT}"
     )
 }
