@@ -218,11 +218,11 @@ impl Store {
         }
         let unique = without_repeated_ids(rows);
         let rows = unique.as_deref().unwrap_or(rows);
-        let mut conn = match held.0.take() {
-            Some((conn, used)) if used.elapsed() < UsageConnection::IDLE => conn,
-            // One that waited longer goes back to the pool (dropped), which hands out one it
-            // checked.
-            _ => self.pool().acquire().await?,
+        // One that waited longer goes back to the pool, which hands out one it checked.
+        let kept = held.0.take().filter(|(_, used)| used.elapsed() < UsageConnection::IDLE);
+        let mut conn = match kept {
+            Some((conn, _)) => conn,
+            None => self.pool().acquire().await?,
         };
         let inserted = match self.backend() {
             // One statement (so one transaction by itself): a round trip per batch instead of
@@ -298,7 +298,7 @@ impl Store {
             s[4] += r.latency_us.saturating_mul(calls);
         }
         for ((hour, user, app, name, model), s) in &sums {
-            sqlx::query(&format!("{CALL_ROLLUPS_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10){CALL_ROLLUPS_CONFLICT}"))
+            sqlx::query(sqlite_call_rollup_sql())
                 .bind(*hour)
                 .bind(*user)
                 .bind(*app)
@@ -503,6 +503,13 @@ fn usage_json(rows: &[UsageRow]) -> Result<String, sqlx::Error> {
     // Strings, integers and null only: this cannot fail, but if it ever did the batch is
     // refused as an encoding error (dead-lettered, see [`refuses_rows`]), never written empty.
     serde_json::to_string(&rows).map_err(|e| sqlx::Error::Encode(Box::new(e)))
+}
+
+/// SQLite: one bucket of the hourly call rollup, upserted (built once: it runs per bucket and
+/// batch).
+fn sqlite_call_rollup_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| format!("{CALL_ROLLUPS_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10){CALL_ROLLUPS_CONFLICT}"))
 }
 
 /// A request id twice in one batch (a row replayed from the journal beside its own delivery)
