@@ -7,7 +7,7 @@ pub struct StoreConfig {
     /// `sqlite:///var/lib/gpuhub/gpuhub.db` (the default, derived from `paths.state_dir`) or
     /// `postgres://user:password@host/db` for production. `GPUHUB_STORE_URL` overrides.
     pub url: Option<String>,
-    /// Connection pool size.
+    /// Connection pool size (on PostgreSQL the usage writer holds one more of its own).
     pub max_connections: Option<u32>,
 }
 

@@ -568,6 +568,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
             batch.clear();
         }
         w.commit_memory().await;
+        w.conn.release_if_idle().await;
         let rotate = {
             let seg = lock(&inner.segment);
             closing || (seg.rows > 0 && (!waiters.is_empty() || seg.opened.elapsed() >= ROTATE_AFTER))

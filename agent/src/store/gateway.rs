@@ -8,33 +8,51 @@ use sqlx::Row;
 use super::{Store, StoreError};
 use crate::gateway::usage_log::UsageRow;
 
-/// Columns of `usage_log`, in bind order, with their PostgreSQL types (the record that
-/// `json_to_recordset` reads a batch into, [`pg_usage_batch_sql`]).
-const USAGE_COLUMNS: &[(&str, &str)] = &[
-    ("request_id", "text"),
-    ("time_us", "bigint"),
-    ("user_name", "text"),
-    ("app", "text"),
-    ("job_id", "bigint"),
-    ("client_addr", "text"),
-    ("user_agent", "text"),
-    ("requested_name", "text"),
-    ("resolved_model", "text"),
-    ("model_version", "text"),
-    ("name_state", "text"),
-    ("route", "text"),
-    ("status", "bigint"),
-    ("error_code", "text"),
-    ("prompt_tokens", "bigint"),
-    ("completion_tokens", "bigint"),
-    ("streamed", "bigint"),
-    ("latency_us", "bigint"),
-    ("upstream_ttfb_us", "bigint"),
-    ("overhead_us", "bigint"),
-    ("usage_source", "text"),
-    ("adapter", "text"),
-    ("calls", "bigint"),
-    ("key_id", "text"),
+/// How a column of `usage_log` is read from a [`UsageRow`]: the one place that says which
+/// field goes to which column, for SQLite's binds and PostgreSQL's arrays alike.
+#[derive(Clone, Copy)]
+enum Column {
+    Text(fn(&UsageRow) -> &str),
+    Int(fn(&UsageRow) -> i64),
+    OptInt(fn(&UsageRow) -> Option<i64>),
+}
+
+impl Column {
+    /// The PostgreSQL array type of the column's batch parameter ([`pg_usage_batch_sql`]).
+    fn pg_array(self) -> &'static str {
+        match self {
+            Column::Text(_) => "text[]",
+            Column::Int(_) | Column::OptInt(_) => "bigint[]",
+        }
+    }
+}
+
+/// Columns of `usage_log`, in bind order.
+const USAGE_COLUMNS: &[(&str, Column)] = &[
+    ("request_id", Column::Text(|r| &r.request_id)),
+    ("time_us", Column::Int(|r| r.time_us)),
+    ("user_name", Column::Text(|r| &r.user)),
+    ("app", Column::Text(|r| &r.app)),
+    ("job_id", Column::OptInt(|r| r.job_id)),
+    ("client_addr", Column::Text(|r| &r.client_addr)),
+    ("user_agent", Column::Text(|r| &r.user_agent)),
+    ("requested_name", Column::Text(|r| &r.requested_name)),
+    ("resolved_model", Column::Text(|r| &r.resolved_model)),
+    ("model_version", Column::Text(|r| &r.model_version)),
+    ("name_state", Column::Text(|r| &r.name_state)),
+    ("route", Column::Text(|r| &r.route)),
+    ("status", Column::Int(|r| i64::from(r.status))),
+    ("error_code", Column::Text(|r| &r.error_code)),
+    ("prompt_tokens", Column::Int(|r| r.prompt_tokens)),
+    ("completion_tokens", Column::Int(|r| r.completion_tokens)),
+    ("streamed", Column::Int(|r| i64::from(r.streamed))),
+    ("latency_us", Column::Int(|r| r.latency_us)),
+    ("upstream_ttfb_us", Column::Int(|r| r.upstream_ttfb_us)),
+    ("overhead_us", Column::Int(|r| r.overhead_us)),
+    ("usage_source", Column::Text(|r| r.usage_source.as_str())),
+    ("adapter", Column::Text(|r| &r.adapter)),
+    ("calls", Column::Int(|r| r.calls.max(1))),
+    ("key_id", Column::Text(|r| &r.key_id)),
 ];
 
 /// SQLite: rows per INSERT statement of a batch. Every count up to 64 is one statement text
@@ -104,13 +122,35 @@ const CALL_ROLLUPS_CONFLICT: &str = " ON CONFLICT (hour_us, user_name, app, requ
 /// The connection the usage writer keeps from one batch to the next ([`Store::insert_usage_on`]).
 /// sqlx checks a pooled connection with a round trip when it hands it out and again when it
 /// takes it back: two round trips around every batch (every 10 ms under load) that a kept
-/// connection does without.
+/// connection does without. On PostgreSQL it is a native connection of its own, outside the
+/// pool (one more than `store.max_connections`), so that a batch's columns go as binary arrays
+/// (the `Any` driver binds no arrays).
 #[derive(Default)]
-pub struct UsageConnection(Option<(sqlx::pool::PoolConnection<sqlx::Any>, std::time::Instant)>);
+pub struct UsageConnection(Option<(Kept, std::time::Instant)>);
+
+enum Kept {
+    Pool(sqlx::pool::PoolConnection<sqlx::Any>),
+    Postgres(sqlx::PgConnection),
+}
 
 impl UsageConnection {
-    /// A kept connection idle longer than this goes back to the pool before the next batch.
+    /// A kept connection idle longer than this is checked (PostgreSQL: a ping) or goes back to
+    /// the pool (SQLite) before the next batch.
     const IDLE: std::time::Duration = std::time::Duration::from_secs(1);
+    /// One idle this long is let go ([`UsageConnection::release_if_idle`]): a gateway without
+    /// calls holds no connection of its own.
+    const RELEASE: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// Closes the kept connection (PostgreSQL) or gives it back to the pool (SQLite) once it
+    /// has been idle for [`UsageConnection::RELEASE`]; the usage writer calls this between
+    /// batches.
+    pub async fn release_if_idle(&mut self) {
+        if self.0.as_ref().is_some_and(|(_, used)| used.elapsed() >= Self::RELEASE)
+            && let Some((Kept::Postgres(conn), _)) = self.0.take()
+        {
+            drop(sqlx::Connection::close(conn).await);
+        }
+    }
 }
 
 /// Columns of `api_keys` that [`key_record`] reads.
@@ -218,40 +258,72 @@ impl Store {
         }
         let unique = without_repeated_ids(rows);
         let rows = unique.as_deref().unwrap_or(rows);
-        // One that waited longer goes back to the pool, which hands out one it checked.
-        let kept = held.0.take().filter(|(_, used)| used.elapsed() < UsageConnection::IDLE);
-        let mut conn = match kept {
-            Some((conn, _)) => conn,
-            None => self.pool().acquire().await?,
-        };
-        let inserted = match self.backend() {
-            // One statement (so one transaction by itself): a round trip per batch instead of
-            // six (BEGIN, the rows, three rollups, COMMIT), whose cost made small batches dear.
-            super::Backend::Postgres => sqlx::query_scalar::<_, i64>(pg_usage_batch_sql())
-                .bind(usage_json(rows)?)
-                .fetch_one(&mut *conn)
-                .await
-                .map(|n| usize::try_from(n).unwrap_or(0))
-                .map_err(StoreError::from),
-            // Usually every row is new, and the insert needs no ids back (with SQLite each
-            // returned id is a message from the database thread). If some were stored before (a
-            // replayed journal, a commit retried after an ambiguous failure), that transaction is
-            // rolled back and the batch inserted again, learning which rows are new.
-            super::Backend::Sqlite => match self.insert_usage_with(&mut conn, rows, false).await {
-                Ok(Some(n)) => Ok(n),
-                Ok(None) => self.insert_usage_with(&mut conn, rows, true).await.map(|n| n.unwrap_or(0)),
-                Err(e) => Err(e),
-            },
-        };
-        match inserted {
-            Ok(_) => held.0 = Some((conn, std::time::Instant::now())),
-            // On some errors (a full disk) SQLite rolls the transaction back by itself; sqlx
-            // does not know, and the connection can end up inside a later transaction that
-            // holds the write lock, so that every other writer gets "database is locked"
-            // (seen with the state directory full). A connection that failed is not reused.
-            Err(_) => conn.close_on_drop(),
+        let kept = held.0.take();
+        match self.backend() {
+            super::Backend::Postgres => {
+                let mut conn = self.usage_pg_connection(kept).await?;
+                // One statement (so one transaction by itself): a round trip per batch instead
+                // of six (BEGIN, the rows, three rollups, COMMIT), whose cost made small batches
+                // dear.
+                let inserted = pg_insert_usage(&mut conn, rows).await;
+                match inserted {
+                    Ok(_) => held.0 = Some((Kept::Postgres(conn), std::time::Instant::now())),
+                    // Not reused: the writer's retry opens a new one.
+                    Err(_) => drop(sqlx::Connection::close_hard(conn).await),
+                }
+                inserted
+            }
+            super::Backend::Sqlite => {
+                // One that waited longer goes back to the pool, which hands out one it checked.
+                let mut conn = match kept {
+                    Some((Kept::Pool(conn), used)) if used.elapsed() < UsageConnection::IDLE => conn,
+                    _ => self.pool().acquire().await?,
+                };
+                // Usually every row is new, and the insert needs no ids back (with SQLite each
+                // returned id is a message from the database thread). If some were stored before
+                // (a replayed journal, a commit retried after an ambiguous failure), that
+                // transaction is rolled back and the batch inserted again, learning which rows
+                // are new.
+                let inserted = match self.insert_usage_with(&mut conn, rows, false).await {
+                    Ok(Some(n)) => Ok(n),
+                    Ok(None) => self.insert_usage_with(&mut conn, rows, true).await.map(|n| n.unwrap_or(0)),
+                    Err(e) => Err(e),
+                };
+                match inserted {
+                    Ok(_) => held.0 = Some((Kept::Pool(conn), std::time::Instant::now())),
+                    // On some errors (a full disk) SQLite rolls the transaction back by itself;
+                    // sqlx does not know, and the connection can end up inside a later
+                    // transaction that holds the write lock, so that every other writer gets
+                    // "database is locked" (seen with the state directory full). A connection
+                    // that failed is not reused.
+                    Err(_) => conn.close_on_drop(),
+                }
+                inserted
+            }
         }
-        inserted
+    }
+
+    /// The usage writer's PostgreSQL connection: the kept one, pinged first if it was idle
+    /// past [`UsageConnection::IDLE`], else a new one.
+    async fn usage_pg_connection(&self, kept: Option<(Kept, std::time::Instant)>) -> Result<sqlx::PgConnection, StoreError> {
+        use sqlx::Connection;
+        // Outside the pool, but closed with it ([`Store::close`]).
+        if self.pool().is_closed() {
+            return Err(StoreError::Query(sqlx::Error::PoolClosed));
+        }
+        if let Some((Kept::Postgres(mut conn), used)) = kept {
+            if used.elapsed() < UsageConnection::IDLE || conn.ping().await.is_ok() {
+                return Ok(conn);
+            }
+            drop(conn.close_hard().await);
+        }
+        let Some(super::PgConnect(opts)) = &self.pg else {
+            return Err(StoreError::Query(sqlx::Error::Configuration("the store has no PostgreSQL connect options".into())));
+        };
+        match tokio::time::timeout(super::ACQUIRE_TIMEOUT, sqlx::PgConnection::connect_with(opts)).await {
+            Ok(conn) => Ok(conn?),
+            Err(_) => Err(StoreError::Query(sqlx::Error::PoolTimedOut)),
+        }
     }
 
     /// SQLite: one transaction on `conn`, the rows and the rollups of those that are new.
@@ -408,101 +480,33 @@ pub fn refuses_rows(e: &StoreError) -> bool {
 
 type AnyQuery<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>;
 
-/// Binds `rows` to a SQLite usage INSERT of as many rows, column by column.
+/// Binds `rows` to a SQLite usage INSERT of as many rows, row by row.
 fn bind_usage<'q>(mut q: AnyQuery<'q>, rows: &'q [UsageRow]) -> AnyQuery<'q> {
     for r in rows {
-        q = q
-            .bind(&r.request_id)
-            .bind(r.time_us)
-            .bind(&r.user)
-            .bind(&r.app)
-            .bind(r.job_id)
-            .bind(&r.client_addr)
-            .bind(&r.user_agent)
-            .bind(&r.requested_name)
-            .bind(&r.resolved_model)
-            .bind(&r.model_version)
-            .bind(&r.name_state)
-            .bind(&r.route)
-            .bind(i64::from(r.status))
-            .bind(&r.error_code)
-            .bind(r.prompt_tokens)
-            .bind(r.completion_tokens)
-            .bind(i64::from(r.streamed))
-            .bind(r.latency_us)
-            .bind(r.upstream_ttfb_us)
-            .bind(r.overhead_us)
-            .bind(r.usage_source.as_str())
-            .bind(&r.adapter)
-            .bind(r.calls.max(1))
-            .bind(&r.key_id);
+        for (_, column) in USAGE_COLUMNS {
+            q = match *column {
+                Column::Text(f) => q.bind(f(r)),
+                Column::Int(f) => q.bind(f(r)),
+                Column::OptInt(f) => q.bind(f(r)),
+            };
+        }
     }
     q
 }
 
-/// One usage row as [`usage_json`] writes it: the columns of `usage_log` by name.
-#[derive(Serialize)]
-struct UsageJson<'a> {
-    request_id: &'a str,
-    time_us: i64,
-    user_name: &'a str,
-    app: &'a str,
-    job_id: Option<i64>,
-    client_addr: &'a str,
-    user_agent: &'a str,
-    requested_name: &'a str,
-    resolved_model: &'a str,
-    model_version: &'a str,
-    name_state: &'a str,
-    route: &'a str,
-    status: i64,
-    error_code: &'a str,
-    prompt_tokens: i64,
-    completion_tokens: i64,
-    streamed: i64,
-    latency_us: i64,
-    upstream_ttfb_us: i64,
-    overhead_us: i64,
-    usage_source: &'a str,
-    adapter: &'a str,
-    calls: i64,
-    key_id: &'a str,
-}
-
-/// A PostgreSQL batch: a JSON array of rows, one object per row keyed by column name.
-fn usage_json(rows: &[UsageRow]) -> Result<String, sqlx::Error> {
-    let rows: Vec<UsageJson<'_>> = rows
-        .iter()
-        .map(|r| UsageJson {
-            request_id: &r.request_id,
-            time_us: r.time_us,
-            user_name: &r.user,
-            app: &r.app,
-            job_id: r.job_id,
-            client_addr: &r.client_addr,
-            user_agent: &r.user_agent,
-            requested_name: &r.requested_name,
-            resolved_model: &r.resolved_model,
-            model_version: &r.model_version,
-            name_state: &r.name_state,
-            route: &r.route,
-            status: i64::from(r.status),
-            error_code: &r.error_code,
-            prompt_tokens: r.prompt_tokens,
-            completion_tokens: r.completion_tokens,
-            streamed: i64::from(r.streamed),
-            latency_us: r.latency_us,
-            upstream_ttfb_us: r.upstream_ttfb_us,
-            overhead_us: r.overhead_us,
-            usage_source: r.usage_source.as_str(),
-            adapter: &r.adapter,
-            calls: r.calls.max(1),
-            key_id: &r.key_id,
-        })
-        .collect();
-    // Strings, integers and null only: this cannot fail, but if it ever did the batch is
-    // refused as an encoding error (dead-lettered, see [`refuses_rows`]), never written empty.
-    serde_json::to_string(&rows).map_err(|e| sqlx::Error::Encode(Box::new(e)))
+/// PostgreSQL: a batch as [`pg_usage_batch_sql`] takes it, one array per column (binary: no
+/// text to parse; JSON parsing was ~45 % of PostgreSQL's time per batch). Answers how many
+/// rows were new.
+async fn pg_insert_usage(conn: &mut sqlx::PgConnection, rows: &[UsageRow]) -> Result<usize, StoreError> {
+    let mut q = sqlx::query_scalar::<_, i64>(pg_usage_batch_sql());
+    for (_, column) in USAGE_COLUMNS {
+        q = match *column {
+            Column::Text(f) => q.bind(rows.iter().map(f).collect::<Vec<&str>>()),
+            Column::Int(f) => q.bind(rows.iter().map(f).collect::<Vec<i64>>()),
+            Column::OptInt(f) => q.bind(rows.iter().map(f).collect::<Vec<Option<i64>>>()),
+        };
+    }
+    Ok(usize::try_from(q.fetch_one(conn).await?).unwrap_or(0))
 }
 
 /// SQLite: one bucket of the hourly call rollup, upserted (built once: it runs per bucket and
@@ -536,9 +540,9 @@ fn sqlite_usage_insert_sql(rows: usize, returning: bool) -> String {
 }
 
 /// PostgreSQL: a whole batch in one statement, so in one transaction of its own. The rows are
-/// one JSON parameter ([`usage_json`]: one bind per batch instead of 24 per row; encoding those
-/// binds was most of the usage writer's 7.4 % of the agent's CPU at ~1,900 calls/s); those whose
-/// request id is stored already are skipped (`ON CONFLICT DO NOTHING`), and the rollups
+/// one array per column ([`pg_insert_usage`]: 24 binds per batch instead of 24 per row; encoding
+/// those binds was most of the usage writer's 7.4 % of the agent's CPU at ~1,900 calls/s); those
+/// whose request id is stored already are skipped (`ON CONFLICT DO NOTHING`), and the rollups
 /// (`call_rollups`, `name_callers`, `name_totals`) are summed from the rows inserted now
 /// (`RETURNING`), so a replayed row is never counted twice. Answers how many rows were new. The
 /// rollup rules are those of SQLite's path in Rust ([`Store::insert_usage`]); a test holds
@@ -547,10 +551,11 @@ fn pg_usage_batch_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         let names = USAGE_COLUMNS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
-        let record = USAGE_COLUMNS.iter().map(|(n, t)| format!("{n} {t}")).collect::<Vec<_>>().join(", ");
+        let arrays =
+            USAGE_COLUMNS.iter().enumerate().map(|(i, (_, c))| format!("${}::{}", i + 1, c.pg_array())).collect::<Vec<_>>().join(", ");
         let hour = format!("time_us - (time_us % {HOUR_US})");
         format!(
-            "WITH batch AS (SELECT * FROM json_to_recordset($1::json) AS r({record})), \
+            "WITH batch AS (SELECT * FROM unnest({arrays}) AS r({names})), \
              ins AS (INSERT INTO usage_log ({names}) SELECT {names} FROM batch ON CONFLICT (request_id) DO NOTHING RETURNING request_id), \
              fresh AS (SELECT batch.* FROM batch JOIN ins USING (request_id)), \
              hourly AS ({CALL_ROLLUPS_INSERT} \
@@ -666,19 +671,119 @@ mod tests {
         }
     }
 
-    /// The JSON a PostgreSQL batch is sent as names exactly the columns of the INSERT, in order
-    /// (json_to_recordset reads fields by name: a misspelt one would be stored as NULL).
-    #[test]
-    fn a_postgres_batch_names_every_column() {
-        let json: serde_json::Value = serde_json::from_str(&usage_json(&[row("r1", 7, "alice", 200, 3)]).unwrap()).unwrap();
-        let obj = json[0].as_object().unwrap();
-        let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
-        let mut columns: Vec<&str> = USAGE_COLUMNS.iter().map(|(n, _)| *n).collect();
-        let mut sorted = keys.clone();
-        sorted.sort_unstable();
-        columns.sort_unstable();
-        assert_eq!(sorted, columns);
-        assert_eq!((obj["user_name"].as_str(), obj["status"].as_i64(), obj["calls"].as_i64()), (Some("alice"), Some(200), Some(1)));
+    /// Every field of a usage row lands in its own column on both backends (PostgreSQL takes
+    /// a batch as one array per column, matched to the columns by position: two text fields
+    /// swapped would go unnoticed by the rollups), and a row without a job stores NULL.
+    #[tokio::test]
+    async fn every_field_lands_in_its_column_on_every_backend() {
+        use crate::gateway::usage_log::UsageSource;
+        let full = UsageRow {
+            request_id: "req-1".into(),
+            time_us: 1_800_000_000_000_001,
+            user: "alice".into(),
+            app: "ocr-service".into(),
+            job_id: Some(4242),
+            client_addr: "10.0.0.9".into(),
+            user_agent: "OpenAI/Python 1.2".into(),
+            requested_name: "svc-ocr".into(),
+            resolved_model: "dots.ocr".into(),
+            model_version: "3".into(),
+            name_state: "deprecated".into(),
+            route: "/v1/chat/completions".into(),
+            status: 429,
+            error_code: "rate_limited".into(),
+            prompt_tokens: 11,
+            completion_tokens: 12,
+            streamed: true,
+            latency_us: 13,
+            upstream_ttfb_us: 14,
+            overhead_us: 15,
+            usage_source: UsageSource::Tokenized,
+            adapter: "lora-a".into(),
+            calls: 16,
+            key_id: "key-7".into(),
+        };
+        let want = [
+            ("request_id", "req-1"),
+            ("time_us", "1800000000000001"),
+            ("user_name", "alice"),
+            ("app", "ocr-service"),
+            ("job_id", "4242"),
+            ("client_addr", "10.0.0.9"),
+            ("user_agent", "OpenAI/Python 1.2"),
+            ("requested_name", "svc-ocr"),
+            ("resolved_model", "dots.ocr"),
+            ("model_version", "3"),
+            ("name_state", "deprecated"),
+            ("route", "/v1/chat/completions"),
+            ("status", "429"),
+            ("error_code", "rate_limited"),
+            ("prompt_tokens", "11"),
+            ("completion_tokens", "12"),
+            ("streamed", "1"),
+            ("latency_us", "13"),
+            ("upstream_ttfb_us", "14"),
+            ("overhead_us", "15"),
+            ("usage_source", "tokenized"),
+            ("adapter", "lora-a"),
+            ("calls", "16"),
+            ("key_id", "key-7"),
+        ];
+        assert_eq!(
+            want.map(|(c, _)| c)[..],
+            USAGE_COLUMNS.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
+            "the test names every column, in order"
+        );
+        let select = want.map(|(c, _)| format!("CAST({c} AS TEXT)")).join(", ");
+        let no_job = UsageRow { request_id: "req-2".into(), job_id: None, ..full.clone() };
+        for (store, _d) in testing::stores().await {
+            let mut conn = UsageConnection::default();
+            assert_eq!(store.insert_usage_on(&mut conn, &[full.clone(), no_job.clone()]).await.unwrap(), 2);
+            let got =
+                sqlx::query(&format!("SELECT {select} FROM usage_log WHERE request_id = 'req-1'")).fetch_one(store.pool()).await.unwrap();
+            for (i, (column, value)) in want.iter().enumerate() {
+                assert_eq!(got.try_get::<String, _>(i).unwrap(), *value, "{:?}: column {column}", store.backend());
+            }
+            let (nulls,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM usage_log WHERE request_id = 'req-2' AND job_id IS NULL")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(nulls, 1, "{:?}: a row without a job stores NULL", store.backend());
+            // The kept connection takes the next batch, and a replay adds nothing.
+            assert_eq!(store.insert_usage_on(&mut conn, std::slice::from_ref(&full)).await.unwrap(), 0);
+        }
+    }
+
+    /// The usage writer's kept connection is let go once idle for a while: on PostgreSQL it is
+    /// closed (it is not the pool's), so a gateway without calls holds none of its own.
+    #[tokio::test]
+    async fn an_idle_usage_connection_is_let_go() {
+        for (store, _d) in testing::stores().await {
+            let mut conn = UsageConnection::default();
+            store.insert_usage_on(&mut conn, &[row("a", 1, "alice", 200, 1)]).await.unwrap();
+            conn.release_if_idle().await;
+            assert!(conn.0.is_some(), "{:?}: kept while in use", store.backend());
+            // The PostgreSQL backend serving the writer's own connection.
+            let pid = match conn.0.as_mut() {
+                Some((Kept::Postgres(c), _)) => Some(sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(c).await.unwrap()),
+                _ => None,
+            };
+            let idle = std::time::Instant::now().checked_sub(UsageConnection::RELEASE).unwrap();
+            conn.0.as_mut().unwrap().1 = idle;
+            conn.release_if_idle().await;
+            assert!(conn.0.is_none(), "{:?}: let go after {:?} idle", store.backend(), UsageConnection::RELEASE);
+            if let Some(pid) = pid {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                let alive = "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = $1";
+                while sqlx::query_scalar::<_, i64>(alive).bind(pid).fetch_one(store.pool()).await.unwrap() > 0 {
+                    assert!(std::time::Instant::now() < deadline, "the writer's own PostgreSQL connection was not closed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+            // The next batch opens one again.
+            assert_eq!(store.insert_usage_on(&mut conn, &[row("b", 2, "alice", 200, 1)]).await.unwrap(), 1);
+            assert!(conn.0.is_some());
+        }
     }
 
     fn row(id: &str, t: i64, user: &str, status: u16, pt: i64) -> UsageRow {

@@ -75,11 +75,27 @@ fn explain_migrate(e: &sqlx::migrate::MigrateError) -> String {
     }
 }
 
+/// How long a query waits for a connection (from the pool, or a new one of its own).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A cheap-to-clone handle to the store.
 #[derive(Clone, Debug)]
 pub struct Store {
     pool: AnyPool,
     backend: Backend,
+    /// PostgreSQL: how to open a connection outside the pool (the usage writer's own,
+    /// [`gateway::UsageConnection`]).
+    pg: Option<PgConnect>,
+}
+
+/// Connect options for a PostgreSQL connection of its own; its `Debug` shows no password.
+#[derive(Clone)]
+struct PgConnect(std::sync::Arc<sqlx::postgres::PgConnectOptions>);
+
+impl std::fmt::Debug for PgConnect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PgConnectOptions { .. }")
+    }
 }
 
 impl Store {
@@ -109,12 +125,18 @@ impl Store {
             }
         }
         let opts = AnyConnectOptions::from_str(&url).map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
+        let pg = match backend {
+            Backend::Postgres => Some(PgConnect(std::sync::Arc::new(
+                sqlx::postgres::PgConnectOptions::from_str(&url).map_err(|source| StoreError::Connect { url: redacted.clone(), source })?,
+            ))),
+            Backend::Sqlite => None,
+        };
         let pool = AnyPoolOptions::new()
             .max_connections(max_connections.unwrap_or(match backend {
                 Backend::Sqlite => 4,
                 Backend::Postgres => 8,
             }))
-            .acquire_timeout(Duration::from_secs(10))
+            .acquire_timeout(ACQUIRE_TIMEOUT)
             .after_connect(move |conn, _| {
                 Box::pin(async move {
                     if backend == Backend::Sqlite {
@@ -130,7 +152,7 @@ impl Store {
             .connect_with(opts)
             .await
             .map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
-        let store = Store { pool, backend };
+        let store = Store { pool, backend, pg };
         store.migrate().await?;
         Ok(store)
     }
