@@ -17,7 +17,7 @@ impl Store {
         // Sortable UTC stamp plus microseconds, so two backups in one second do not collide.
         let now = crate::util::now_us();
         let stamp = format!("{}-{:06}", crate::util::utc_stamp(now / 1_000_000), now % 1_000_000);
-        let path = match self.backend {
+        let path = match self.backend() {
             Backend::Sqlite => {
                 let path = dir.join(format!("gpuhub-{stamp}.db"));
                 sqlx::query("VACUUM INTO $1").bind(path.display().to_string()).execute(&self.pool).await?;

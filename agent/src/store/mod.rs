@@ -82,9 +82,8 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug)]
 pub struct Store {
     pool: AnyPool,
-    backend: Backend,
-    /// PostgreSQL: how to open a connection outside the pool (the usage writer's own,
-    /// [`gateway::UsageConnection`]).
+    /// PostgreSQL's connect options (`None`: SQLite), for a connection outside the pool (the
+    /// usage writer's own, [`gateway::UsageConnection`]); they also say the backend.
     pg: Option<PgConnect>,
 }
 
@@ -152,13 +151,13 @@ impl Store {
             .connect_with(opts)
             .await
             .map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
-        let store = Store { pool, backend, pg };
+        let store = Store { pool, pg };
         store.migrate().await?;
         Ok(store)
     }
 
     async fn migrate(&self) -> Result<(), StoreError> {
-        match self.backend {
+        match self.backend() {
             Backend::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&self.pool).await?,
             Backend::Postgres => sqlx::migrate!("./migrations/postgres").run(&self.pool).await?,
         }
@@ -170,7 +169,7 @@ impl Store {
     }
 
     pub fn backend(&self) -> Backend {
-        self.backend
+        if self.pg.is_some() { Backend::Postgres } else { Backend::Sqlite }
     }
 
     /// Readiness probe (`/readyz`).
