@@ -272,6 +272,14 @@ const JOURNAL_THREAD: &str = "gpuhub-journal";
 const MIN_PREFAULT: usize = 64 * 1024;
 /// How long shutdown keeps retrying a store that is down before leaving rows to the journal.
 const CLOSE_DEADLINE: Duration = Duration::from_secs(10);
+/// How often the writer adds the rows it stored to the rollups (PostgreSQL,
+/// [`Store::fold_rollups_on`]). A fold is one burst of the store's work per interval: rare
+/// longer bursts delay fewer calls than one after every batch (the p99 of the two-node bench,
+/// BENCHMARKS.md "Rollups folded once a second"); readers fold what waits themselves, so the
+/// interval never shows in what they read.
+const FOLD_EVERY: Duration = Duration::from_secs(1);
+/// How long shutdown waits for the last fold (what it leaves waits for the next reader).
+const CLOSE_FOLD: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum UsageLogError {
@@ -442,6 +450,11 @@ struct Writer {
     failing_since: Option<Instant>,
     /// A batch was given up at shutdown: no segment may be deleted after that.
     gave_up: bool,
+    /// Rows were stored since the last fold into the rollups.
+    unfolded: bool,
+    folded_at: Instant,
+    /// The last fold failed (logged once until one succeeds).
+    fold_failing: bool,
 }
 
 impl Writer {
@@ -457,7 +470,8 @@ impl Writer {
             while let Some(part) = todo.pop() {
                 loop {
                     match self.store.insert_usage_on(&mut self.conn, part).await {
-                        Ok(_) => {
+                        Ok(stored) => {
+                            self.unfolded |= stored > 0;
                             if let Some(since) = self.failing_since.take() {
                                 tracing::info!(down_s = since.elapsed().as_secs(), "usage log: the store is back; writing queued rows");
                             }
@@ -513,6 +527,36 @@ impl Writer {
         self.inner.memory_gauge.set(left as i64);
     }
 
+    /// Adds the rows stored since the last fold to the rollups once [`FOLD_EVERY`] has passed
+    /// (at shutdown: now, for at most [`CLOSE_FOLD`]). One that fails is tried again an
+    /// interval later; the rows wait in the store meanwhile, and readers fold them themselves.
+    async fn fold_if_due(&mut self, closing: bool) {
+        // At shutdown with the store down, the batches' deadline has passed already.
+        let due = if closing { self.failing_since.is_none() } else { self.folded_at.elapsed() >= FOLD_EVERY };
+        if !self.unfolded || !due {
+            return;
+        }
+        self.folded_at = Instant::now();
+        let folded = if closing {
+            tokio::time::timeout(CLOSE_FOLD, self.store.fold_rollups_on(&mut self.conn)).await.unwrap_or(Ok(0))
+        } else {
+            self.store.fold_rollups_on(&mut self.conn).await
+        };
+        match folded {
+            Ok(_) => {
+                self.unfolded = false;
+                if std::mem::take(&mut self.fold_failing) {
+                    tracing::info!("usage log: stored rows are added to the rollups again");
+                }
+            }
+            Err(e) if !self.fold_failing => {
+                self.fold_failing = true;
+                tracing::warn!(error = %e, "usage log: cannot add stored rows to the rollups; they wait in the store, and readers add them");
+            }
+            Err(_) => {}
+        }
+    }
+
     /// Replays one segment file and deletes it once everything in it is stored.
     async fn replay(&mut self, path: &Path) -> bool {
         let rows = match journal::read(path) {
@@ -533,7 +577,16 @@ impl Writer {
 }
 
 async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, old: Vec<(u64, PathBuf)>) {
-    let mut w = Writer { inner: inner.clone(), store, conn: UsageConnection::default(), failing_since: None, gave_up: false };
+    let mut w = Writer {
+        inner: inner.clone(),
+        store,
+        conn: UsageConnection::default(),
+        failing_since: None,
+        gave_up: false,
+        unfolded: false,
+        folded_at: Instant::now(),
+        fold_failing: false,
+    };
     if !old.is_empty() {
         tracing::info!(segments = old.len(), "usage log: replaying the journal left by the previous run");
         for (_, path) in &old {
@@ -568,6 +621,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
             batch.clear();
         }
         w.commit_memory().await;
+        w.fold_if_due(closing).await;
         w.conn.release_if_idle().await;
         let rotate = {
             let seg = lock(&inner.segment);

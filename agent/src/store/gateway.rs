@@ -244,7 +244,8 @@ impl Store {
 
     /// Inserts a batch of usage rows in one transaction. Rows already stored (same request id,
     /// e.g. replayed from the journal after a crash) are skipped, and only the rows inserted now
-    /// are added to the rollups, so replaying is exact. Returns how many rows were new.
+    /// are added to the rollups (SQLite: in the same transaction; PostgreSQL: at the next fold,
+    /// [`Store::fold_rollups`]), so replaying is exact. Returns how many rows were new.
     pub async fn insert_usage(&self, rows: &[UsageRow]) -> Result<usize, StoreError> {
         self.insert_usage_on(&mut UsageConnection::default(), rows).await
     }
@@ -301,6 +302,33 @@ impl Store {
                 inserted
             }
         }
+    }
+
+    /// Adds the usage rows that wait for the rollups (PostgreSQL: `usage_rollup_pending`, see
+    /// [`fold_rollups_sql`]) to them, on a pooled connection. Every reader of a rollup calls
+    /// this first, so what it reads counts every stored row. SQLite: nothing waits (a batch
+    /// adds to the rollups in its own transaction). Answers how many rows were added.
+    pub async fn fold_rollups(&self) -> Result<i64, StoreError> {
+        match self.backend() {
+            super::Backend::Sqlite => Ok(0),
+            super::Backend::Postgres => Ok(fold_rollups_on::<sqlx::Any>(&mut *self.pool().acquire().await?).await?),
+        }
+    }
+
+    /// [`Store::fold_rollups`] on the usage writer's kept connection (PostgreSQL), which it
+    /// calls about once a second while it stores rows. Like a batch, a fold that fails closes
+    /// the connection.
+    pub async fn fold_rollups_on(&self, held: &mut UsageConnection) -> Result<i64, StoreError> {
+        if self.backend() == super::Backend::Sqlite {
+            return Ok(0);
+        }
+        let mut conn = self.usage_pg_connection(held.0.take()).await?;
+        let folded = fold_rollups_on::<sqlx::Postgres>(&mut conn).await;
+        match folded {
+            Ok(_) => held.0 = Some((Kept::Postgres(conn), std::time::Instant::now())),
+            Err(_) => drop(sqlx::Connection::close_hard(conn).await),
+        }
+        Ok(folded?)
     }
 
     /// The usage writer's PostgreSQL connection: the kept one, pinged first if it was idle
@@ -393,6 +421,7 @@ impl Store {
     /// rollups (whole hours: the hour that contains `since_us` counts whole). `user` limits
     /// it to one user.
     pub async fn call_summary(&self, since_us: i64, user: Option<&str>) -> Result<Vec<CallSummary>, StoreError> {
+        self.fold_rollups().await?;
         let hour = since_us - since_us.rem_euclid(HOUR_US);
         let sql = format!(
             "SELECT user_name, app, requested_name, resolved_model, CAST(SUM(calls) AS BIGINT) AS calls, CAST(SUM(errors) AS BIGINT) AS errors, \
@@ -542,34 +571,84 @@ fn sqlite_usage_insert_sql(rows: usize, returning: bool) -> String {
 /// PostgreSQL: a whole batch in one statement, so in one transaction of its own. The rows are
 /// one array per column ([`pg_insert_usage`]: 24 binds per batch instead of 24 per row; encoding
 /// those binds was most of the usage writer's 7.4 % of the agent's CPU at ~1,900 calls/s); those
-/// whose request id is stored already are skipped (`ON CONFLICT DO NOTHING`), and the rollups
-/// (`call_rollups`, `name_callers`, `name_totals`) are summed from the rows inserted now
-/// (`RETURNING`), so a replayed row is never counted twice. Answers how many rows were new. The
-/// rollup rules are those of SQLite's path in Rust ([`Store::insert_usage`]); a test holds
-/// both backends to the same rollups.
+/// whose request id is stored already are skipped (`ON CONFLICT DO NOTHING`), and the rollup
+/// columns of the rows inserted now (`RETURNING`) are copied to `usage_rollup_pending`, so a
+/// replayed row is never counted twice. The rollups themselves are added later, many batches
+/// at once ([`fold_rollups_sql`]). Answers how many rows were new.
 fn pg_usage_batch_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         let names = USAGE_COLUMNS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
         let arrays =
             USAGE_COLUMNS.iter().enumerate().map(|(i, (_, c))| format!("${}::{}", i + 1, c.pg_array())).collect::<Vec<_>>().join(", ");
-        let hour = format!("time_us - (time_us % {HOUR_US})");
         format!(
             "WITH batch AS (SELECT * FROM unnest({arrays}) AS r({names})), \
-             ins AS (INSERT INTO usage_log ({names}) SELECT {names} FROM batch ON CONFLICT (request_id) DO NOTHING RETURNING request_id), \
-             fresh AS (SELECT batch.* FROM batch JOIN ins USING (request_id)), \
-             hourly AS ({CALL_ROLLUPS_INSERT} \
-               SELECT {hour}, user_name, app, requested_name, resolved_model, CAST(SUM(calls) AS BIGINT), \
-               CAST(SUM(CASE WHEN status >= 400 THEN calls ELSE 0 END) AS BIGINT), CAST(SUM(prompt_tokens) AS BIGINT), \
-               CAST(SUM(completion_tokens) AS BIGINT), CAST(SUM(latency_us * calls) AS BIGINT) \
-               FROM fresh GROUP BY {hour}, user_name, app, requested_name, resolved_model{CALL_ROLLUPS_CONFLICT}), \
-             callers AS ({}), \
-             totals AS ({}) \
-             SELECT COUNT(*) FROM fresh",
-            super::names::callers_rollup_sql("fresh"),
-            super::names::totals_rollup_sql("fresh"),
+             ins AS (INSERT INTO usage_log ({names}) SELECT {names} FROM batch ON CONFLICT (request_id) DO NOTHING RETURNING {ROLLUP_COLUMNS}), \
+             pending AS (INSERT INTO usage_rollup_pending ({ROLLUP_COLUMNS}) SELECT {ROLLUP_COLUMNS} FROM ins) \
+             SELECT COUNT(*) FROM ins"
         )
     })
+}
+
+/// The usage columns the rollups read: what a row waiting in `usage_rollup_pending` holds
+/// (migration 0020).
+const ROLLUP_COLUMNS: &str = "time_us, user_name, app, requested_name, resolved_model, calls, status, prompt_tokens, \
+     completion_tokens, latency_us, job_id, client_addr, user_agent, name_state";
+
+/// The advisory lock a fold holds for its transaction: folds from several agents (and their
+/// readers) take turns, so two never upsert the same rollup rows in opposite orders.
+pub(super) const FOLD_LOCK: i64 = 0x6770_7568_7562_0001; // "gpuhub" + 1
+
+/// PostgreSQL: adds every row waiting in `usage_rollup_pending` to the hourly rollup, the
+/// callers rollup and the per-name totals, deleting them in the same statement, so a row is
+/// added once whoever folds it. A usage batch under load is ~20 rows of a few callers: the
+/// same rollup rows were upserted on every batch, 100 times a second, which was a third of
+/// PostgreSQL's work for the usage log (`bench/gateway-replicas.sh`, BENCHMARKS.md). The rollup
+/// rules are those of SQLite's path in Rust ([`Store::insert_usage`]); a test holds both
+/// backends to the same rollups.
+pub(super) fn fold_rollups_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        format!(
+            "WITH p AS (DELETE FROM usage_rollup_pending RETURNING {ROLLUP_COLUMNS}), \
+             hourly AS ({}), callers AS ({}), totals AS ({}) \
+             SELECT COUNT(*) FROM p",
+            hourly_rollup_sql("p"),
+            super::names::callers_rollup_sql("p"),
+            super::names::totals_rollup_sql("p"),
+        )
+    })
+}
+
+/// The usage rows in `from`, added to the hourly call rollup (SQLite's batches sum the same in
+/// Rust, [`Store::insert_usage`]).
+fn hourly_rollup_sql(from: &str) -> String {
+    let hour = format!("time_us - (time_us % {HOUR_US})");
+    format!(
+        "{CALL_ROLLUPS_INSERT} \
+         SELECT {hour}, user_name, app, requested_name, resolved_model, CAST(SUM(calls) AS BIGINT), \
+         CAST(SUM(CASE WHEN status >= 400 THEN calls ELSE 0 END) AS BIGINT), CAST(SUM(prompt_tokens) AS BIGINT), \
+         CAST(SUM(completion_tokens) AS BIGINT), CAST(SUM(latency_us * calls) AS BIGINT) \
+         FROM {from} GROUP BY {hour}, user_name, app, requested_name, resolved_model{CALL_ROLLUPS_CONFLICT}"
+    )
+}
+
+/// One fold ([`fold_rollups_sql`]) in a transaction of its own on `conn`, under [`FOLD_LOCK`].
+/// Answers how many rows it added.
+async fn fold_rollups_on<DB>(conn: &mut DB::Connection) -> Result<i64, sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    use sqlx::Connection;
+    let mut tx = conn.begin().await?;
+    sqlx::query::<DB>("SELECT pg_advisory_xact_lock($1)").bind(FOLD_LOCK).execute(&mut *tx).await?;
+    let folded = sqlx::query_scalar::<DB, i64>(fold_rollups_sql()).fetch_one(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(folded)
 }
 
 #[cfg(test)]
@@ -826,6 +905,49 @@ mod tests {
             assert_eq!(alice[0].prompt_tokens, 225 * 3 + 5);
             assert_eq!(alice[0].mean_latency_us, 1000);
             assert!(store.call_summary(t + 2 * HOUR_US, None).await.unwrap().is_empty());
+        }
+    }
+
+    /// PostgreSQL: a batch's rows wait in `usage_rollup_pending` until a fold adds them to the
+    /// rollups; folds running at once add each row once, every reader folds first, and a
+    /// rebuild of the callers rollup neither loses nor doubles rows that wait. SQLite: a batch
+    /// is in the rollups when it is stored, and the same reads give the same answers.
+    #[tokio::test]
+    async fn stored_rows_reach_the_rollups_once_whoever_folds_them_on_every_backend() {
+        let raw_calls = "SELECT CAST(COALESCE(SUM(calls), 0) AS BIGINT) FROM call_rollups";
+        for (store, _d) in testing::stores().await {
+            let pg = store.backend() == super::super::Backend::Postgres;
+            let waiting = || async {
+                if !pg {
+                    return 0;
+                }
+                sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM usage_rollup_pending").fetch_one(store.pool()).await.unwrap()
+            };
+            let t = 1_800_000_000_000_000;
+            let rows: Vec<UsageRow> =
+                (0..60).map(|i| row(&format!("f{i}"), t + i, ["alice", "bob", "carol"][i as usize % 3], 200, 1)).collect();
+            assert_eq!(store.insert_usage(&rows[..30]).await.unwrap(), 30);
+            let rolled: i64 = sqlx::query_scalar(raw_calls).fetch_one(store.pool()).await.unwrap();
+            assert_eq!((waiting().await, rolled), if pg { (30, 0) } else { (0, 30) }, "{:?}: before a fold", store.backend());
+            // Folds at once (two agents, a reader): each row is added once.
+            let (a, b, c) = tokio::join!(store.fold_rollups(), store.fold_rollups(), store.fold_rollups());
+            assert_eq!(a.unwrap() + b.unwrap() + c.unwrap(), if pg { 30 } else { 0 });
+            let rolled: i64 = sqlx::query_scalar(raw_calls).fetch_one(store.pool()).await.unwrap();
+            assert_eq!((waiting().await, rolled), (0, 30), "{:?}: after the folds", store.backend());
+            // A replay of stored rows waits for nothing; the new rows do, and a reader folds them.
+            assert_eq!(store.insert_usage(&rows[20..40]).await.unwrap(), 10);
+            assert_eq!(waiting().await, if pg { 10 } else { 0 });
+            assert_eq!(store.name_totals().await.unwrap().iter().map(|n| n.calls).sum::<i64>(), 40, "{:?}", store.backend());
+            assert_eq!(waiting().await, 0);
+            // A rebuild with rows waiting: the hourly rollup gets them, the callers rollup
+            // counts them once.
+            assert_eq!(store.insert_usage(&rows[40..]).await.unwrap(), 20);
+            store.rebuild_name_callers().await.unwrap();
+            assert_eq!(waiting().await, 0);
+            assert_eq!(store.name_totals().await.unwrap().iter().map(|n| n.calls).sum::<i64>(), 60, "{:?}: totals", store.backend());
+            let callers = store.name_callers("svc-ocr", 0).await.unwrap();
+            assert_eq!(callers.iter().map(|c| c.calls).sum::<i64>(), 60, "{:?}: callers", store.backend());
+            assert_eq!(store.call_summary(t, None).await.unwrap().iter().map(|c| c.calls).sum::<i64>(), 60);
         }
     }
 

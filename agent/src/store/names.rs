@@ -361,6 +361,7 @@ impl Store {
     /// The callers of `name` on UTC days starting at or after `since_day_us`, most calls first.
     /// Reads the rollup only (primary-key range scan), never the usage log.
     pub async fn name_callers(&self, name: &str, since_day_us: i64) -> Result<Vec<CallerRow>, StoreError> {
+        self.fold_rollups().await?;
         Ok(sqlx::query_as(
             "SELECT user_name, app, job_id, client_addr, user_agent, CAST(SUM(calls) AS BIGINT) AS calls, CAST(SUM(refused) AS BIGINT) AS refused, \
              MIN(first_us) AS first_us, MAX(last_us) AS last_us FROM name_callers WHERE name = $1 AND day_us >= $2 \
@@ -374,6 +375,7 @@ impl Store {
 
     /// Totals of every name ever called.
     pub async fn name_totals(&self) -> Result<Vec<NameTotals>, StoreError> {
+        self.fold_rollups().await?;
         Ok(sqlx::query_as("SELECT name, calls, refused, first_us, last_us FROM name_totals ORDER BY name").fetch_all(self.pool()).await?)
     }
 
@@ -387,7 +389,35 @@ impl Store {
 
     /// Replaces the callers rollup with one computed from the whole usage log (after a
     /// restore from backup, or to fill the rollup for a log written before it existed).
+    ///
+    /// PostgreSQL: rows that wait for the rollups (`usage_rollup_pending`) are folded in first,
+    /// and the rebuild reads the log as of that fold (one snapshot: `REPEATABLE READ`), under
+    /// the fold lock, so a row stored meanwhile is neither counted by the rebuild and folded
+    /// again later, nor missed.
     pub async fn rebuild_name_callers(&self) -> Result<(), StoreError> {
+        if self.backend() == super::Backend::Postgres {
+            let mut conn = self.pool().acquire().await?;
+            sqlx::query("SELECT pg_advisory_lock($1)").bind(super::gateway::FOLD_LOCK).execute(&mut *conn).await?;
+            let rebuilt = async {
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *tx).await?;
+                sqlx::query(super::gateway::fold_rollups_sql()).execute(&mut *tx).await?;
+                sqlx::query("DELETE FROM name_callers").execute(&mut *tx).await?;
+                sqlx::query("DELETE FROM name_totals").execute(&mut *tx).await?;
+                sqlx::query(&callers_rollup_sql("usage_log")).execute(&mut *tx).await?;
+                sqlx::query(&totals_rollup_sql("usage_log")).execute(&mut *tx).await?;
+                tx.commit().await
+            }
+            .await;
+            let unlocked = rebuilt.is_ok()
+                && sqlx::query("SELECT pg_advisory_unlock($1)").bind(super::gateway::FOLD_LOCK).execute(&mut *conn).await.is_ok();
+            if !unlocked {
+                // Not reused: closing it releases the session's lock, which would otherwise
+                // hold every fold back.
+                conn.close_on_drop();
+            }
+            return Ok(rebuilt?);
+        }
         let mut tx = self.pool().begin().await?;
         sqlx::query("DELETE FROM name_callers").execute(&mut *tx).await?;
         sqlx::query("DELETE FROM name_totals").execute(&mut *tx).await?;
