@@ -7,6 +7,8 @@
 #   gw_start / gw_kill9 / gw_stop  run the real agent binary
 #   gw_key USER APP              prints a new API key (through the real `gpuhub` CLI)
 #   gw_rows SQL                  runs SQL against the store (SQLite or PostgreSQL)
+#   gw_rolled_up                 sets $ROWS (usage rows) and $ROLLED (calls in call_rollups), once
+#                                they agree or after 10 s (PostgreSQL folds rows in about once a second)
 
 GW_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 GW_BIN="${GW_BIN:-$GW_REPO/target/release}"
@@ -101,6 +103,16 @@ gw_stop() {
 }
 
 gw_key() { "$GW_BIN/gpuhub" --socket "$GW_SOCKET" keys create --user "$1" --app "$2" | tail -n 1; }
+
+gw_rolled_up() {
+    local i
+    for i in $(seq 50); do
+        ROWS="$(gw_rows 'SELECT COUNT(*) FROM usage_log')"
+        ROLLED="$(gw_rows 'SELECT CAST(SUM(calls) AS BIGINT) FROM call_rollups')"
+        [ "$ROWS" = "$ROLLED" ] && return 0
+        sleep 0.2
+    done
+}
 
 gw_rows() {
     case "$GW_STORE_URL" in

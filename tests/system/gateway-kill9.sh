@@ -51,13 +51,7 @@ for i in $(seq 100); do
     [ "$MISSING" -eq 0 ] && break
     sleep 0.2
 done
-# On PostgreSQL the writer adds stored rows to the rollups about once a second (a fold).
-for i in $(seq 50); do
-    ROWS="$(gw_rows 'SELECT COUNT(*) FROM usage_log')"
-    ROLLED="$(gw_rows 'SELECT CAST(SUM(calls) AS BIGINT) FROM call_rollups')"
-    [ "$ROWS" = "$ROLLED" ] && break
-    sleep 0.2
-done
+gw_rolled_up
 REPLAYED="$(comm -13 "$GW_DIR/stored-before" "$GW_DIR/stored" | comm -12 - "$GW_DIR/ids" | wc -l)"
 echo "responses=$GOT rows_before_restart=$BEFORE rows_after=$ROWS replayed=$REPLAYED rollup_calls=$ROLLED missing=$MISSING"
 [ "$MISSING" -eq 0 ] || gw_fail "$MISSING calls got a response but have no usage row (expected 0); e.g. $(comm -23 "$GW_DIR/ids" "$GW_DIR/stored" | head -n 3 | tr '\n' ' ')"

@@ -47,13 +47,7 @@ for i in $(seq 150); do
     fi
     sleep 0.2
 done
-# On PostgreSQL the writer adds stored rows to the rollups about once a second (a fold).
-for i in $(seq 50); do
-    ROWS="$(gw_rows 'SELECT COUNT(*) FROM usage_log')"
-    ROLLED="$(gw_rows 'SELECT CAST(SUM(calls) AS BIGINT) FROM call_rollups')"
-    [ "$ROWS" = "$ROLLED" ] && break
-    sleep 0.2
-done
+gw_rolled_up
 echo "responses=$GOT rows=$ROWS rollup_calls=$ROLLED missing=$MISSING"
 [ "$MISSING" -eq 0 ] || gw_fail "$MISSING calls have no usage row 30 s after PostgreSQL came back (expected 0)"
 [ "$ROWS" -eq "$GOT" ] || gw_fail "$ROWS rows for $GOT responses (expected equal)"
