@@ -141,6 +141,16 @@ impl UsageConnection {
     /// calls holds no connection of its own.
     const RELEASE: std::time::Duration = std::time::Duration::from_secs(60);
 
+    /// Keeps the writer's PostgreSQL connection after a statement that succeeded; closes it
+    /// after one that failed (not reused: the writer's retry opens a new one).
+    async fn keep_or_close(&mut self, conn: sqlx::PgConnection, succeeded: bool) {
+        if succeeded {
+            self.0 = Some((Kept::Postgres(conn), std::time::Instant::now()));
+        } else {
+            drop(sqlx::Connection::close_hard(conn).await);
+        }
+    }
+
     /// Closes the kept connection (PostgreSQL) or gives it back to the pool (SQLite) once it
     /// has been idle for [`UsageConnection::RELEASE`]; the usage writer calls this between
     /// batches.
@@ -267,11 +277,7 @@ impl Store {
                 // of six (BEGIN, the rows, three rollups, COMMIT), whose cost made small batches
                 // dear.
                 let inserted = pg_insert_usage(&mut conn, rows).await;
-                match inserted {
-                    Ok(_) => held.0 = Some((Kept::Postgres(conn), std::time::Instant::now())),
-                    // Not reused: the writer's retry opens a new one.
-                    Err(_) => drop(sqlx::Connection::close_hard(conn).await),
-                }
+                held.keep_or_close(conn, inserted.is_ok()).await;
                 inserted
             }
             super::Backend::Sqlite => {
@@ -324,10 +330,7 @@ impl Store {
         }
         let mut conn = self.usage_pg_connection(held.0.take()).await?;
         let folded = fold_rollups_on::<sqlx::Postgres>(&mut conn).await;
-        match folded {
-            Ok(_) => held.0 = Some((Kept::Postgres(conn), std::time::Instant::now())),
-            Err(_) => drop(sqlx::Connection::close_hard(conn).await),
-        }
+        held.keep_or_close(conn, folded.is_ok()).await;
         Ok(folded?)
     }
 
