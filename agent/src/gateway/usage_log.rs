@@ -45,8 +45,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use super::journal;
-use crate::store::Store;
 use crate::store::gateway::UsageConnection;
+use crate::store::{Backend, Store};
 
 /// The dead-letter file in the state directory.
 pub const DEAD_LETTER_FILE: &str = "usage-dead-letter.jsonl";
@@ -258,11 +258,21 @@ pub struct UsageLog {
 
 /// Rows per transaction (a drain takes up to 8 of them).
 const BATCH: usize = 500;
-/// How long the writer lets rows gather after the first one of a batch. A batch's insert is
-/// a burst of the store's work on the node's cores: 50 ms (~100 rows at 2,000 calls/s, about
-/// 1.5 ms of PostgreSQL) put +1.46-1.61 ms on the two-node gateway's p99 where 10 ms (~20 rows)
-/// put +0.77-1.25 ms, for ~0.01 CPU-s more per 1,000 calls (BENCHMARKS.md, "Smaller batches").
-const LINGER: Duration = Duration::from_millis(10);
+/// How long the writer lets rows gather after the first one of a batch, per backend.
+///
+/// On PostgreSQL a batch's insert is a burst of the store server's work on the node's cores:
+/// 50 ms (~100 rows at 2,000 calls/s, about 1.5 ms of PostgreSQL) put +1.46-1.61 ms on the
+/// two-node gateway's p99 where 10 ms (~20 rows) put +0.77-1.25 ms, for ~0.01 CPU-s more per
+/// 1,000 calls (BENCHMARKS.md, "Smaller batches"). On SQLite the store's work is the agent's
+/// own, and most of a batch's is its commit (a WAL append of every page it touched, several
+/// messages to the database thread): 100 ms cost the single-node gateway ~20 % less CPU per
+/// call than 10 ms, at no higher p99 (BENCHMARKS.md, "SQLite batches every 100 ms").
+fn linger(backend: Backend) -> Duration {
+    match backend {
+        Backend::Postgres => Duration::from_millis(10),
+        Backend::Sqlite => Duration::from_millis(100),
+    }
+}
 /// How often the journal segment is rotated (and a partial batch written).
 const TICK: Duration = Duration::from_millis(250);
 const ROTATE_AFTER: Duration = Duration::from_secs(1);
@@ -593,6 +603,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
             w.replay(path).await;
         }
     }
+    let linger = linger(w.store.backend());
     let mut batch: Vec<UsageRow> = Vec::with_capacity(BATCH);
     let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
     let mut closing = false;
@@ -602,9 +613,9 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
                 let first_row = matches!(m, Msg::Row(_));
                 take(m, &mut batch, &mut waiters, &mut closing);
                 if first_row && !closing && waiters.is_empty() {
-                    // Let a batch gather: one transaction per LINGER instead of one per row
+                    // Let a batch gather: one transaction per linger instead of one per row
                     // (and one wake-up instead of one per row).
-                    tokio::time::sleep(LINGER).await;
+                    tokio::time::sleep(linger).await;
                 }
             }
             Ok(None) => closing = true,
