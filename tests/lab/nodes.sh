@@ -6,7 +6,8 @@
 # /var/lib/gpuhub and /etc/hosts, bound from /run/gpuhub-lab/nodes/gpuNN), its own slurmd
 # (`slurmd -N gpuNN`, NodeAddr its address), its own fake GPUs (gpu01 /dev/nvidia[0-1], gpu02
 # /dev/nvidia[2-3]) and its own gpuhub-agent (tests/lab/agent.toml plus the node's
-# [store]/[gateway]/[metrics]/[workers]), all agents on one lab PostgreSQL on 10.77.0.1:54330.
+# [store]/[gateway]/[metrics]/[workers]), all agents on one lab PostgreSQL on 10.77.0.1:15433
+# (below the ephemeral port range: see tests/lib/pg.sh).
 # gpu01 runs the gateway jobs are told (gateway_url http://10.77.0.11:8400); workers bind their
 # node's address (workers.host = "node") and write to /var/lib/gpuhub-lab-workers/gpuNN.
 #
@@ -28,7 +29,7 @@ NODES_BRIDGE=gpuhub-br0
 NODES_HOST_IP=10.77.0.1
 NODES_WORKERS=/var/lib/gpuhub-lab-workers
 NODES_PG_DATA=/var/tmp/gpuhub-lab-pg
-NODES_PG_PORT=54330
+NODES_PG_PORT=15433
 NODES_PG_DB=gpuhub_lab
 NODES_GATEWAY="http://10.77.0.11:8400"
 NODES_REPO="${NODES_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
@@ -70,6 +71,11 @@ nodes_pg_up() {
     local bin
     bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1)"
     [ -x "$bin/pg_ctl" ] || { echo "[lab] ERROR: PostgreSQL server binaries not found; run tests/setup/deps.sh" >&2; return 1; }
+    if [ -f "$NODES_PG_DATA/PG_VERSION" ] && ! grep -qx "port = $NODES_PG_PORT" "$NODES_PG_DATA/postgresql.conf"; then
+        # Made for another port (an older lab): the lab's store is made afresh on this one.
+        [ -f "$NODES_PG_DATA/postmaster.pid" ] && runuser -u postgres -- "$bin/pg_ctl" -D "$NODES_PG_DATA" -m fast stop >/dev/null 2>&1
+        rm -rf "$NODES_PG_DATA"
+    fi
     if [ ! -f "$NODES_PG_DATA/PG_VERSION" ]; then
         rm -rf "$NODES_PG_DATA"; mkdir -p "$NODES_PG_DATA"; chown postgres:postgres "$NODES_PG_DATA"
         runuser -u postgres -- "$bin/initdb" -D "$NODES_PG_DATA" -A trust -U postgres >/dev/null || return 1
