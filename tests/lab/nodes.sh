@@ -73,7 +73,7 @@ nodes_pg_up() {
     [ -x "$bin/pg_ctl" ] || { echo "[lab] ERROR: PostgreSQL server binaries not found; run tests/setup/deps.sh" >&2; return 1; }
     if [ -f "$NODES_PG_DATA/PG_VERSION" ] && ! grep -qx "port = $NODES_PG_PORT" "$NODES_PG_DATA/postgresql.conf"; then
         # Made for another port (an older lab): the lab's store is made afresh on this one.
-        [ -f "$NODES_PG_DATA/postmaster.pid" ] && runuser -u postgres -- "$bin/pg_ctl" -D "$NODES_PG_DATA" -m fast stop >/dev/null 2>&1
+        [ -f "$NODES_PG_DATA/postmaster.pid" ] && runuser -u postgres -- "$bin/pg_ctl" -D "$NODES_PG_DATA" -m fast stop >/dev/null 2>&1 || true
         rm -rf "$NODES_PG_DATA"
     fi
     if [ ! -f "$NODES_PG_DATA/PG_VERSION" ]; then
