@@ -7,6 +7,11 @@
 # spank_setenv all run); prints each series' median and the difference. The loop runs on the
 # host with the 24.11 leg's srun (tests/lab/slurm24.sh run), so only srun is timed.
 #
+# Both parts of bench/spank-srun.sh (against a Slurm with no gpuhub, and the job-hooks build
+# with and without PrologFlags=Alloc) run on the leg as they are, with the leg's environment:
+#   tests/lab/slurm24.sh up && GPUHUB_LAB_SLURM=24.11 PATH=/run/gpuhub-lab24/bin:$PATH \
+#     SLURM_CONF=/var/lib/gpuhub-lab/slurm24-root/etc/slurm/slurm.conf bench/spank-srun.sh 25
+#
 # Usage (root): bench/spank-srun-slurm24.sh [ROUNDS]   (default 30)
 # Starts the 24.11 lab if it is not up (tests/lab/slurm24.sh up, which stops the 22.05 lab's
 # daemons) and stops it again then (tests/lab/up.sh brings the 22.05 lab back);

@@ -83,7 +83,8 @@ lab_plugin_path() {
 lab_pid_alive() {
     local pid
     [ -s "$1" ] || return 1
-    pid="$(cat "$1")"
+    # The daemon may remove its pid file between the test and the read (it is stopping).
+    pid="$(cat "$1" 2>/dev/null)" || return 1
     [ -d "/proc/$pid" ] && grep -qx "$2" "/proc/$pid/comm" 2>/dev/null
 }
 
