@@ -6,8 +6,8 @@
 # PostgreSQL backends' CPU per batch, this process's (the writer's) CPU per batch and the wall
 # time per batch of each build, and the medians of B / A. Since 738868a a batch leaves its
 # rollups to the writer's fold once a second (Store::fold_rollups_on), which this does not run:
-# compare builds on either side of it with bench/gateway-replicas.sh. Rounds alternate because this VM's
-# speed drifts from minute to minute more than the change being measured.
+# compare builds on either side of it with bench/gateway-replicas.sh. Rounds alternate because
+# this VM's speed drifts from minute to minute more than the change being measured.
 #   bench/usage-batch.sh A_BIN [B_BIN]   usage_batch_cost binaries (B_BIN: this tree's
 #                                        target/release/examples/usage_batch_cost)
 #   BATCHES=3000 ROWS=20 REPEAT=5 by default (20 rows: a 10 ms batch at ~2,000 calls/s)

@@ -122,9 +122,9 @@ const CALL_ROLLUPS_CONFLICT: &str = " ON CONFLICT (hour_us, user_name, app, requ
 /// The connection the usage writer keeps from one batch to the next ([`Store::insert_usage_on`]).
 /// sqlx checks a pooled connection with a round trip when it hands it out and again when it
 /// takes it back: two round trips around every batch (every 10 ms under load on PostgreSQL)
-/// that a kept connection does without. On PostgreSQL it is a native connection of its own, outside the
-/// pool (one more than `store.max_connections`), so that a batch's columns go as binary arrays
-/// (the `Any` driver binds no arrays).
+/// that a kept connection does without. On PostgreSQL it is a native connection of its own,
+/// outside the pool (one more than `store.max_connections`), so that a batch's columns go as
+/// binary arrays (the `Any` driver binds no arrays).
 #[derive(Default)]
 pub struct UsageConnection(Option<(Kept, std::time::Instant)>);
 
