@@ -174,6 +174,28 @@ pub async fn callers_between(
     Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
 }
 
+/// The calls of `model` that started in the whole hours `[from_hour_us, before_hour_us)`, per
+/// (user, app), from the hourly rollup (`call_rollups.busy_us` holds what [`callers_between`]
+/// sums from the rows). PostgreSQL: what the rollup counts lags the rows until a fold
+/// (`Store::fold_rollups`); a reader that needs every stored row folds first.
+pub async fn callers_in_hours(
+    pool: &AnyPool,
+    model: &str,
+    from_hour_us: i64,
+    before_hour_us: i64,
+) -> Result<BTreeMap<(String, String), Busy>, sqlx::Error> {
+    let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
+        "SELECT user_name, app, CAST(SUM(busy_us) AS BIGINT), CAST(SUM(calls) AS BIGINT) FROM call_rollups \
+         WHERE resolved_model = $1 AND hour_us >= $2 AND hour_us < $3 GROUP BY user_name, app",
+    )
+    .bind(model)
+    .bind(from_hour_us)
+    .bind(before_hour_us)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
+}
+
 /// A worker job's split, computed now from the usage log (live, or to be stored); with
 /// `live`, from its kept sums and the rows after them.
 pub async fn compute(

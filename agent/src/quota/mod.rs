@@ -134,6 +134,8 @@ impl Quotas {
         let spg = cfg.accounting.shards_per_gpu;
         let admin_limits = state.store.quota_limits().await?;
         let topups = state.store.quota_topups(now_us).await?;
+        // Live worker jobs' callers are read from the hourly rollup (accounting::live_callers).
+        state.store.fold_rollups().await?;
         let mut by_since: BTreeMap<i64, usage::Usage> = BTreeMap::new();
         let mut statuses = Vec::new();
         let mut want: BTreeMap<(String, String), String> = BTreeMap::new();
