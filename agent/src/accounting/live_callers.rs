@@ -10,7 +10,9 @@
 //! - the *edge*: the calls that started before its first whole hour (from a day before its
 //!   start: a call that waited for the worker to load started before it), from the rows;
 //! - its *whole hours*, from the hourly rollup (`call_rollups.busy_us`, migration 0021): a pass
-//!   reads the hours not kept yet, a few rollup rows per caller, however busy the model;
+//!   reads the hours not kept yet, a few rollup rows per caller, however busy the model (while
+//!   the job runs, the current hour's calls that started after now count too: only a node
+//!   whose clock is ahead stores such calls, which a read of the rows leaves out);
 //! - an ended job's *last hour*, up to its end, from the rows.
 //!
 //! Rows (and hours) that started before a horizon, [`LATE_US`] ago, are taken as all there (a

@@ -229,4 +229,59 @@ mod tests {
         let u = sum_jobs(&jobs, &workers, &BTreeMap::new(), 5 * HOUR_US, 20 * HOUR_US, 14);
         assert_eq!(u.per_user["alice"], 10 * HOUR_US);
     }
+    /// The quota pass's usage with a running worker job's callers from the kept sums (whole
+    /// hours from the rollup) is the usage read from every row, pass after pass, and bills the
+    /// job to its callers, not to the worker account. On SQLite and PostgreSQL.
+    #[tokio::test]
+    async fn a_running_worker_job_is_billed_to_its_callers_from_the_kept_sums_on_every_backend() {
+        use crate::gateway::usage_log::UsageRow;
+        const S: i64 = 1_000_000;
+        for (store, _dir) in crate::store::testing::stores().await {
+            let pool = store.pool();
+            let now = (crate::util::now_us() / S) * S;
+            let start = now - 3 * HOUR_US - 20 * 60 * S;
+            sqlx::query(
+                "INSERT INTO acct_jobs (node, job_id, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, \
+                 shards, anomalies, verified, slurm_gpus, slurm_start_us, slurm_end_us) \
+                 VALUES ('gpu01', 900, 990, 'gpuhub-worker', 'lab', 'gpu', $1, NULL, $1, $1, 0, '', 'slurmctld', 1, $1, NULL)",
+            )
+            .bind(start)
+            .execute(pool)
+            .await
+            .unwrap();
+            store.record_worker_job(900, "chat", 990, start - S).await.unwrap();
+            let row = |id: String, user: &str, time_us: i64, latency_us: i64| UsageRow {
+                request_id: id,
+                time_us,
+                user: user.into(),
+                app: "nb".into(),
+                requested_name: "chat".into(),
+                resolved_model: "chat".into(),
+                status: 200,
+                latency_us,
+                overhead_us: 2_000,
+                ..Default::default()
+            };
+            // Every 7 minutes alice, every 11 bob (longer calls), over the job's life so far.
+            let mut rows: Vec<UsageRow> = (0..29).map(|i| row(format!("a{i}"), "alice", start + i * 7 * 60 * S, 3 * S)).collect();
+            rows.extend((0..19).map(|i| row(format!("b{i}"), "bob", start - 5 * S + i * 11 * 60 * S, 8 * S)));
+            store.insert_usage(&rows).await.unwrap();
+            let live = crate::accounting::live_callers::LiveCallers::default();
+            let since = now - 24 * HOUR_US;
+            for pass in 0..3 {
+                let at = now + pass * 60 * S;
+                if pass == 2 {
+                    store.insert_usage(&[row("late".into(), "carol", at - 30 * S, 20 * S)]).await.unwrap();
+                }
+                store.fold_rollups().await.unwrap();
+                let kept = usage_since(pool, since, at, 28, Some(&live)).await.unwrap();
+                let whole = usage_since(pool, since, at, 28, None).await.unwrap();
+                assert_eq!(kept, whole, "{:?}, pass {pass}", store.backend());
+                assert!(!kept.per_user.contains_key("gpuhub-worker"), "{kept:?}");
+                let (a, b) = (kept.per_user["alice"], kept.per_user["bob"]);
+                assert!(a > 0 && b > 0 && a + b + kept.per_user.get("carol").copied().unwrap_or(0) == at - start, "{kept:?}");
+                assert_eq!(kept.per_user.contains_key("carol"), pass == 2);
+            }
+        }
+    }
 }
