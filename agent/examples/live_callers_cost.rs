@@ -108,9 +108,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // SAFETY: sysconf has no preconditions.
     let tick_ms = 1000.0 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let measure = |pg0: u64, t0: std::time::Instant| {
-        ((t0.elapsed().as_secs_f64() * 1000.0), (server_ticks(postmaster) - pg0) as f64 * tick_ms)
-    };
+    let measure =
+        |pg0: u64, t0: std::time::Instant| ((t0.elapsed().as_secs_f64() * 1000.0), (server_ticks(postmaster) - pg0) as f64 * tick_ms);
     let (mut old, mut new) = (Vec::new(), Vec::new());
     for pass in 1..=passes {
         let at = now + pass as i64 * 1_000_000;
