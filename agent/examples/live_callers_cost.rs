@@ -1,5 +1,5 @@
 //! What a quota pass costs PostgreSQL to find one busy worker job's callers: a job that started
-//! 90 minutes ago (past its first whole hour, where a pass reads rows as before), the store
+//! 90 minutes ago (older than `LATE_US`, before which a pass reads rows as before), the store
 //! filled with `RATE` calls per second of its model for the last `MINUTES` minutes (by six
 //! users), then, `PASSES` times each and alternating, the pass's read as it is now
 //! (`LiveCallers::callers` with its kept sums: the job's whole hours from the hourly rollup)

@@ -6,21 +6,25 @@
 //! calls: at 2,000 calls/s one model has 1.2 M rows in 10 minutes, which PostgreSQL took
 //! ~0.35 s to sum (`EXPLAIN ANALYZE`, 2026-12-05), and a job's whole life was read again hourly.
 //!
-//! A job's window is read in three parts, each kept per (user, app) between passes:
-//! - the *edge*: the calls that started before its first whole hour (from a day before its
-//!   start: a call that waited for the worker to load started before it), from the rows;
-//! - its *whole hours*, from the hourly rollup (`call_rollups.busy_us`, migration 0021): a pass
-//!   reads the hours not kept yet, a few rollup rows per caller, however busy the model (while
-//!   the job runs, the current hour's calls that started after now count too: only a node
-//!   whose clock is ahead stores such calls, which a read of the rows leaves out);
-//! - an ended job's *last hour*, up to its end, from the rows.
+//! A job's window is read in parts, each kept per (user, app) between passes:
+//! - its *hours*, from the hourly rollup (`call_rollups.busy_us`, migration 0021) from the hour
+//!   it started in: a pass reads the hours not kept yet, a few rollup rows per caller however
+//!   busy the model (while the job runs, the current hour's calls that started after now count
+//!   too: only a node whose clock is ahead stores such calls, which a read of the rows leaves
+//!   out);
+//! - less the *head*: the calls of that first hour that started before the job, which the
+//!   rollup counts, from the rows;
+//! - plus the calls that started before the job and ran into it (a call that waited for the
+//!   worker to load started before it), from the rows of a day before its start;
+//! - and an ended job's *last hour*, up to its end, from the rows.
 //!
 //! Rows (and hours) that started before a horizon, [`LATE_US`] ago, are taken as all there (a
-//! row is written when its call ends) and kept; each pass reads only what comes after. A call
-//! longer than [`LATE_US`], or rows replayed from a journal after a store outage, may land behind
-//! the horizon: in a whole hour they count from the next read of the job's hours, every
-//! [`REFRESH_US`] (a rollup read, cheap); at the edge they are not seen here. Nothing is billed
-//! from here: a job's split, once it ended, is computed from every row
+//! row is written when its call ends) and kept; each pass reads only what comes after: once a
+//! job is [`LATE_US`] old, no row before its start is read again. A call longer than
+//! [`LATE_US`], or rows replayed from a journal after a store outage, may land behind the
+//! horizon: in the hours they count from the next read of the job's hours, every
+//! [`REFRESH_US`] (a rollup read, cheap); before the job's start they are not seen here.
+//! Nothing is billed from here: a job's split, once it ended, is computed from every row
 //! ([`super::inference::settle`]), and `gpuhub usage` reads the rows whole. PostgreSQL: the
 //! rollup counts a row once it is folded in; the quota pass folds before it reads.
 
@@ -33,7 +37,7 @@ use super::inference::{Busy, MAX_CALL_US, callers_between, callers_in_hours};
 
 /// Rows that started this long ago are taken as written.
 pub const LATE_US: i64 = 10 * 60 * 1_000_000;
-/// A job's whole hours are read again after this long.
+/// A job's hours are read again after this long.
 pub const REFRESH_US: i64 = 3600 * 1_000_000;
 const HOUR_US: i64 = 3_600_000_000;
 
@@ -75,9 +79,11 @@ impl Part {
 struct Kept {
     model: String,
     from_us: i64,
-    /// Rows of the calls that started before the job's first whole hour.
-    edge: Part,
-    /// The rollup's whole hours from the job's first (`upto_us`: an hour's start).
+    /// Rows of the calls that started before the job and ran into it.
+    before: Part,
+    /// Rows of every call of the job's first hour that started before the job.
+    head: Part,
+    /// The rollup's hours from the job's first (`upto_us`: an hour's start).
     hours: Part,
     hours_read_us: i64,
     /// Rows of an ended job's last hour: where they start, and the sums.
@@ -92,12 +98,17 @@ pub struct LiveCallers {
     jobs: Mutex<HashMap<(String, i64), Kept>>,
 }
 
-fn add(into: &mut Callers, from: Callers) {
+/// Adds `from` to `into` (`sign` 1), or takes it off (-1).
+fn add_signed(into: &mut Callers, from: Callers, sign: i64) {
     for (k, b) in from {
         let e = into.entry(k).or_default();
-        e.busy_us += b.busy_us;
-        e.calls += b.calls;
+        e.busy_us += sign * b.busy_us;
+        e.calls += sign * b.calls;
     }
+}
+
+fn add(into: &mut Callers, from: Callers) {
+    add_signed(into, from, 1);
 }
 
 fn hour_floor(us: i64) -> i64 {
@@ -118,19 +129,20 @@ impl LiveCallers {
         now_us: i64,
     ) -> Result<Callers, sqlx::Error> {
         let end = to_us.saturating_add(1);
-        // Hours from the first that starts at or after `from_us`; an ended job's window
-        // (`end` not after now) stops at its end, a running job's takes every hour to come.
-        let first_hour = hour_floor(from_us.saturating_add(HOUR_US - 1));
-        let edge_end = first_hour.min(end);
+        // An ended job's window (`end` not after now) stops at its end; a running job's takes
+        // every hour to come.
+        let first_hour = hour_floor(from_us);
         let ended = end <= now_us;
         let hours_end = if ended { hour_floor(end).max(first_hour) } else { i64::MAX };
+        let before_end = from_us.min(end);
         let kept = self.lock().remove(key);
         let mut k = match kept {
-            Some(k) if k.model == model && k.from_us == from_us && k.edge.upto_us <= edge_end => k,
+            Some(k) if k.model == model && k.from_us == from_us && k.before.upto_us <= before_end => k,
             _ => Kept {
                 model: model.to_string(),
                 from_us,
-                edge: Part::new(from_us.saturating_sub(MAX_CALL_US)),
+                before: Part::new(from_us.saturating_sub(MAX_CALL_US)),
+                head: Part::new(first_hour),
                 hours: Part::new(first_hour),
                 hours_read_us: now_us,
                 last: None,
@@ -142,18 +154,24 @@ impl LiveCallers {
             k.hours_read_us = now_us;
         }
         let horizon = now_us.saturating_sub(LATE_US);
-        let mut out = k.edge.read(edge_end, horizon, |a, b| callers_between(pool, model, from_us, a, b)).await?;
-        if end > first_hour {
+        let raw = |from_us| move |a, b| callers_between(pool, model, from_us, a, b);
+        let mut out = k.before.read(before_end, horizon, raw(from_us)).await?;
+        if end > from_us {
             add(&mut out, k.hours.read(hours_end, hour_floor(horizon), |a, b| callers_in_hours(pool, model, a, b)).await?);
+            add_signed(&mut out, k.head.read(from_us, horizon, raw(i64::MIN)).await?, -1);
+            if ended && end > hours_end {
+                let mut last = match k.last.take() {
+                    Some((start, part)) if start == hours_end && part.upto_us <= end => part,
+                    _ => Part::new(hours_end),
+                };
+                // Every call from the hour's start: in the hour the job started, the head
+                // takes the ones before it off again.
+                add(&mut out, last.read(end, horizon, raw(i64::MIN)).await?);
+                k.last = Some((hours_end, last));
+            }
         }
-        if ended && end > hours_end {
-            let mut last = match k.last.take() {
-                Some((start, part)) if start == hours_end && part.upto_us <= end => part,
-                _ => Part::new(hours_end),
-            };
-            add(&mut out, last.read(end, horizon, |a, b| callers_between(pool, model, from_us, a, b)).await?);
-            k.last = Some((hours_end, last));
-        }
+        // A caller whose calls of the first hour all started before the job.
+        out.retain(|_, b| b.calls != 0);
         k.used = true;
         self.lock().insert(key.clone(), k);
         Ok(out)
@@ -195,8 +213,8 @@ mod tests {
         assert_eq!(store.insert_usage(&[row]).await.unwrap(), 1);
     }
 
-    /// Calls, then the exact callers of a window, read from every row (PostgreSQL: the rows
-    /// folded into the rollups first, as the quota pass does).
+    /// The callers of a window read from every row; PostgreSQL: after the waiting rows are
+    /// folded into the rollups, as the quota pass does before it reads.
     async fn exact(store: &Store, from: i64, to: i64) -> BTreeMap<(String, String), Busy> {
         store.fold_rollups().await.unwrap();
         callers(store.pool(), "m", from, to).await.unwrap()
@@ -204,15 +222,17 @@ mod tests {
 
     async fn story(store: Store) {
         let pool = store.pool();
-        // A job that started at 10:20 (its first whole hour 11:00), read at 12:30.
+        // A job that started at 10:20, read at 12:30.
         let h = hour_floor(1_800_000_000 * S);
         let from = h - 2 * HOUR_US + 20 * 60 * S;
         let now = h + 30 * 60 * S;
         let job = ("gpu01".to_string(), 7);
-        // The edge: one call before the job that ran into it, one that ended before it, one
-        // after its start; a whole hour; the current hour; another model's.
+        // Before the job: a call that ran into it, one that ended before it, and a caller
+        // whose only call of its first hour ended before it; then a call after its start, a
+        // whole hour, the current hour, another model's.
         call(&store, "r1", "alice", "m", from - 10 * S, 15 * S).await;
         call(&store, "r2", "alice", "m", from - 20 * S, 5 * S).await;
+        call(&store, "r0", "gina", "m", from - 15 * 60 * S, S).await;
         call(&store, "r3", "dave", "m", from + 60 * S, 3 * S).await;
         call(&store, "r4", "bob", "m", h - 30 * 60 * S, 2 * S).await;
         call(&store, "r5", "alice", "m", now - 60 * S, S).await;
@@ -224,8 +244,8 @@ mod tests {
         {
             let jobs = live.lock();
             let k = &jobs[&job];
-            assert_eq!(k.edge.upto_us, h - HOUR_US, "the edge is kept whole once its hour is past LATE_US");
-            assert_eq!(k.hours.upto_us, h, "the closed hour is kept, the current one read each pass");
+            assert_eq!((k.before.upto_us, k.head.upto_us), (from, from), "nothing before the job is read again");
+            assert_eq!(k.hours.upto_us, h, "the closed hours are kept, the current one read each pass");
             assert!(k.last.is_none(), "a running job has no last hour");
         }
 
@@ -243,7 +263,7 @@ mod tests {
         assert_eq!(live.callers(pool, &job, "m", from, refresh + S, refresh).await.unwrap(), exact(&store, from, refresh + S).await);
 
         // The job ends (its window stops at its end: r5 in, r7 out), read in the same pass and
-        // again past LATE_US; a job that ended before its first whole hour is all edge.
+        // again past LATE_US; a job that ended in the hour it started.
         let end = now - 30 * S;
         for at in [refresh, refresh + LATE_US] {
             assert_eq!(live.callers(pool, &job, "m", from, end, at).await.unwrap(), exact(&store, from, end).await, "at {at}");
@@ -251,6 +271,13 @@ mod tests {
         assert!(live.lock()[&job].last.is_some());
         let short = ("gpu01".to_string(), 8);
         assert_eq!(live.callers(pool, &short, "m", from, from + 120 * S, now).await.unwrap(), exact(&store, from, from + 120 * S).await);
+
+        // A job younger than LATE_US: its first hour's calls before it are read each pass.
+        let young = ("gpu02".to_string(), 9);
+        let born = now - 5 * 60 * S;
+        for at in [now, later] {
+            assert_eq!(live.callers(pool, &young, "m", born, at + S, at).await.unwrap(), exact(&store, born, at + S).await);
+        }
 
         // Jobs not asked for in a pass are forgotten at its sweep.
         live.sweep();

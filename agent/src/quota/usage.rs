@@ -229,6 +229,7 @@ mod tests {
         let u = sum_jobs(&jobs, &workers, &BTreeMap::new(), 5 * HOUR_US, 20 * HOUR_US, 14);
         assert_eq!(u.per_user["alice"], 10 * HOUR_US);
     }
+
     /// The quota pass's usage with a running worker job's callers from the kept sums (whole
     /// hours from the rollup) is the usage read from every row, pass after pass, and bills the
     /// job to its callers, not to the worker account. On SQLite and PostgreSQL.
