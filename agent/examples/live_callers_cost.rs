@@ -4,17 +4,18 @@
 //! users), then, `PASSES` times each and alternating, the pass's read as it is now
 //! (`LiveCallers::callers` with its kept sums: the job's whole hours from the hourly rollup)
 //! and the read the pass made before (the usage rows of the last `LATE_US`, read on every pass:
-//! `callers_between` from the horizon on, the query its kept sums left), plus once the read of
-//! the job's whole life that the old pass repeated every hour (`callers`). Used by
-//! `bench/live-callers.sh`.
+//! `callers_between` from the horizon on, the query its kept sums left), plus once each the
+//! read of the job's whole life that the old pass made first and repeated every hour (from
+//! `MAX_CALL_US` before its start) and the first pass now (the rows before the job from
+//! `earliest_start`, the job's hours from the rollup). Used by `bench/live-callers.sh`.
 //!
 //!   live_callers_cost POSTGRES_URL [RATE] [MINUTES] [PASSES]
 //!
-//! Prints `rows old_wall_ms old_pg_ms new_wall_ms new_pg_ms whole_wall_ms whole_pg_ms`: the
-//! median of the passes' wall times, PostgreSQL's CPU per pass (every process of the server,
-//! parallel workers included; the mean over the passes, as the CPU is counted in clock ticks),
-//! and the whole read's. The server must run on this host.
-use gpuhub_agent::accounting::inference::{callers, callers_between};
+//! Prints `rows old_wall_ms old_pg_ms new_wall_ms new_pg_ms whole_wall_ms whole_pg_ms
+//! first_wall_ms first_pg_ms`: the median of the passes' wall times, PostgreSQL's CPU per pass
+//! (every process of the server, parallel workers included; the mean over the passes, as the
+//! CPU is counted in clock ticks), the old whole read's and the first pass's. The server must run on this host.
+use gpuhub_agent::accounting::inference::{MAX_CALL_US, callers, callers_between};
 use gpuhub_agent::accounting::live_callers::{LATE_US, LiveCallers};
 use gpuhub_agent::store::Store;
 
@@ -100,16 +101,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let to = now + 1_000_000;
     let live = LiveCallers::default();
     let key = ("gpu01".to_string(), 4242);
-    // The first pass reads the edge and the closed hours; later passes keep them.
-    let first = live.callers(pool, &key, "demo-chat", from, to, now).await?;
-    let whole = callers(pool, "demo-chat", from, to).await?;
-    if first != whole {
-        return Err(format!("the kept sums differ from a whole read: {first:?} against {whole:?}").into());
-    }
     // SAFETY: sysconf has no preconditions.
     let tick_ms = 1000.0 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let measure =
         |pg0: u64, t0: std::time::Instant| ((t0.elapsed().as_secs_f64() * 1000.0), (server_ticks(postmaster) - pg0) as f64 * tick_ms);
+    // The first pass reads the rows before the job and its hours; later passes keep them.
+    let (pg0, t0) = (server_ticks(postmaster), std::time::Instant::now());
+    let got = live.callers(pool, &key, "demo-chat", from, to, now).await?;
+    let first = measure(pg0, t0);
+    let want = callers_between(pool, "demo-chat", from, from - MAX_CALL_US, to + 1).await?;
+    if got != want || callers(pool, "demo-chat", from, to).await? != want {
+        return Err(format!("the kept sums differ from a whole read: {got:?} against {want:?}").into());
+    }
     let (mut old, mut new) = (Vec::new(), Vec::new());
     for pass in 1..=passes {
         let at = now + pass as i64 * 1_000_000;
@@ -121,20 +124,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         new.push(measure(pg0, t0));
     }
     let (pg0, t0) = (server_ticks(postmaster), std::time::Instant::now());
-    callers(pool, "demo-chat", from, to).await?;
+    callers_between(pool, "demo-chat", from, from - MAX_CALL_US, to + 1).await?;
     let whole = measure(pg0, t0);
     let wall = |v: &[(f64, f64)]| median(v.iter().map(|x| x.0).collect());
     let cpu = |v: &[(f64, f64)]| v.iter().map(|x| x.1).sum::<f64>() / v.len() as f64;
     use std::io::Write;
     writeln!(
         std::io::stdout(),
-        "{rows} {:.2} {:.2} {:.2} {:.2} {:.1} {:.1}",
+        "{rows} {:.2} {:.2} {:.2} {:.2} {:.1} {:.1} {:.1} {:.1}",
         wall(&old),
         cpu(&old),
         wall(&new),
         cpu(&new),
         whole.0,
-        whole.1
+        whole.1,
+        first.0,
+        first.1
     )?;
     store.close().await;
     sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)")).execute(&admin).await?;

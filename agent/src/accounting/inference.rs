@@ -148,7 +148,29 @@ pub async fn worker_jobs(pool: &AnyPool, since_us: i64) -> Result<BTreeMap<(Stri
 
 /// The calls of `model` whose interval overlaps `[from_us, to_us]`, per (user, app).
 pub async fn callers(pool: &AnyPool, model: &str, from_us: i64, to_us: i64) -> Result<BTreeMap<(String, String), Busy>, sqlx::Error> {
-    callers_between(pool, model, from_us, from_us.saturating_sub(MAX_CALL_US), to_us.saturating_add(1)).await
+    callers_between(pool, model, from_us, earliest_start(pool, model, from_us).await?, to_us.saturating_add(1)).await
+}
+
+/// Where the calls of `model` that ran into `from_us` can have started: from the hour that
+/// holds `from_us`, or from an hour before it, up to [`MAX_CALL_US`] before, whose longest call
+/// (`call_rollups.max_latency_us`) reaches `from_us`. A read of the rows from there is a range
+/// of the time index over every model's rows: an hour or two of them, not the day that
+/// [`MAX_CALL_US`] allows. PostgreSQL: a row of such an hour counts here once folded.
+pub async fn earliest_start(pool: &AnyPool, model: &str, from_us: i64) -> Result<i64, sqlx::Error> {
+    const HOUR_US: i64 = 3_600_000_000;
+    let floor = from_us.saturating_sub(MAX_CALL_US);
+    let hour = from_us - from_us.rem_euclid(HOUR_US);
+    let first: Option<i64> = sqlx::query_scalar(
+        "SELECT MIN(hour_us) FROM call_rollups WHERE resolved_model = $1 AND hour_us >= $2 AND hour_us < $3 AND hour_us + $4 + max_latency_us >= $5",
+    )
+    .bind(model)
+    .bind(floor - floor.rem_euclid(HOUR_US))
+    .bind(hour)
+    .bind(HOUR_US)
+    .bind(from_us)
+    .fetch_one(pool)
+    .await?;
+    Ok(first.unwrap_or(hour).min(hour).max(floor))
 }
 
 /// The calls of `model` that started in `[start_us, before_us)` and ran into `from_us` or

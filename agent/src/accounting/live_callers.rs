@@ -1,7 +1,7 @@
 //! The callers of worker jobs not split yet, kept between quota passes.
 //!
 //! A quota pass bills each live worker job to its callers ([`super::inference::window`]): the
-//! usage rows of its model from a day before its start ([`MAX_CALL_US`]) to now. Read from the
+//! usage rows of its model from a day before its start ([`super::inference::MAX_CALL_US`]) to now. Read from the
 //! rows on every pass (each `quota_interval_ms`, on every agent), that scan grows with the job's
 //! calls: at 2,000 calls/s one model has 1.2 M rows in 10 minutes, which PostgreSQL took
 //! ~0.35 s to sum (`EXPLAIN ANALYZE`, 2026-12-05), and a job's whole life was read again hourly.
@@ -15,7 +15,8 @@
 //! - less the *head*: the calls of that first hour that started before the job, which the
 //!   rollup counts, from the rows;
 //! - plus the calls that started before the job and ran into it (a call that waited for the
-//!   worker to load started before it), from the rows of a day before its start;
+//!   worker to load started before it), from the rows of the hours before its start whose
+//!   longest call reaches it ([`super::inference::earliest_start`]);
 //! - and an ended job's *last hour*, up to its end, from the rows.
 //!
 //! Rows (and hours) that started before a horizon, [`LATE_US`] ago, are taken as all there (a
@@ -33,7 +34,7 @@ use std::sync::Mutex;
 
 use sqlx::AnyPool;
 
-use super::inference::{Busy, MAX_CALL_US, callers_between, callers_in_hours};
+use super::inference::{Busy, callers_between, callers_in_hours, earliest_start};
 
 /// Rows that started this long ago are taken as written.
 pub const LATE_US: i64 = 10 * 60 * 1_000_000;
@@ -141,7 +142,7 @@ impl LiveCallers {
             _ => Kept {
                 model: model.to_string(),
                 from_us,
-                before: Part::new(from_us.saturating_sub(MAX_CALL_US)),
+                before: Part::new(earliest_start(pool, model, from_us).await?),
                 head: Part::new(first_hour),
                 hours: Part::new(first_hour),
                 hours_read_us: now_us,
@@ -213,11 +214,14 @@ mod tests {
         assert_eq!(store.insert_usage(&[row]).await.unwrap(), 1);
     }
 
-    /// The callers of a window read from every row; PostgreSQL: after the waiting rows are
-    /// folded into the rollups, as the quota pass does before it reads.
+    /// The callers of a window read from every row from a day before it (the definition,
+    /// without [`earliest_start`]'s bound); PostgreSQL: after the waiting rows are folded into
+    /// the rollups, as the quota pass does before it reads. [`callers`] answers the same.
     async fn exact(store: &Store, from: i64, to: i64) -> BTreeMap<(String, String), Busy> {
         store.fold_rollups().await.unwrap();
-        callers(store.pool(), "m", from, to).await.unwrap()
+        let all = callers_between(store.pool(), "m", from, from - crate::accounting::inference::MAX_CALL_US, to + 1).await.unwrap();
+        assert_eq!(callers(store.pool(), "m", from, to).await.unwrap(), all, "callers() from earliest_start");
+        all
     }
 
     async fn story(store: Store) {
@@ -233,13 +237,17 @@ mod tests {
         call(&store, "r1", "alice", "m", from - 10 * S, 15 * S).await;
         call(&store, "r2", "alice", "m", from - 20 * S, 5 * S).await;
         call(&store, "r0", "gina", "m", from - 15 * 60 * S, S).await;
+        // Three hours before it, a call that ran into it, and an hour later a short one.
+        call(&store, "r9", "hank", "m", from - 3 * HOUR_US, 3 * HOUR_US + 60 * S).await;
+        call(&store, "r10", "hank", "m", from - 2 * HOUR_US, S).await;
         call(&store, "r3", "dave", "m", from + 60 * S, 3 * S).await;
         call(&store, "r4", "bob", "m", h - 30 * 60 * S, 2 * S).await;
         call(&store, "r5", "alice", "m", now - 60 * S, S).await;
         call(&store, "r6", "carol", "other", now - 60 * S, S).await;
         let live = LiveCallers::default();
         let want = exact(&store, from, now + S).await;
-        assert_eq!(want.len(), 3, "alice, bob and dave: {want:?}");
+        assert_eq!(want.len(), 4, "alice, bob, dave and hank: {want:?}");
+        assert_eq!(want[&("hank".to_string(), "app".to_string())].calls, 1);
         assert_eq!(live.callers(pool, &job, "m", from, now + S, now).await.unwrap(), want);
         {
             let jobs = live.lock();

@@ -112,12 +112,13 @@ const HOUR_US: i64 = 3_600_000_000;
 
 /// The hourly call rollup's upsert: its columns ([`CALL_ROLLUPS_INSERT`]) and how a bucket
 /// that exists takes more calls ([`CALL_ROLLUPS_CONFLICT`]).
-const CALL_ROLLUPS_INSERT: &str = "INSERT INTO call_rollups (hour_us, user_name, app, requested_name, resolved_model, calls, errors, prompt_tokens, completion_tokens, latency_us_sum, busy_us)";
+const CALL_ROLLUPS_INSERT: &str = "INSERT INTO call_rollups (hour_us, user_name, app, requested_name, resolved_model, calls, errors, prompt_tokens, completion_tokens, latency_us_sum, busy_us, max_latency_us)";
 const CALL_ROLLUPS_CONFLICT: &str = " ON CONFLICT (hour_us, user_name, app, requested_name, resolved_model) DO UPDATE SET \
      calls = call_rollups.calls + excluded.calls, errors = call_rollups.errors + excluded.errors, \
      prompt_tokens = call_rollups.prompt_tokens + excluded.prompt_tokens, \
      completion_tokens = call_rollups.completion_tokens + excluded.completion_tokens, \
-     latency_us_sum = call_rollups.latency_us_sum + excluded.latency_us_sum, busy_us = call_rollups.busy_us + excluded.busy_us";
+     latency_us_sum = call_rollups.latency_us_sum + excluded.latency_us_sum, busy_us = call_rollups.busy_us + excluded.busy_us, \
+     max_latency_us = CASE WHEN excluded.max_latency_us > call_rollups.max_latency_us THEN excluded.max_latency_us ELSE call_rollups.max_latency_us END";
 
 /// The connection the usage writer keeps from one batch to the next ([`Store::insert_usage_on`]).
 /// sqlx checks a pooled connection with a round trip when it hands it out and again when it
@@ -383,7 +384,7 @@ impl Store {
         }
         let inserted = if learn_ids { &learned[..] } else { rows };
         // Hourly call rollups of the new rows.
-        let mut sums: BTreeMap<(i64, &str, &str, &str, &str), [i64; 6]> = BTreeMap::new();
+        let mut sums: BTreeMap<(i64, &str, &str, &str, &str), [i64; 7]> = BTreeMap::new();
         for r in inserted {
             let k = (
                 r.time_us - r.time_us.rem_euclid(HOUR_US),
@@ -392,7 +393,7 @@ impl Store {
                 r.requested_name.as_str(),
                 r.resolved_model.as_str(),
             );
-            let s = sums.entry(k).or_insert([0; 6]);
+            let s = sums.entry(k).or_insert([0; 7]);
             let calls = r.calls.max(1);
             s[0] += calls;
             s[1] += if r.status >= 400 { calls } else { 0 };
@@ -400,6 +401,7 @@ impl Store {
             s[3] += r.completion_tokens;
             s[4] += r.latency_us.saturating_mul(calls);
             s[5] += (r.latency_us - r.overhead_us).max(0);
+            s[6] = s[6].max(r.latency_us);
         }
         for ((hour, user, app, name, model), s) in &sums {
             sqlx::query(sqlite_call_rollup_sql())
@@ -414,6 +416,7 @@ impl Store {
                 .bind(s[3])
                 .bind(s[4])
                 .bind(s[5])
+                .bind(s[6])
                 .execute(&mut *tx)
                 .await?;
         }
@@ -547,7 +550,7 @@ async fn pg_insert_usage(conn: &mut sqlx::PgConnection, rows: &[UsageRow]) -> Re
 /// batch).
 fn sqlite_call_rollup_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SQL.get_or_init(|| format!("{CALL_ROLLUPS_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11){CALL_ROLLUPS_CONFLICT}"))
+    SQL.get_or_init(|| format!("{CALL_ROLLUPS_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12){CALL_ROLLUPS_CONFLICT}"))
 }
 
 /// A request id twice in one batch (a row replayed from the journal beside its own delivery)
@@ -634,7 +637,7 @@ fn hourly_rollup_sql(from: &str) -> String {
          SELECT {hour}, user_name, app, requested_name, resolved_model, CAST(SUM(calls) AS BIGINT), \
          CAST(SUM(CASE WHEN status >= 400 THEN calls ELSE 0 END) AS BIGINT), CAST(SUM(prompt_tokens) AS BIGINT), \
          CAST(SUM(completion_tokens) AS BIGINT), CAST(SUM(latency_us * calls) AS BIGINT), \
-         CAST(SUM(CASE WHEN latency_us > overhead_us THEN latency_us - overhead_us ELSE 0 END) AS BIGINT) \
+         CAST(SUM(CASE WHEN latency_us > overhead_us THEN latency_us - overhead_us ELSE 0 END) AS BIGINT), CAST(MAX(latency_us) AS BIGINT) \
          FROM {from} GROUP BY {hour}, user_name, app, requested_name, resolved_model{CALL_ROLLUPS_CONFLICT}"
     )
 }
@@ -714,20 +717,22 @@ mod tests {
             let summary = store.call_summary(0, None).await.unwrap();
             let mut summary = summary;
             summary.sort_by(|a, b| (&a.user, &a.app, &a.requested_name, &a.model).cmp(&(&b.user, &b.app, &b.requested_name, &b.model)));
-            let hourly: Vec<(i64, i64, i64)> = sqlx::query_as(
-                "SELECT hour_us, CAST(SUM(calls) AS BIGINT), CAST(SUM(busy_us) AS BIGINT) FROM call_rollups GROUP BY hour_us ORDER BY hour_us",
+            let hourly: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
+                "SELECT hour_us, CAST(SUM(calls) AS BIGINT), CAST(SUM(busy_us) AS BIGINT), CAST(MAX(max_latency_us) AS BIGINT) \
+                 FROM call_rollups GROUP BY hour_us ORDER BY hour_us",
             )
             .fetch_all(store.pool())
             .await
             .unwrap();
-            let mut want_hourly: BTreeMap<i64, (i64, i64)> = BTreeMap::new();
+            let mut want_hourly: BTreeMap<i64, (i64, i64, i64)> = BTreeMap::new();
             for r in &rows {
                 let h = want_hourly.entry(r.time_us - r.time_us.rem_euclid(HOUR_US)).or_default();
                 h.0 += r.calls;
                 h.1 += (r.latency_us - r.overhead_us).max(0);
+                h.2 = h.2.max(r.latency_us);
             }
-            let want_hourly: Vec<(i64, i64, i64)> = want_hourly.into_iter().map(|(h, (c, b))| (h, c, b)).collect();
-            assert_eq!(hourly, want_hourly, "{:?}: hourly calls and busy time", store.backend());
+            let want_hourly: Vec<(i64, i64, i64, i64)> = want_hourly.into_iter().map(|(h, (c, b, m))| (h, c, b, m)).collect();
+            assert_eq!(hourly, want_hourly, "{:?}: hourly calls, busy time and longest call", store.backend());
             // Sorted here: PostgreSQL's text order follows its locale.
             let raw =
                 "SELECT name, day_us, user_name, app, job_id, client_addr, user_agent, calls, refused, first_us, last_us FROM name_callers";
@@ -762,9 +767,10 @@ mod tests {
         }
     }
 
-    /// Migration 0021 fills in the busy time of the hours stored before it, on PostgreSQL
-    /// with rows still waiting for a fold (they come to it without an overhead): run again on
-    /// a database put back as it was before it, the rollup holds what the rows say.
+    /// Migration 0021 fills in the busy time and the longest call of the hours stored before
+    /// it, on PostgreSQL with rows still waiting for a fold (they come to it without an
+    /// overhead): run again on a database put back as it was before it, the rollup holds what
+    /// the rows say.
     #[tokio::test]
     async fn migration_0021_fills_in_the_busy_time_of_stored_hours_on_every_backend() {
         use crate::accounting::inference::{callers_between, callers_in_hours};
@@ -784,10 +790,13 @@ mod tests {
             store.fold_rollups().await.unwrap();
             assert_eq!(store.insert_usage(&rows[45..]).await.unwrap(), 45);
             for sql in match store.backend() {
-                super::super::Backend::Postgres => {
-                    &["ALTER TABLE call_rollups DROP COLUMN busy_us", "ALTER TABLE usage_rollup_pending DROP COLUMN overhead_us"][..]
+                super::super::Backend::Postgres => &[
+                    "ALTER TABLE call_rollups DROP COLUMN busy_us, DROP COLUMN max_latency_us",
+                    "ALTER TABLE usage_rollup_pending DROP COLUMN overhead_us",
+                ][..],
+                super::super::Backend::Sqlite => {
+                    &["ALTER TABLE call_rollups DROP COLUMN busy_us", "ALTER TABLE call_rollups DROP COLUMN max_latency_us"][..]
                 }
-                super::super::Backend::Sqlite => &["ALTER TABLE call_rollups DROP COLUMN busy_us"][..],
             } {
                 sqlx::query(sql).execute(pool).await.unwrap();
             }
@@ -799,6 +808,14 @@ mod tests {
                 let got = callers_in_hours(pool, "dots.ocr", h, h + HOUR_US).await.unwrap();
                 assert_eq!(got, callers_between(pool, "dots.ocr", 0, h, h + HOUR_US).await.unwrap(), "{:?}, hour {h}", store.backend());
                 assert_eq!(got.values().map(|b| b.calls).sum::<i64>() > 0, h < t + 90 * 120_000_000);
+                let longest: Option<i64> =
+                    sqlx::query_scalar("SELECT CAST(MAX(max_latency_us) AS BIGINT) FROM call_rollups WHERE hour_us = $1")
+                        .bind(h)
+                        .fetch_one(pool)
+                        .await
+                        .unwrap();
+                let want = rows.iter().filter(|r| r.time_us - r.time_us.rem_euclid(HOUR_US) == h).map(|r| r.latency_us).max();
+                assert_eq!(longest, want, "{:?}, hour {h}", store.backend());
             }
         }
     }
