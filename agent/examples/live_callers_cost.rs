@@ -1,8 +1,9 @@
 //! What a quota pass costs PostgreSQL to find one busy worker job's callers: a job that started
-//! 90 minutes ago (older than `LATE_US`, before which a pass reads rows as before), the store
-//! filled with `RATE` calls per second of its model for the last `MINUTES` minutes (by six
-//! users), then, `PASSES` times each and alternating, the pass's read as it is now
-//! (`LiveCallers::callers` with its kept sums: the job's whole hours from the hourly rollup)
+//! 15 minutes ago (older than `LATE_US`, before which a pass reads rows before the job's start
+//! on every pass), 40 minutes into an hour, the store filled with `RATE` calls per second of
+//! its model for the last `MINUTES` minutes (by six users; 20: five minutes of them before the
+//! job), then, `PASSES` times each and alternating, the pass's read as it is now
+//! (`LiveCallers::callers` with its kept sums: the job's hours from the hourly rollup)
 //! and the read the pass made before (the usage rows of the last `LATE_US`, read on every pass:
 //! `callers_between` from the horizon on, the query its kept sums left), plus once each the
 //! read of the job's whole life that the old pass made first and repeated every hour (from
@@ -72,11 +73,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&admin).await?;
     let postmaster = ppid(backend).ok_or("no postmaster")?;
 
-    // Now is 40 minutes into an hour, the job started 90 minutes before; the rows as the usage
+    // Now is 40 minutes into an hour, the job started 15 minutes before; the rows as the usage
     // writer stores them (usage_log and the rows waiting for the fold), then folded.
     let hour = 3_600_000_000_i64;
     let now = 1_800_000_000_000_000 - 1_800_000_000_000_000 % hour + 40 * 60_000_000;
-    let from = now - 90 * 60_000_000;
+    let from = now - 15 * 60_000_000;
     let rows = rate * minutes * 60;
     let step = 1_000_000 / rate;
     sqlx::query(
