@@ -38,7 +38,8 @@ pub const SETTLE_US: i64 = 30_000_000;
 /// A worker job's Slurm start may precede the agent's record of its submission by this much
 /// (Slurm's whole seconds, sbatch's answer after the job started).
 pub const START_SLACK_US: i64 = 60_000_000;
-/// Calls are looked up from this long before the job's start (the usage log's time index).
+/// Calls that ran into a job are looked for at most this long before its start ([`earliest_start`]
+/// narrows it to the hours whose longest call reaches the start).
 pub const MAX_CALL_US: i64 = 24 * 3600 * 1_000_000;
 /// Slurm's end is whole seconds: calls up to one second after it still belong to the job.
 pub const END_SLACK_US: i64 = 1_000_000;
