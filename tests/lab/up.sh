@@ -350,11 +350,12 @@ elif [ "$AGENT" = 1 ]; then
     fi
     if ! agent_start "$TIMEOUT"; then
         # The lab's store is the lab's own (SQLite under /var/lib/gpuhub): when another checkout
-        # with newer migrations used this lab, this build refuses it. Set it aside and start fresh
-        # (production never does this: there the refusal stands and names the upgrade).
-        if tail -n 5 "$LAB_AGENT_LOG" | grep -q 'was migrated by a newer gpuhub'; then
+        # with newer migrations used this lab, or a development build whose migration was changed
+        # since, this build refuses it. Set it aside and start fresh (production never does this:
+        # there the refusal stands and names the upgrade).
+        if tail -n 5 "$LAB_AGENT_LOG" | grep -q 'was migrated by a newer gpuhub\|differs from the one built into this agent'; then
             aside="/var/lib/gpuhub/gpuhub.db.newer.$(date +%s)"
-            log "the lab store was migrated by a newer gpuhub-agent (another checkout); moving it to $aside and starting on a fresh one"
+            log "the lab store was migrated by another gpuhub-agent (another checkout or build); moving it to $aside and starting on a fresh one"
             for f in /var/lib/gpuhub/gpuhub.db /var/lib/gpuhub/gpuhub.db-wal /var/lib/gpuhub/gpuhub.db-shm; do
                 [ -e "$f" ] && mv -f "$f" "$aside${f#/var/lib/gpuhub/gpuhub.db}"
             done
