@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# What the quota pass costs PostgreSQL to find a busy worker job's callers, before and since
-# the hourly rollup keeps the workers' busy time (migration 0021): agent/examples/live_callers_cost.rs
-# on a fresh database of the test PostgreSQL server (tests/lib/pg.sh) with RATE calls per
-# second of one model over the last MINUTES minutes, a job started 15 minutes ago (older than
-# LATE_US; five minutes of the rows before it), PASSES passes of each read, alternating. Prints the pass's read now
-# (LiveCallers::callers: the job's hours from call_rollups), the read the pass made
-# before on every pass (the usage rows of the last LATE_US = 10 minutes), the read of the job's
-# whole life the old pass made first and repeated every hour (from a day before its start), and
-# the first pass now (the rows before the job from inference::earliest_start), with the ratio.
+# What the quota pass costs PostgreSQL to find a busy worker job's callers, before and since the
+# hourly rollup keeps the workers' busy time (migration 0021): agent/examples/live_callers_cost.rs
+# on a fresh database of the test PostgreSQL server (tests/lib/pg.sh) with RATE calls per second of
+# one model over the last MINUTES minutes, a job started 15 minutes ago (older than LATE_US; five
+# minutes of the rows before it), PASSES passes of each read, alternating. Prints the pass's read
+# now (LiveCallers::callers: the job's hours from call_rollups), the read the pass made before on
+# every pass (the usage rows of the last LATE_US = 10 minutes), the read of the job's whole life the
+# old pass made first and repeated every hour (from a day before its start), and the first pass now
+# (the rows before the job from inference::earliest_start), with the ratio.
 #   bench/live-callers.sh            RATE=2000 MINUTES=20 PASSES=20 by default (2.4 M rows)
 # Needs: root (tests/lib/pg.sh). Results go to stdout.
 set -euo pipefail

@@ -12,10 +12,11 @@
 //!
 //!   live_callers_cost POSTGRES_URL [RATE] [MINUTES] [PASSES]
 //!
-//! Prints `rows old_wall_ms old_pg_ms new_wall_ms new_pg_ms whole_wall_ms whole_pg_ms
-//! first_wall_ms first_pg_ms`: the median of the passes' wall times, PostgreSQL's CPU per pass
-//! (every process of the server, parallel workers included; the mean over the passes, as the
-//! CPU is counted in clock ticks), the old whole read's and the first pass's. The server must run on this host.
+//! Prints `rows old_wall_ms old_pg_ms new_wall_ms new_pg_ms whole_wall_ms whole_pg_ms first_wall_ms
+//! first_pg_ms`: the median of the passes' wall times, PostgreSQL's CPU per pass (every process of
+//! the server, parallel workers included; the mean over the passes, as the CPU is counted in clock
+//! ticks), the old whole read's and the first pass's. The server must run on this host.
+
 use gpuhub_agent::accounting::inference::{MAX_CALL_US, callers, callers_between};
 use gpuhub_agent::accounting::live_callers::{LATE_US, LiveCallers};
 use gpuhub_agent::store::Store;

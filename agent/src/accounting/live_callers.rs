@@ -1,10 +1,11 @@
 //! The callers of worker jobs not split yet, kept between quota passes.
 //!
 //! A quota pass bills each live worker job to its callers ([`super::inference::window`]): the
-//! usage rows of its model from a day before its start ([`super::inference::MAX_CALL_US`]) to now. Read from the
-//! rows on every pass (each `quota_interval_ms`, on every agent), that scan grows with the job's
-//! calls: at 2,000 calls/s one model has 1.2 M rows in 10 minutes, which PostgreSQL took
-//! ~0.35 s to sum (`EXPLAIN ANALYZE`, 2026-12-05), and a job's whole life was read again hourly.
+//! usage rows of its model that overlap the job. Read from the rows on every pass (each
+//! `quota_interval_ms`, on every agent), that scan grows with the job's calls: at 2,000 calls/s
+//! one model has 1.2 M rows in 10 minutes, which PostgreSQL took ~0.35 s to sum (`EXPLAIN
+//! ANALYZE`, 2026-12-05), and a job's whole life was read again hourly (BENCHMARKS.md, "Quota
+//! pass").
 //!
 //! A job's window is read in parts, each kept per (user, app) between passes:
 //! - its *hours*, from the hourly rollup (`call_rollups.busy_us`, migration 0021) from the hour
