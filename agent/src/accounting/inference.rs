@@ -197,6 +197,40 @@ pub async fn callers_between(
     Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
 }
 
+/// What the calls of `model` that started in `[start_us, before_us)`, before `from_us`, add to
+/// the callers of a window that starts at `from_us` and whose hours come from the rollup from
+/// `hour_us` (the hour that holds `from_us`, [`callers_in_hours`]): a call that ran into
+/// `from_us` counts, and one that started in `[hour_us, from_us)`, which the rollup's first
+/// hour counts, is taken off again (a call that is both nets out). Per (user, app); a caller can
+/// come out with no calls.
+pub async fn callers_before(
+    pool: &AnyPool,
+    model: &str,
+    from_us: i64,
+    hour_us: i64,
+    start_us: i64,
+    before_us: i64,
+) -> Result<BTreeMap<(String, String), Busy>, sqlx::Error> {
+    let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
+        "SELECT user_name, app, CAST(SUM(w * busy) AS BIGINT), CAST(SUM(w * calls) AS BIGINT) FROM ( \
+           SELECT user_name, app, calls, CASE WHEN latency_us > overhead_us THEN latency_us - overhead_us ELSE 0 END AS busy, \
+             (CASE WHEN time_us + latency_us >= $4 THEN 1 ELSE 0 END) - (CASE WHEN time_us >= $5 THEN 1 ELSE 0 END) AS w \
+           FROM usage_log WHERE resolved_model = $1 AND time_us >= $2 AND time_us < $3 \
+           AND (time_us + latency_us >= $6 OR time_us >= $7)) r \
+         GROUP BY user_name, app",
+    )
+    .bind(model)
+    .bind(start_us)
+    .bind(before_us.min(from_us))
+    .bind(from_us)
+    .bind(hour_us)
+    .bind(from_us)
+    .bind(hour_us)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
+}
+
 /// The calls of `model` that started in the whole hours `[from_hour_us, before_hour_us)`, per
 /// (user, app), from the hourly rollup (`call_rollups.busy_us` holds what [`callers_between`]
 /// sums from the rows). PostgreSQL: what the rollup counts lags the rows until a fold

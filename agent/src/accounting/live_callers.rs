@@ -13,11 +13,11 @@
 //!   busy the model (while the job runs, the current hour's calls that started after now count
 //!   too: only a node whose clock is ahead stores such calls, which a read of the rows leaves
 //!   out);
-//! - less the *head*: the calls of that first hour that started before the job, which the
-//!   rollup counts, from the rows;
-//! - plus the calls that started before the job and ran into it (a call that waited for the
-//!   worker to load started before it), from the rows of the hours before its start whose
-//!   longest call reaches it ([`super::inference::earliest_start`]);
+//! - less the calls of that first hour that started before the job, which the rollup counts,
+//!   plus those that started before the job and ran into it (a call that waited for the worker
+//!   to load started before it), in one read of the rows before its start, from the hour it
+//!   started in or an earlier one whose longest call reaches it
+//!   ([`super::inference::callers_before`], [`super::inference::earliest_start`]);
 //! - and an ended job's *last hour*, up to its end, from the rows.
 //!
 //! Rows (and hours) that started before a horizon, [`LATE_US`] ago, are taken as all there (a
@@ -35,7 +35,7 @@ use std::sync::Mutex;
 
 use sqlx::AnyPool;
 
-use super::inference::{Busy, callers_between, callers_in_hours, earliest_start};
+use super::inference::{Busy, callers_before, callers_between, callers_in_hours, earliest_start};
 
 /// Rows that started this long ago are taken as written.
 pub const LATE_US: i64 = 10 * 60 * 1_000_000;
@@ -81,10 +81,9 @@ impl Part {
 struct Kept {
     model: String,
     from_us: i64,
-    /// Rows of the calls that started before the job and ran into it.
+    /// Rows of the calls that started before the job: those that ran into it, less those of
+    /// its first hour ([`callers_before`]).
     before: Part,
-    /// Rows of every call of the job's first hour that started before the job.
-    head: Part,
     /// The rollup's hours from the job's first (`upto_us`: an hour's start).
     hours: Part,
     hours_read_us: i64,
@@ -100,17 +99,12 @@ pub struct LiveCallers {
     jobs: Mutex<HashMap<(String, i64), Kept>>,
 }
 
-/// Adds `from` to `into` (`sign` 1), or takes it off (-1).
-fn add_signed(into: &mut Callers, from: Callers, sign: i64) {
+fn add(into: &mut Callers, from: Callers) {
     for (k, b) in from {
         let e = into.entry(k).or_default();
-        e.busy_us += sign * b.busy_us;
-        e.calls += sign * b.calls;
+        e.busy_us += b.busy_us;
+        e.calls += b.calls;
     }
-}
-
-fn add(into: &mut Callers, from: Callers) {
-    add_signed(into, from, 1);
 }
 
 fn hour_floor(us: i64) -> i64 {
@@ -131,20 +125,22 @@ impl LiveCallers {
         now_us: i64,
     ) -> Result<Callers, sqlx::Error> {
         let end = to_us.saturating_add(1);
+        if end <= from_us {
+            // A window that ends before it starts (a job's records out of order): read whole.
+            return callers_between(pool, model, from_us, earliest_start(pool, model, from_us).await?, end).await;
+        }
         // An ended job's window (`end` not after now) stops at its end; a running job's takes
         // every hour to come.
         let first_hour = hour_floor(from_us);
         let ended = end <= now_us;
         let hours_end = if ended { hour_floor(end).max(first_hour) } else { i64::MAX };
-        let before_end = from_us.min(end);
         let kept = self.lock().remove(key);
         let mut k = match kept {
-            Some(k) if k.model == model && k.from_us == from_us && k.before.upto_us <= before_end => k,
+            Some(k) if k.model == model && k.from_us == from_us => k,
             _ => Kept {
                 model: model.to_string(),
                 from_us,
                 before: Part::new(earliest_start(pool, model, from_us).await?),
-                head: Part::new(first_hour),
                 hours: Part::new(first_hour),
                 hours_read_us: now_us,
                 last: None,
@@ -156,21 +152,17 @@ impl LiveCallers {
             k.hours_read_us = now_us;
         }
         let horizon = now_us.saturating_sub(LATE_US);
-        let raw = |from_us| move |a, b| callers_between(pool, model, from_us, a, b);
-        let mut out = k.before.read(before_end, horizon, raw(from_us)).await?;
-        if end > from_us {
-            add(&mut out, k.hours.read(hours_end, hour_floor(horizon), |a, b| callers_in_hours(pool, model, a, b)).await?);
-            add_signed(&mut out, k.head.read(from_us, horizon, raw(i64::MIN)).await?, -1);
-            if ended && end > hours_end {
-                let mut last = match k.last.take() {
-                    Some((start, part)) if start == hours_end && part.upto_us <= end => part,
-                    _ => Part::new(hours_end),
-                };
-                // Every call from the hour's start: in the hour the job started, the head
-                // takes the ones before it off again.
-                add(&mut out, last.read(end, horizon, raw(i64::MIN)).await?);
-                k.last = Some((hours_end, last));
-            }
+        let mut out = k.before.read(from_us, horizon, |a, b| callers_before(pool, model, from_us, first_hour, a, b)).await?;
+        add(&mut out, k.hours.read(hours_end, hour_floor(horizon), |a, b| callers_in_hours(pool, model, a, b)).await?);
+        if ended && end > hours_end {
+            let mut last = match k.last.take() {
+                Some((start, part)) if start == hours_end && part.upto_us <= end => part,
+                _ => Part::new(hours_end),
+            };
+            // Every call from the hour's start: in the hour the job started, `before` took the
+            // ones before it off again.
+            add(&mut out, last.read(end, horizon, |a, b| callers_between(pool, model, i64::MIN, a, b)).await?);
+            k.last = Some((hours_end, last));
         }
         // A caller whose calls of the first hour all started before the job.
         out.retain(|_, b| b.calls != 0);
@@ -253,7 +245,7 @@ mod tests {
         {
             let jobs = live.lock();
             let k = &jobs[&job];
-            assert_eq!((k.before.upto_us, k.head.upto_us), (from, from), "nothing before the job is read again");
+            assert_eq!(k.before.upto_us, from, "nothing before the job is read again");
             assert_eq!(k.hours.upto_us, h, "the closed hours are kept, the current one read each pass");
             assert!(k.last.is_none(), "a running job has no last hour");
         }
