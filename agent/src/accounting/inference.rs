@@ -147,6 +147,11 @@ pub async fn worker_jobs(pool: &AnyPool, since_us: i64) -> Result<BTreeMap<(Stri
     Ok(rows.into_iter().map(|(n, j, m)| ((n, j), m)).collect())
 }
 
+/// Rows of (user, app, busy-us, calls) as callers.
+fn by_caller(rows: Vec<(String, String, i64, i64)>) -> BTreeMap<(String, String), Busy> {
+    rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect()
+}
+
 /// The calls of `model` whose interval overlaps `[from_us, to_us]`, per (user, app).
 pub async fn callers(pool: &AnyPool, model: &str, from_us: i64, to_us: i64) -> Result<BTreeMap<(String, String), Busy>, sqlx::Error> {
     callers_between(pool, model, from_us, earliest_start(pool, model, from_us).await?, to_us.saturating_add(1)).await
@@ -194,7 +199,7 @@ pub async fn callers_between(
     .bind(from_us)
     .fetch_all(pool)
     .await?;
-    Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
+    Ok(by_caller(rows))
 }
 
 /// What the calls of `model` that started in `[start_us, before_us)`, before `from_us`, add to
@@ -228,7 +233,7 @@ pub async fn callers_before(
     .bind(hour_us)
     .fetch_all(pool)
     .await?;
-    Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
+    Ok(by_caller(rows))
 }
 
 /// The calls of `model` that started in the whole hours `[from_hour_us, before_hour_us)`, per
@@ -250,7 +255,7 @@ pub async fn callers_in_hours(
     .bind(before_hour_us)
     .fetch_all(pool)
     .await?;
-    Ok(rows.into_iter().map(|(u, a, busy_us, calls)| ((u, a), Busy { busy_us, calls })).collect())
+    Ok(by_caller(rows))
 }
 
 /// A worker job's split, computed now from the usage log (live, or to be stored); with
