@@ -17,19 +17,11 @@
 //! the server, parallel workers included; the mean over the passes, as the CPU is counted in clock
 //! ticks), the old whole read's and the first pass's. The server must run on this host.
 
+mod bench_pg;
+
+use bench_pg::{FreshDb, cpu_ticks, tick_ms};
 use gpuhub_agent::accounting::inference::{MAX_CALL_US, callers, callers_between};
 use gpuhub_agent::accounting::live_callers::{LATE_US, LiveCallers};
-use gpuhub_agent::store::Store;
-
-/// User plus system CPU of `pid` and, with `children`, of its children that have ended, in
-/// clock ticks (0 once it is gone).
-fn cpu_ticks(pid: i32, children: bool) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
-    let Some(end) = stat.rfind(')') else { return 0 };
-    let fields: Vec<&str> = stat[end + 2..].split(' ').collect();
-    let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    field(11) + field(12) + if children { field(13) + field(14) } else { 0 }
-}
 
 /// The parent of `pid`.
 fn ppid(pid: i32) -> Option<i32> {
@@ -64,14 +56,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rate: i64 = args.get(2).map_or(Ok(2000), |v| v.parse())?;
     let minutes: i64 = args.get(3).map_or(Ok(30), |v| v.parse())?;
     let passes: usize = args.get(4).map_or(Ok(5), |v| v.parse())?;
-    let (server, _) = url.rsplit_once('/').ok_or("the URL names no database")?;
-    let db = format!("gpuhub_live_{}", std::process::id());
-    sqlx::any::install_default_drivers();
-    let admin = sqlx::AnyPool::connect(url).await?;
-    sqlx::query(&format!("CREATE DATABASE {db}")).execute(&admin).await?;
-    let store = Store::open(&format!("{server}/{db}"), Some(2)).await?;
-    let pool = store.pool();
-    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&admin).await?;
+    let fresh = FreshDb::create(url, "gpuhub_live").await?;
+    let (store, pool) = (&fresh.store, fresh.store.pool());
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&fresh.admin).await?;
     let postmaster = ppid(backend).ok_or("no postmaster")?;
 
     // Now is 40 minutes into an hour, the job started 15 minutes before; the rows as the usage
@@ -103,8 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let to = now + 1_000_000;
     let live = LiveCallers::default();
     let key = ("gpu01".to_string(), 4242);
-    // SAFETY: sysconf has no preconditions.
-    let tick_ms = 1000.0 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let tick_ms = tick_ms();
     let measure =
         |pg0: u64, t0: std::time::Instant| ((t0.elapsed().as_secs_f64() * 1000.0), (server_ticks(postmaster) - pg0) as f64 * tick_ms);
     // The first pass reads the rows before the job and its hours; later passes keep them.
@@ -143,7 +129,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         first.0,
         first.1
     )?;
-    store.close().await;
-    sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)")).execute(&admin).await?;
-    Ok(())
+    fresh.drop().await
 }

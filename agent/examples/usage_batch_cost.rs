@@ -8,16 +8,10 @@
 //! Prints one line: `pg_ms_per_batch client_ms_per_batch wall_ms_per_batch`. The server must
 //! run on this host (its backends' CPU is read from /proc).
 use gpuhub_agent::gateway::usage_log::UsageRow;
-use gpuhub_agent::store::{Store, gateway::UsageConnection};
+mod bench_pg;
 
-/// User plus system CPU of `pid`, in clock ticks (0 once it is gone).
-fn cpu_ticks(pid: i32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
-    let Some(end) = stat.rfind(')') else { return 0 };
-    let fields: Vec<&str> = stat[end + 2..].split(' ').collect();
-    let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    field(11) + field(12)
-}
+use bench_pg::{FreshDb, cpu_ticks, tick_ms};
+use gpuhub_agent::store::gateway::UsageConnection;
 
 /// This process's user plus system CPU, microseconds.
 fn own_cpu_us() -> i64 {
@@ -63,27 +57,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let batches: usize = args.get(2).map_or(Ok(3000), |v| v.parse())?;
     let rows: usize = args.get(3).map_or(Ok(20), |v| v.parse())?;
-    let (server, _) = url.rsplit_once('/').ok_or("the URL names no database")?;
-    let db = format!("gpuhub_batch_{}", std::process::id());
-    sqlx::any::install_default_drivers();
-    let admin = sqlx::AnyPool::connect(url).await?;
-    sqlx::query(&format!("CREATE DATABASE {db}")).execute(&admin).await?;
-    let store = Store::open(&format!("{server}/{db}"), Some(2)).await?;
+    let fresh = FreshDb::create(url, "gpuhub_batch").await?;
+    let store = &fresh.store;
     let mut conn = UsageConnection::default();
     // Warm-up: the statement prepared, PostgreSQL on its generic plan.
     for b in 0..50 {
         store.insert_usage_on(&mut conn, &(0..rows).map(|i| row(b, i)).collect::<Vec<_>>()).await?;
     }
-    let backends: Vec<i32> = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE datname = $1").bind(&db).fetch_all(&admin).await?;
-    let pg = || backends.iter().map(|p| cpu_ticks(*p)).sum::<u64>();
+    let backends: Vec<i32> =
+        sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE datname = $1").bind(&fresh.name).fetch_all(&fresh.admin).await?;
+    let pg = || backends.iter().map(|p| cpu_ticks(*p, false)).sum::<u64>();
     let batch_rows: Vec<Vec<UsageRow>> = (50..50 + batches).map(|b| (0..rows).map(|i| row(b, i)).collect()).collect();
     let (pg0, own0, t0) = (pg(), own_cpu_us(), std::time::Instant::now());
     for batch in &batch_rows {
         store.insert_usage_on(&mut conn, batch).await?;
     }
     let (pg1, own1, wall) = (pg(), own_cpu_us(), t0.elapsed());
-    // SAFETY: sysconf has no preconditions.
-    let tick_ms = 1000.0 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let tick_ms = tick_ms();
     let n = batches as f64;
     use std::io::Write;
     writeln!(
@@ -94,7 +84,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         wall.as_secs_f64() * 1000.0 / n
     )?;
     drop(conn);
-    store.close().await;
-    sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)")).execute(&admin).await?;
-    Ok(())
+    fresh.drop().await
 }
