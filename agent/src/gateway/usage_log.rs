@@ -317,7 +317,7 @@ impl UsageLog {
         );
         registry.register(
             "gateway_usage_write_failures",
-            "Failed usage-log writes (journal or store); rows are retried, not dropped",
+            "Failed usage-log writes (journal, store, or the fold of stored rows into the rollups); rows are retried, not dropped",
             write_failures.clone(),
         );
         registry.register(
@@ -559,11 +559,12 @@ impl Writer {
                     tracing::info!("usage log: stored rows are added to the rollups again");
                 }
             }
-            Err(e) if !self.fold_failing => {
-                self.fold_failing = true;
-                tracing::warn!(error = %e, "usage log: cannot add stored rows to the rollups; they wait in the store, and readers add them");
+            Err(e) => {
+                self.inner.write_failures.inc();
+                if !std::mem::replace(&mut self.fold_failing, true) {
+                    tracing::warn!(error = %e, "usage log: cannot add stored rows to the rollups; they wait in the store, and readers add them");
+                }
             }
-            Err(_) => {}
         }
     }
 
@@ -870,6 +871,41 @@ mod tests {
             // The next start counts the file (for `gpuhub doctor`).
             let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
             assert_eq!(log.health().dead_letters, 2);
+            log.close().await;
+        }
+    }
+
+    /// PostgreSQL: a fold that fails counts as a write failure, the stored rows wait in
+    /// `usage_rollup_pending`, and a fold once the store is whole again adds them, once.
+    #[tokio::test]
+    async fn a_fold_that_fails_is_counted_and_its_rows_are_folded_later() {
+        async fn scalar(store: &Store, sql: &str) -> i64 {
+            sqlx::query_scalar::<_, i64>(sql).fetch_one(store.pool()).await.unwrap()
+        }
+        async fn until(what: &str, mut done: impl AsyncFnMut() -> bool) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !done().await {
+                assert!(Instant::now() < deadline, "{what} within 10 s");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        for (store, _d) in testing::stores().await {
+            if store.backend() != crate::store::Backend::Postgres {
+                continue;
+            }
+            sqlx::query("ALTER TABLE call_rollups RENAME TO call_rollups_away").execute(store.pool()).await.unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
+            for i in 0..10 {
+                log.record(row(i));
+            }
+            log.flush().await;
+            until("a failed fold counted", async || log.inner.write_failures.get() > 0).await;
+            assert_eq!(store.usage_row_count().await.unwrap(), 10, "the batch itself is stored");
+            assert_eq!(scalar(&store, "SELECT COUNT(*) FROM usage_rollup_pending").await, 10);
+            sqlx::query("ALTER TABLE call_rollups_away RENAME TO call_rollups").execute(store.pool()).await.unwrap();
+            until("the waiting rows folded", async || scalar(&store, "SELECT COUNT(*) FROM usage_rollup_pending").await == 0).await;
+            assert_eq!(scalar(&store, "SELECT CAST(SUM(calls) AS BIGINT) FROM call_rollups").await, 10);
             log.close().await;
         }
     }
