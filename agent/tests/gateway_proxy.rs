@@ -151,6 +151,30 @@ async fn a_client_that_leaves_mid_stream_keeps_its_usage_row() {
     a.stop().await;
 }
 
+/// A plain call whose client gives up while the worker thinks (an SDK's timeout) still leaves
+/// its row: hyper drops the handler's future, the row says 499 `client_closed`.
+#[tokio::test]
+async fn a_client_that_gives_up_on_a_plain_call_keeps_its_usage_row() {
+    let a = start("").await;
+    let (key, _) = a.key("carol", "app", &[]).await;
+    let t = Instant::now();
+    let gave_up = client()
+        .post(a.url("/v1/chat/completions"))
+        .bearer_auth(&key)
+        .timeout(Duration::from_millis(500))
+        .json(&json!({"model": "hang"}))
+        .send()
+        .await;
+    assert!(gave_up.is_err_and(|e| e.is_timeout()), "the client timed out");
+    let rows = a.rows(1).await;
+    let row = &rows[0];
+    assert_eq!((row["user_name"].as_str(), row["requested_name"].as_str()), (Some("carol"), Some("hang")), "{row}");
+    assert_eq!((row["status"].as_i64(), row["error_code"].as_str()), (Some(499), Some("client_closed")), "{row}");
+    assert!(row["latency_us"].as_i64().unwrap() >= 500_000, "{row}");
+    assert!(t.elapsed() < Duration::from_secs(10), "the row came when the client left, not when the worker answered");
+    a.stop().await;
+}
+
 #[tokio::test]
 async fn upstream_failures_name_the_model_and_what_happened() {
     let a = start("[gateway]\nupstream_timeout_s = 1\n").await;

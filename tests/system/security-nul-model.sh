@@ -3,7 +3,8 @@
 # Issue 13, the usage writer never stalls, on PostgreSQL (a private throw-away server):
 #   1. as the unprivileged gpuhublab (with an API key), calls whose `model` holds a NUL byte (and
 #      other control characters) get 400 invalid_model_name with a message that says what is
-#      wrong; the writer keeps writing: a later call's row reaches PostgreSQL;
+#      wrong, and so do such names (and one not UTF-8, or too long) in GET /v1/models/{name};
+#      the writer keeps writing: a later call's row reaches PostgreSQL;
 #   2. a row PostgreSQL refuses anyway (a CHECK constraint the site added, which only the database
 #      knows) goes to <state_dir>/usage-dead-letter.jsonl with the database's reason, the metric
 #      gateway_usage_rows_dead_lettered_total counts it, `gpuhub doctor` fails its usage-log check
@@ -51,11 +52,21 @@ for name in 'demo-chat\u0000' '\u0000' 'demo\u001b[31m-chat' 'demo\nchat'; do
     grep -q '"code":"invalid_model_name"' <<<"$out" && grep -q 'control character U+' <<<"$out" ||
         gw_fail "model \"$name\": the error does not say what is wrong: $out"
 done
+LONG="$(printf 'x%.0s' $(seq 300))"
+for path in 'demo-chat%00' 'demo%1B%5B31m' '%FF' "$LONG"; do
+    out="$(as_user curl -s -i -w '\n%{http_code}' -H "Authorization: Bearer $KEY" "$GW_URL/v1/models/$path" | tr -d '\r' || true)"
+    status="$(tail -n1 <<<"$out")"
+    echo "GET /v1/models/${path:0:20} -> $(grep '^{' <<<"$out" | cut -c1-220) [$status]"
+    [ "$status" = 400 ] || gw_fail "GET /v1/models/${path:0:20}: expected 400, got $status"
+    grep -q '^{"error":{' <<<"$out" && grep -q 'the model name in the path' <<<"$out" ||
+        gw_fail "GET /v1/models/${path:0:20}: not an OpenAI-shaped error that names the path: $out"
+done
 out="$(post '{"model": "demo-chat", "messages": [{"role": "user", "content": "hi"}]}')"
 read -r status rid < <(tail -n1 <<<"$out")
 [ "$status" = 200 ] || gw_fail "a good call after the NUL names got $status"
 wait_row "$rid" || gw_fail "the row of a call after the NUL names never reached PostgreSQL (the writer stalled)"
-[ "$(gw_rows "SELECT COUNT(*) FROM usage_log WHERE error_code = 'invalid_model_name'")" = 4 ] ||
+[ "$(gw_rows "SELECT COUNT(*) FROM usage_log WHERE error_code = 'invalid_model_name'")" = 7 ] &&
+    [ "$(gw_rows "SELECT COUNT(*) FROM usage_log WHERE error_code = 'invalid_request' AND route = '/v1/models/{name}'")" = 1 ] ||
     gw_fail "the refused calls are not all in the usage log"
 echo "ok: 400 at parse; the writer goes on"
 

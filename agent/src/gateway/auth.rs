@@ -225,8 +225,10 @@ impl JobStates {
     pub async fn ended(&self, store: &Store, job_id: u32, uid: u32) -> bool {
         let slot = self.slot((job_id, uid));
         let mut state = slot.lock().await;
+        // A job that ended stays ended (the store never takes an end back): asked no more, and
+        // a store that fails later cannot make its token good again.
         if let Some(s) = *state
-            && s.at.elapsed() < JOB_STATE_FRESH
+            && (s.ended || s.at.elapsed() < JOB_STATE_FRESH)
         {
             return s.ended;
         }
@@ -492,6 +494,11 @@ mod tests {
             tokio::time::sleep(JOB_STATE_FRESH + Duration::from_millis(50)).await;
             assert!(states.ended(&store, 7, 1000).await, "asked again after a second: ended");
             assert_eq!(states.queries(), 3);
+            tokio::time::sleep(JOB_STATE_FRESH + Duration::from_millis(50)).await;
+            store.close().await; // every query fails from now on
+            assert!(states.ended(&store, 7, 1000).await, "an ended job stays ended while the store fails");
+            assert_eq!(states.queries(), 3, "and is not asked about again");
+            assert!(!states.ended(&store, 9, 1000).await, "a job never seen: accepted while the store fails (logged)");
         }
     }
 

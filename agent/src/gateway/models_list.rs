@@ -2,6 +2,7 @@
 //! (`state`, `role`, `aliases`, `in_flight`, `detail`). A caller with an allow-list (the key's
 //! or the user's own) sees only the models it may use.
 
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -10,6 +11,7 @@ use serde_json::{Value, json};
 use super::RequestMeta;
 use super::auth::Identity;
 use super::error::GatewayError;
+use super::parse::check_name_of;
 use super::proxy::with_headers;
 use crate::AppState;
 use crate::models::ModelStatus;
@@ -62,9 +64,22 @@ pub async fn get(
     State(state): State<AppState>,
     Extension(meta): Extension<RequestMeta>,
     Extension(id): Extension<Identity>,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Response {
     let mut call = meta.call("/v1/models/{name}", &id);
+    // The same rules as a body's `model`; a refused name is not logged as a name (the usage
+    // log stores every name it is given, and PostgreSQL refuses a NUL byte).
+    let checked = match name {
+        Ok(Path(name)) => check_name_of("the model name in the path", &name),
+        Err(e) => Err(GatewayError::InvalidModelName(format!(
+            "the model name in the path is not a percent-encoded UTF-8 name ({}); see `GET /v1/models`",
+            e.body_text()
+        ))),
+    };
+    let name = match checked {
+        Ok(name) => name,
+        Err(e) => return call.fail(&state, e),
+    };
     call.row.requested_name = name.clone();
     let res = state.names.resolve(&name);
     call.row.name_state = res.state().to_string();

@@ -89,15 +89,21 @@ pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Parsed, GatewayE
 /// included) are refused here: no catalog name holds one, and the usage log must be able to
 /// store every name it is given (PostgreSQL refuses a NUL byte in text).
 fn check_name(s: &str) -> Result<String, GatewayError> {
+    check_name_of("`model`", s)
+}
+
+/// [`check_name`] for a name given as `what` (the body's `model`, a path's name): the same
+/// rules wherever a name reaches the gateway.
+pub fn check_name_of(what: &str, s: &str) -> Result<String, GatewayError> {
     if s.is_empty() {
         return Err(GatewayError::MissingModel);
     }
     if s.len() > MAX_MODEL_NAME {
-        return Err(GatewayError::BadRequest(format!("`model` is {} bytes long; model names are at most {MAX_MODEL_NAME}", s.len())));
+        return Err(GatewayError::BadRequest(format!("{what} is {} bytes long; model names are at most {MAX_MODEL_NAME}", s.len())));
     }
     if let Some((at, c)) = s.char_indices().find(|(_, c)| c.is_control()) {
         return Err(GatewayError::InvalidModelName(format!(
-            "`model` holds the control character U+{:04X} at byte {at}; model names are printable text (see `GET /v1/models`)",
+            "{what} holds the control character U+{:04X} at byte {at}; model names are printable text (see `GET /v1/models`)",
             u32::from(c)
         )));
     }

@@ -32,20 +32,39 @@ pub struct Call {
     pub upstream_us: i64,
     /// Headers every answer to this call carries (deprecation signals).
     pub extra_headers: Vec<(&'static str, String)>,
+    /// Set while a call dropped unrecorded must still leave its row ([`Call::arm`]).
+    armed: Option<AppState>,
 }
 
 impl Call {
     /// A call that started at `started`, with nothing waited for yet.
     pub fn new(row: UsageRow, started: Instant) -> Call {
-        Call { row, started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new() }
+        Call { row, started, wait_us: 0, upstream_us: 0, extra_headers: Vec::new(), armed: None }
+    }
+
+    /// From now on a call dropped before it is recorded still leaves its row, with status 499
+    /// and `client_closed`: hyper drops a handler's future when its client goes away (a model
+    /// that loads for minutes, an SDK's timeout), and every call must leave one row.
+    pub fn arm(&mut self, state: &AppState) {
+        self.armed = Some(state.clone());
+    }
+
+    /// The call's row is someone else's to record now (a stream's task).
+    pub fn disarm(&mut self) {
+        self.armed = None;
     }
 
     /// Fills the timings and records the row (journaled before the response leaves).
     pub fn record(mut self, state: &AppState) {
+        self.write(state);
+    }
+
+    fn write(&mut self, state: &AppState) {
+        self.armed = None;
         self.row.latency_us = us_since(self.started);
         self.row.overhead_us = (self.row.latency_us - self.wait_us - self.upstream_us).max(0);
         state.names.count_row(&self.row);
-        state.gateway.finish(self.row);
+        state.gateway.finish(std::mem::take(&mut self.row));
     }
 
     /// Records a failed call and builds its OpenAI-shaped answer.
@@ -55,6 +74,19 @@ impl Call {
         let extra = std::mem::take(&mut self.extra_headers);
         self.record(state);
         with_headers(e.into_response(), &extra)
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        if let Some(state) = self.armed.take() {
+            self.row.status = 499;
+            self.row.error_code = "client_closed".into();
+            // What it had waited for so far is not known (the wait was cut off): counted as the
+            // worker's time, not the gateway's overhead.
+            self.upstream_us = us_since(self.started) - self.wait_us;
+            self.write(&state);
+        }
     }
 }
 
@@ -90,9 +122,11 @@ pub async fn forward(State(state): State<AppState>, mut req: Request) -> Respons
     if let Err(e) = state.gateway.fair_use.admit(&id, crate::util::now_us()) {
         return call.fail(&state, e);
     }
+    call.arm(&state);
     match prepare(&state, &mut call, &id, req).await {
         Ok((parsed, out)) => {
             if parsed.stream {
+                call.disarm(); // the stream's task records it, whatever the client does
                 stream::start(state, call, parsed, out).await
             } else {
                 plain(&state, call, out).await

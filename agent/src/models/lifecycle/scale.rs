@@ -364,12 +364,15 @@ impl Shared {
                 // Known before it is listed ready (`gpuhub models`, the next replica's spread).
                 learn_node(rt, &e, &inst).await;
                 let listed = {
+                    // The lock order everywhere: the first replica, its `extras`, an extra's own
+                    // (`ready_replicas` on every call takes `extras`, then each extra's).
+                    let extras = lock(&w.rep.extras);
                     let mut s = e.lock();
                     s.instance = Some(inst.clone());
                     s.weights = weights;
                     s.last_used = Instant::now();
                     self.transition(&e, &mut s, State::Ready, Some(format!("replica {}", inst.id)));
-                    lock(&w.rep.extras).iter().any(|x| Arc::ptr_eq(x, &e))
+                    extras.iter().any(|x| Arc::ptr_eq(x, &e))
                 };
                 if !listed {
                     // The model unloaded while this replica started.
