@@ -281,7 +281,9 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             }
             let nodes = nodes_of(row);
             let ctld = st.ctld.get(&id);
-            if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) {
+            // Listed on a line not used (a job name or comment that imitates scontrol's fields):
+            // slurmctld still knows the job, and its state is not known from this look.
+            if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) || st.ctld_unsure.contains(&id) {
                 continue;
             }
             let (end, how, exact) = if let Some(e) = ctld.filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
@@ -344,9 +346,10 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
     out
 }
 
-/// Job ids slurmctld lists live on `nodes` (for `last_listed`).
+/// Job ids slurmctld lists live on `nodes` (for `last_listed`), and those it lists on lines
+/// not used (taken as live: one closed without sacct ends at its last listing, not earlier).
 pub fn listed_live(st: &SlurmState, nodes: &BTreeSet<String>) -> Vec<u32> {
-    st.ctld.values().filter(|j| is_live(&j.state) && j.on_any(nodes)).map(|j| j.job_id).collect()
+    st.ctld.values().filter(|j| is_live(&j.state) && j.on_any(nodes)).map(|j| j.job_id).chain(st.ctld_unsure.iter().copied()).collect()
 }
 
 /// What applying an action changed, for the log and the metrics.

@@ -305,6 +305,14 @@ pub fn parse_scontrol(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
     (jobs, errors)
 }
 
+/// The job id at the start of every line of `scontrol show job -o` that has one, used or not.
+pub fn listed_ids(text: &str) -> BTreeSet<u32> {
+    text.lines()
+        .filter_map(|l| l.trim_start().strip_prefix("JobId="))
+        .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .collect()
+}
+
 /// Fields read from a line; each must occur once, before the per-node sections' end.
 const ONCE: &[&str] =
     &["JobId", "UserId", "Account", "JobState", "Reason", "StartTime", "EndTime", "Partition", "NodeList", "NumCPUs", "MinCPUsNode"];
@@ -452,6 +460,9 @@ pub struct SlurmState {
     pub ctld_ok: bool,
     /// Every job slurmctld listed.
     pub ctld: BTreeMap<u32, SlurmJob>,
+    /// Jobs slurmctld listed on a line that was not used (free text that imitates its fields,
+    /// a job printed twice): it still knows them, so they are not closed from this look.
+    pub ctld_unsure: BTreeSet<u32>,
     /// sacct answered for the ids asked.
     pub acct_ok: bool,
     /// Jobs sacct listed (asked by id, or ran on this node since a time).
@@ -513,6 +524,7 @@ impl SlurmSource for CommandSlurm {
             Ok(out) => {
                 let (jobs, errs) = parse_scontrol(&out);
                 st.ctld_ok = true;
+                st.ctld_unsure = listed_ids(&out).into_iter().filter(|id| !jobs.contains_key(id)).collect();
                 st.ctld = jobs;
                 st.errors.extend(errs.iter().map(ToString::to_string));
             }
@@ -689,6 +701,8 @@ mod tests {
         }
         let line = RUNNING_SHARD.replace("Comment=gpuhub-worker", "Comment=a Nodes=gpu01 GRES=gpu:h200:2(IDX:0-1)");
         assert!(parse_scontrol(&line).0.is_empty());
+        // Its id is still known to be listed (the reconciliation does not close it).
+        assert_eq!(listed_ids(&format!("{line}\n{DONE_GPU2}\nNo jobs in the system\n")), BTreeSet::from([15, 22]));
         // A job name with a newline that prints a second line for job 22.
         let (jobs, errs) = parse_scontrol(&format!("{RUNNING_SHARD}\n{}", RUNNING_SHARD.replace("JobState=RUNNING", "JobState=COMPLETED")));
         assert!(jobs.is_empty() && errs.iter().any(|e| e.problem.contains("twice")), "{jobs:?} {errs:?}");

@@ -357,7 +357,7 @@ mod reconcile_story {
                 (20, sj(20, Source::Slurmctld, "COMPLETED", t0 - 100 * S, Some(t0 - 90 * S), 1, 0)),
             ]),
             acct: BTreeMap::from([(23, sj(23, Source::Sacct, "CANCELLED", t0 + 20 * S, Some(t0 + 50 * S), 1, 0))]),
-            errors: Vec::new(),
+            ..SlurmState::default()
         };
         let fake = Arc::new(FakeSlurm(Mutex::new(st)));
         let mut registry = Registry::default();
@@ -467,7 +467,7 @@ mod reconcile_story {
             (33, indexed(sj(33, Source::Slurmctld, "RUNNING", t0 + 60 * S, Some(t0 + 180 * S), 2, 0), &[0, 1], &[])),
             (34, indexed(sj(34, Source::Slurmctld, "RUNNING", t0 + 70 * S, Some(t0 + 190 * S), 0, 2), &[], &[(1, 2)])),
         ]);
-        let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ctld: running, acct: BTreeMap::new(), errors: Vec::new() };
+        let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ctld: running, ..SlurmState::default() };
         let fake = Arc::new(FakeSlurm(Mutex::new(st)));
         let mut registry = Registry::default();
         let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
@@ -582,6 +582,12 @@ mod reconcile_story {
         // Running elsewhere (not this node): closed.
         running.ctld.get_mut(&7).unwrap().node_list = "gpu02".into();
         assert_eq!(reconcile::plan(&inp, &running).len(), 1);
+        // Listed on a line that was not used (a comment like "x Nodes=a" doubles a field): not
+        // closed, whatever sacct says, and it counts as listed now.
+        let mut unsure = up.clone();
+        unsure.ctld_unsure.insert(7);
+        assert!(reconcile::plan(&inp, &unsure).is_empty(), "a job slurmctld still lists is not closed");
+        assert!(reconcile::listed_live(&unsure, &nodes).contains(&7));
     }
 
     #[test]
