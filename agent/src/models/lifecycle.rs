@@ -1788,6 +1788,8 @@ impl Shared {
             None => Vec::new(),
         };
         let mut adopted_jobs = Vec::new();
+        // A Slurm lookup that failed: no job is taken for an orphan in this pass.
+        let mut unsure = false;
         let mut kept_keys = Vec::new();
         let mut adopting: Vec<String> = Vec::new();
         let uid = rt.user.as_ref().map(|u| u.uid).ok();
@@ -1813,7 +1815,15 @@ impl Shared {
                             j.name == launcher::slurm::job_name(&row.model)
                                 && matches!(j.state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
                         }
-                        _ => false,
+                        Ok(None) => false,
+                        // Slurm did not answer (slurmctld restarting with the agent): adopted,
+                        // and its readiness with its key (then its supervisor) decides, rather
+                        // than forgetting a live worker that would then be cancelled or leak.
+                        Err(e) => {
+                            tracing::warn!(model = %row.model, worker = %row.instance_id, error = %e, "cannot ask Slurm about a remembered worker; adopting it and checking its readiness");
+                            unsure = true;
+                            true
+                        }
                     },
                     _ => uid.is_some_and(|uid| launcher::local::Local::adopt(&inst.id, &inst.api_key, uid)),
                 };
@@ -1865,7 +1875,11 @@ impl Shared {
             rt.tasks.spawn(async move { me.finish_adoption(w, inst, attempt).await });
         }
         remove_stale_keys(&rt.dir.join("keys"), &kept_keys);
-        if self.registry_launcher == Some(LauncherKind::Slurm)
+        if unsure {
+            tracing::warn!(
+                "not cancelling orphan worker jobs after a restart in which Slurm did not answer (their watchdogs stop them if no agent keeps them)"
+            );
+        } else if self.registry_launcher == Some(LauncherKind::Slurm)
             || self.current_workers().iter().any(|w| w.cfg.launcher == LauncherKind::Slurm)
         {
             match rt.launchers.slurm.own_jobs().await {
