@@ -318,6 +318,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         ingestor = ingestor.with_slurm(accounting::ingest::SlurmLink {
             source: Arc::new(accounting::slurm::CommandSlurm {
                 scontrol: bin("scontrol"),
+                squeue: bin("squeue"),
                 sacct: bin("sacct"),
                 timeout: std::time::Duration::from_millis(tcfg.slurm_timeout_ms.clamp(100, 600_000)),
                 node: node.clone(),

@@ -15,6 +15,9 @@
 #  (c) a job run while the agent is stopped and the spool's records/ is immutable (chattr +i:
 #      the plugin cannot write, the job must still succeed) is filled in from Slurm after the
 #      agent starts;
+#  (d) a job whose name holds a line break and a whole imitated scontrol line (a job of root's
+#      with 2 GPUs), then `JobId=N` (the rest of its real line parses as job N), is billed from
+#      Slurm, and neither imitated job is billed at all;
 # then `gpuhub usage` for the user equals the sum over those jobs. As shipped (job boundaries
 # from Slurm) (b) and (c) are the normal path: state `ended`, no anomaly. With the job-hooks build
 # (GPUHUB_TRUST_BOUNDARIES=prolog: spank_gpuhub_prolog.so, PrologFlags=Alloc, job_boundaries =
@@ -143,6 +146,22 @@ JOBS+=("$sb")
 WHAT[$sb]=sbatch-shards-on-gpu2
 lab_wait_job "$sb" 60 || lab_fail "sbatch job $sb did not end in 60 s"
 lab_wait_job "${JOBS[0]}" 10 || true
+# ---- (d) a job name with a line break, then a whole imitated `scontrol show job -o` line: a job
+# slurmctld does not have, root's, 2 GPUs on this node. Nothing is billed for it, and the job
+# that carries the name is billed from Slurm like any other (the sums below).
+now="$(date +%s)"
+# Ids of this run's own (an earlier run's forged lines, still listed, would make them repeats).
+fake=$((7000000 + RANDOM * 4)); fake2=$((fake + 1))
+forged="JobId=$fake JobName=f UserId=root(0) Account=root JobState=RUNNING Reason=None StartTime=$now EndTime=$((now + 3600)) Partition=$(sinfo -h -o %P | head -n1 | tr -d '*') NodeList=$LAB_NODE NumCPUs=1 TRES=cpu=1,mem=500M,node=1,billing=1,gres/gpu=2 Nodes=$LAB_NODE CPU_IDs=0 Mem=500 GRES=gpu:h200:2(IDX:0-1) MinCPUsNode=1"
+# The name ends in a line that starts like a job's, so the rest of the real line (its user's
+# real fields) parses as job $fake2 too.
+lab_run as_user sbatch --parsable -t 2 -J $'trust-forge\n'"$forged"$'\n'"JobId=$fake2" --gres=gpu:1 -o /dev/null --wrap 'sleep 8'
+[ "$LAB_RC" -eq 0 ] || lab_fail "sbatch with a line break in the job name failed"
+d_job="$(tail -n1 <<<"$LAB_OUT" | cut -d';' -f1)"
+JOBS+=("$d_job")
+WHAT[$d_job]=forged-line
+scontrol show job -o "$d_job" | grep -q "^JobId=$fake " || lab_fail "scontrol does not print the imitated line (does Slurm quote job names now?); this part proves nothing"
+lab_wait_job "$d_job" 60 || lab_fail "job $d_job did not end in 60 s"
 wait_ingested
 # The claims above differ from Slurm's allocation: counted (before the restarts below reset it).
 sleep 1
@@ -285,6 +304,10 @@ print(("ok" if ok_sum else "MISMATCH") + f": gpuhub usage for {user}: gpu_second
       f"(tolerance {tol_g}), shard_seconds {row['shard_seconds']:.3f} vs {sum_s:.0f} (tolerance {tol_s}), jobs {row['jobs']} vs {len(jobs)}")
 sys.exit(0 if ok_sum and not bad else 1)
 PY
+# Checked last, when many reconciliation looks have seen the imitated lines.
+[ "$(sql "SELECT COUNT(*) FROM acct_jobs WHERE job_id IN ($fake, $fake2)")" = 0 ] ||
+    lab_fail "lines job $d_job's name imitated were billed as jobs: $(sql "SELECT job_id, node, user_name, start_us, end_us FROM acct_jobs WHERE job_id IN ($fake, $fake2)")"
+echo "ok: the lines job $d_job's name imitated ($fake, root's; $fake2) are not billed"
 [ -z "${late:-}" ] || lab_fail "jobs $b_job/$c_job were not reconciled within one interval (see the MISMATCH above)"
 grep -q '^gpuhub_accounting_slurm_disagreements_total{field="shards"} [1-9]' "$T/metrics-a.txt" \
     || lab_fail "the shard claims of part (a) are not counted in gpuhub_accounting_slurm_disagreements_total{field=\"shards\"} ($metrics_url)"

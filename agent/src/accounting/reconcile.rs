@@ -30,7 +30,7 @@ use sqlx::{Any, AnyPool, Transaction};
 
 use super::Anomaly;
 use super::db::{self, GPU_COLS, JOB_COLS, JobGpuRow, JobRow};
-use super::slurm::{Alloc, SlurmJob, SlurmState, expand_hostlist, is_finished, is_live};
+use super::slurm::{Alloc, SlurmJob, SlurmState, Source, expand_hostlist, is_finished, is_live};
 use crate::config::JobBoundaries;
 use crate::telemetry::JobGpuStats;
 
@@ -281,14 +281,15 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             }
             let nodes = nodes_of(row);
             let ctld = st.ctld.get(&id);
+            let acct_end = st.acct.get(&id).filter(|j| is_finished(&j.state)).and_then(|j| j.end_us);
             // Listed on a line not used (a job name or comment that imitates scontrol's fields):
-            // slurmctld still knows the job, and its state is not known from this look.
-            if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) || st.ctld_unsure.contains(&id) {
+            // slurmctld still knows the job, and only sacct can say it ended.
+            if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) || (st.ctld_unsure.contains(&id) && acct_end.is_none()) {
                 continue;
             }
             let (end, how, exact) = if let Some(e) = ctld.filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
                 (e, "slurmctld's EndTime", true)
-            } else if let Some(e) = st.acct.get(&id).filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
+            } else if let Some(e) = acct_end {
                 (e, "sacct's End", true)
             } else if let Some(t) = inp.last_listed.get(&id) {
                 (*t, "the last Slurm snapshot that listed it", false)
@@ -307,6 +308,11 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
         }
         match st.job(id) {
             Some(j) if j.node_list.is_empty() => {}
+            // slurmdbd's record of a job that just started can lack its allocation (an empty
+            // partition, no TRES, uid 0 seen on the lab): a live job slurmctld knows but whose
+            // line was not used is verified from sacct once it has ended.
+            Some(j) if st.ctld_unsure.contains(&id) && !is_finished(&j.state) => {}
+            Some(j) if j.source == Source::Sacct && (j.partition.is_none() || j.cpus == 0) => {}
             Some(j) => {
                 let alloc = j.alloc_on(&nodes_of(row)).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
                 out.push(Action::Verify { node: row.node.clone(), job_id: id, job: j.clone(), alloc });

@@ -305,6 +305,64 @@ pub fn parse_scontrol(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
     (jobs, errors)
 }
 
+/// What `squeue --json -t all` says of slurmctld's jobs: every id it has, and those with a line
+/// break in any of their strings (a job name, a comment). JSON quotes them; `scontrol show job
+/// -o` prints them raw, so what it prints for such a job is not one line of its own, and its
+/// text can imitate whole lines of other jobs.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SqueueIds {
+    pub ids: BTreeSet<u32>,
+    pub broken: BTreeSet<u32>,
+}
+
+/// Parses `squeue --json -t all` (Slurm 22.05's and 24.11's: `jobs[].job_id` is a number in both).
+pub fn parse_squeue_json(text: &str) -> Result<SqueueIds, String> {
+    fn has_line_break(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::String(s) => s.contains('\n'),
+            serde_json::Value::Array(a) => a.iter().any(has_line_break),
+            serde_json::Value::Object(o) => o.values().any(has_line_break),
+            _ => false,
+        }
+    }
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("squeue --json printed no JSON ({e})"))?;
+    let jobs = v.get("jobs").and_then(|j| j.as_array()).ok_or("squeue --json printed no `jobs` array")?;
+    let mut out = SqueueIds::default();
+    for j in jobs {
+        let id = j.get("job_id").and_then(|i| i.as_u64()).and_then(|i| u32::try_from(i).ok());
+        let Some(id) = id else { return Err("squeue --json printed a job without a numeric `job_id`".into()) };
+        out.ids.insert(id);
+        if has_line_break(j) {
+            out.broken.insert(id);
+        }
+    }
+    Ok(out)
+}
+
+/// Keeps in `jobs` (parsed from `scontrol show job -o`, whose lines carried the ids `listed`)
+/// only what squeue vouches for: a line for a job id slurmctld does not have is free text (a job
+/// name with a line break that imitates a line) and is dropped; a job with a line break in its
+/// text is dropped (looked up in sacct). Answers the jobs slurmctld has but no line of which
+/// was used (not closed from this look), and what was dropped, for the log.
+pub fn vouch(jobs: &mut BTreeMap<u32, SlurmJob>, listed: &BTreeSet<u32>, sq: &SqueueIds) -> (BTreeSet<u32>, Vec<String>) {
+    let mut problems = Vec::new();
+    jobs.retain(|id, _| {
+        if !sq.ids.contains(id) {
+            problems
+                .push(format!("scontrol printed a line for job {id}, which squeue does not list (a job name with a line break?); ignored"));
+            false
+        } else {
+            !sq.broken.contains(id)
+        }
+    });
+    for id in &sq.broken {
+        problems
+            .push(format!("job {id} has a line break in its name or comment; scontrol's lines for it are not used (looked up in sacct)"));
+    }
+    let unsure = listed.iter().chain(&sq.broken).filter(|id| sq.ids.contains(id) && !jobs.contains_key(id)).copied().collect();
+    (unsure, problems)
+}
+
 /// The job id at the start of every line of `scontrol show job -o` that has one, used or not.
 pub fn listed_ids(text: &str) -> BTreeSet<u32> {
     text.lines()
@@ -489,6 +547,8 @@ pub trait SlurmSource: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct CommandSlurm {
     pub scontrol: PathBuf,
+    /// `squeue --json`: which of scontrol's lines are slurmctld's own ([`vouch`]).
+    pub squeue: PathBuf,
     pub sacct: PathBuf,
     pub timeout: Duration,
     /// The Slurm node name (`telemetry.slurm_node_name`), for `sacct -N`.
@@ -522,11 +582,27 @@ impl SlurmSource for CommandSlurm {
         let mut st = SlurmState { taken_us: crate::util::now_us(), acct_ok: true, ..SlurmState::default() };
         match run_command_env(&self.scontrol, &["show", "job", "-d", "-o"], &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
             Ok(out) => {
-                let (jobs, errs) = parse_scontrol(&out);
+                let (mut jobs, errs) = parse_scontrol(&out);
                 st.ctld_ok = true;
-                st.ctld_unsure = listed_ids(&out).into_iter().filter(|id| !jobs.contains_key(id)).collect();
-                st.ctld = jobs;
                 st.errors.extend(errs.iter().map(ToString::to_string));
+                let listed = listed_ids(&out);
+                match run_command_env(&self.squeue, &["--json", "-t", "all"], &[], self.timeout)
+                    .map_err(|e| e.to_string())
+                    .and_then(|text| parse_squeue_json(&text))
+                {
+                    Ok(sq) => {
+                        let (unsure, problems) = vouch(&mut jobs, &listed, &sq);
+                        st.ctld_unsure = unsure;
+                        st.errors.extend(problems);
+                    }
+                    Err(e) => {
+                        st.ctld_unsure = listed.into_iter().filter(|id| !jobs.contains_key(id)).collect();
+                        st.errors.push(format!(
+                            "{e} (without it, lines scontrol prints for a job name with a line break cannot be told from slurmctld's own)"
+                        ));
+                    }
+                }
+                st.ctld = jobs;
             }
             // `scontrol show job` with no jobs at all exits 0; a failure is slurmctld down.
             Err(e) => st.errors.push(format!("{e} (check that slurmctld answers `scontrol ping`)")),
@@ -707,6 +783,32 @@ mod tests {
         let (jobs, errs) = parse_scontrol(&format!("{RUNNING_SHARD}\n{}", RUNNING_SHARD.replace("JobState=RUNNING", "JobState=COMPLETED")));
         assert!(jobs.is_empty() && errs.iter().any(|e| e.problem.contains("twice")), "{jobs:?} {errs:?}");
         assert!(parse_scontrol("No jobs in the system\n").0.is_empty());
+    }
+
+    /// A job name with a line break that prints a whole imitated line, for job 22 itself (the
+    /// head with the fields the name imitates) and for a job slurmctld does not have (the tail,
+    /// with job 22's real fields): squeue's JSON vouches for neither.
+    #[test]
+    fn squeue_vouches_for_scontrols_lines() {
+        let forged = RUNNING_GPU2.replace("JobId=77", "JobId=22").replace("gres/gpu=2", "gres/gpu=0");
+        let head_and_tail = RUNNING_SHARD.replace("JobName=gpuhub-worker-mt-chat", &format!("JobName=x\n{forged}\nJobId=4242 JobName=y"));
+        let text = format!("{head_and_tail}\n{DONE_GPU2}\n");
+        let (mut jobs, _) = parse_scontrol(&text);
+        assert!(jobs.contains_key(&22) && jobs.contains_key(&4242), "the forged lines parse: {:?}", jobs.keys());
+        let json = r#"{"meta": {}, "errors": [], "jobs": [
+            {"job_id": 22, "name": "x\nJobId=22 ...\nJobId=4242 JobName=y", "job_state": "RUNNING"},
+            {"job_id": 15, "name": "acct-gpu2", "job_state": ["COMPLETED"], "start_time": {"set": true, "number": 1}}]}"#;
+        let sq = parse_squeue_json(json).unwrap();
+        assert_eq!((sq.ids.clone(), sq.broken.clone()), (BTreeSet::from([15, 22]), BTreeSet::from([22])));
+        let (unsure, problems) = vouch(&mut jobs, &listed_ids(&text), &sq);
+        assert_eq!(jobs.keys().copied().collect::<Vec<_>>(), [15], "only job 15's own line is used");
+        assert_eq!(unsure, BTreeSet::from([22]), "job 22 is known to slurmctld: not closed");
+        assert!(
+            problems.iter().any(|p| p.contains("4242")) && problems.iter().any(|p| p.contains("job 22 has a line break")),
+            "{problems:?}"
+        );
+        assert!(parse_squeue_json("{\"jobs\": [{\"job_id\": \"x\"}]}").is_err());
+        assert!(parse_squeue_json("squeue: error").is_err());
     }
 
     #[test]

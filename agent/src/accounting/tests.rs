@@ -588,6 +588,26 @@ mod reconcile_story {
         unsure.ctld_unsure.insert(7);
         assert!(reconcile::plan(&inp, &unsure).is_empty(), "a job slurmctld still lists is not closed");
         assert!(reconcile::listed_live(&unsure, &nodes).contains(&7));
+        // ... unless sacct says it ended: closed at sacct's End.
+        unsure.acct.insert(7, sj(7, Source::Sacct, "COMPLETED", now - 100 * S, Some(now - 3 * S), 1, 0));
+        let actions = reconcile::plan(&inp, &unsure);
+        assert!(matches!(&actions[..], [Action::Close { job_id: 7, end_us, exact: true, .. }] if *end_us == now - 3 * S), "{actions:?}");
+        // Verifying job 7: slurmdbd's first record of a job (no partition, no TRES, uid 0: seen
+        // on the lab) is not used; nor, while slurmctld lists the job on a line not used, is
+        // sacct's record of it running; once it has ended, it is.
+        let unverified = [open.clone()];
+        let verify_only = Inputs { unverified: &unverified, reconcile: false, ..inp };
+        let mut early = up.clone();
+        let first = sj(7, Source::Sacct, "RUNNING", now - 100 * S, None, 0, 0);
+        early.acct.insert(7, SlurmJob { partition: None, cpus: 0, uid: Some(0), ..first });
+        assert!(reconcile::plan(&verify_only, &early).is_empty());
+        let mut live = up.clone();
+        live.ctld_unsure.insert(7);
+        live.acct.insert(7, sj(7, Source::Sacct, "RUNNING", now - 100 * S, None, 1, 0));
+        assert!(reconcile::plan(&verify_only, &live).is_empty());
+        live.acct.get_mut(&7).unwrap().state = "COMPLETED".into();
+        let actions = reconcile::plan(&verify_only, &live);
+        assert!(matches!(&actions[..], [Action::Verify { job_id: 7, .. }]), "{actions:?}");
     }
 
     #[test]

@@ -35,7 +35,7 @@ use super::metrics::{
     StateLabels,
 };
 use super::{Published, Stop, TelemetryConfig, lock, unix_now};
-use crate::accounting::slurm::{SlurmJob, is_finished, is_live, parse_scontrol, parse_slurm_size};
+use crate::accounting::slurm::{LineError, SlurmJob, is_finished, is_live, listed_ids, parse_scontrol, parse_slurm_size};
 
 /// Output beyond this is refused (a runaway command must not eat the agent's memory).
 const MAX_OUTPUT: u64 = 64 * 1024 * 1024;
@@ -289,6 +289,9 @@ pub struct Snapshot {
 #[derive(Debug)]
 pub struct SlurmSampler {
     scontrol: PathBuf,
+    /// `squeue --json`: which of scontrol's job lines are slurmctld's own.
+    squeue: PathBuf,
+    warned_squeue: bool,
     timeout: Duration,
     node: String,
     own: GpuhubMetrics,
@@ -312,6 +315,11 @@ impl SlurmSampler {
                 Some(dir) => dir.join("scontrol"),
                 None => PathBuf::from("scontrol"),
             },
+            squeue: match &cfg.slurm_bin_dir {
+                Some(dir) => dir.join("squeue"),
+                None => PathBuf::from("squeue"),
+            },
+            warned_squeue: false,
             timeout: Duration::from_millis(cfg.slurm_timeout_ms.clamp(100, 600_000)),
             node: cfg.effective_node_name(),
             own,
@@ -377,7 +385,25 @@ impl SlurmSampler {
             run_command_env(&self.scontrol, &["show", "job", "-d", "-o"], &env, self.timeout).inspect_err(|_| fail(&self.own, JOB_CMD))?;
         let nodes_text = run_command_env(&self.scontrol, &["-d", "show", "node", "-o"], &env, self.timeout)
             .inspect_err(|_| fail(&self.own, NODE_CMD))?;
-        let (jobs, job_errors) = parse_scontrol(&jobs_text);
+        let (mut jobs, mut job_errors) = parse_scontrol(&jobs_text);
+        // A job name with a line break can print lines that imitate other jobs' (a user's GPUs
+        // shown as another's): only the lines squeue's JSON vouches for are used.
+        match run_command_env(&self.squeue, &["--json", "-t", "all"], &[], self.timeout)
+            .map_err(|e| e.to_string())
+            .and_then(|text| crate::accounting::slurm::parse_squeue_json(&text))
+        {
+            Ok(sq) => {
+                let (_, problems) = crate::accounting::slurm::vouch(&mut jobs, &listed_ids(&jobs_text), &sq);
+                job_errors.extend(problems.into_iter().map(|problem| LineError { command: "squeue --json", line: 0, problem }));
+                self.warned_squeue = false;
+            }
+            Err(e) if !std::mem::replace(&mut self.warned_squeue, true) => {
+                tracing::warn!(
+                    "telemetry: {e}; scontrol's job lines are used unchecked (a job name with a line break can imitate other jobs' lines)"
+                );
+            }
+            Err(_) => {}
+        }
         let (nodes, node_errors) = parse_nodes(&nodes_text);
         for e in &job_errors {
             tracing::warn!("telemetry: skipped a Slurm job line: {e}");
