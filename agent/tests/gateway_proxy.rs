@@ -175,6 +175,30 @@ async fn a_client_that_gives_up_on_a_plain_call_keeps_its_usage_row() {
     a.stop().await;
 }
 
+/// A stream whose client stops reading but keeps its connection is taken as gone after
+/// `body_timeout_s` without taking an event: its row is written and its slot freed.
+#[tokio::test]
+async fn a_stream_whose_client_stops_reading_is_ended() {
+    let a = start("[gateway]\nbody_timeout_s = 1\n").await;
+    let (key, _) = a.key("dave", "app", &[]).await;
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut sock = sock.connect(a.gateway).await.unwrap();
+    let body = json!({"model": "flood", "stream": true}).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    let t = Instant::now();
+    let rows = a.rows(1).await; // never reads a byte of the answer
+    let row = &rows[0];
+    assert_eq!((row["user_name"].as_str(), row["error_code"].as_str()), (Some("dave"), Some("client_closed")), "{row}");
+    assert!(t.elapsed() < Duration::from_secs(8), "ended {:?} after the call", t.elapsed());
+    drop(sock);
+    a.stop().await;
+}
+
 #[tokio::test]
 async fn upstream_failures_name_the_model_and_what_happened() {
     let a = start("[gateway]\nupstream_timeout_s = 1\n").await;

@@ -147,9 +147,24 @@ impl Driver {
             return;
         }
         self.commit();
-        if self.body.send(b).await.is_err() {
-            self.client_gone = true;
-            tracing::debug!(request_id = %self.call.row.request_id, "stream client went away; draining the upstream for usage");
+        // A client that takes no event for `body_timeout_s` (it stopped reading but keeps the
+        // connection) is gone too: it must not hold the model's slot and the row for ever.
+        let stall = Duration::from_secs(self.state.config.file.gateway.body_timeout_s);
+        match tokio::time::timeout(stall, self.body.send(b)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                self.client_gone = true;
+                tracing::debug!(request_id = %self.call.row.request_id, "stream client went away; draining the upstream for usage");
+            }
+            Err(_) => {
+                self.client_gone = true;
+                tracing::warn!(
+                    request_id = %self.call.row.request_id,
+                    user = %self.call.row.user,
+                    stall_s = stall.as_secs(),
+                    "stream client stopped reading (gateway.body_timeout_s); treated as gone, draining the upstream for usage"
+                );
+            }
         }
     }
 

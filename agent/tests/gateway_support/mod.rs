@@ -85,6 +85,10 @@ async fn handle(State(up): State<Upstream>, Path((mode, rest)): Path<(String, St
             return sse(vec![chunk("small "), event, "data: [DONE]\n\n".into()], Duration::from_millis(1), false);
         }
         "big" => return Json(json!({"choices": [{"index": 0, "message": {"content": "x".repeat(200 * 1024)}}]})).into_response(),
+        "flood" => {
+            let event = format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": "x".repeat(200 * 1024)}}]}));
+            return sse(vec![event; 100].into_iter().chain(["data: [DONE]\n\n".to_string()]).collect(), Duration::from_millis(1), false);
+        }
         _ => {}
     }
     if rest == "audio/speech" {
@@ -129,7 +133,7 @@ pub struct Agent {
 }
 
 /// Catalog: `chat` (ok), `fail`, `break`, `nodone`, `slow`, `hang`, `bad` (upstream answers 400),
-/// `big` (answers 200 KiB),
+/// `big` (answers 200 KiB), `flood` (streams 100 events of 200 KiB at once),
 /// `down` (nothing listens), `one` (ok, max_concurrency 1, queue 0, slow); `svc-chat` is a
 /// deprecated name of `chat`.
 pub async fn start(extra: &str) -> Agent {
@@ -159,7 +163,7 @@ pub async fn start_in(dir: tempfile::TempDir, up: SocketAddr, upstream: Upstream
     let d = dir.path().display();
     let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap(); // closed at once
     let mut models = String::new();
-    for m in ["chat", "fail", "break", "nodone", "slow", "hang", "bad", "big"] {
+    for m in ["chat", "fail", "break", "nodone", "slow", "hang", "bad", "big", "flood"] {
         models.push_str(&format!(
             "[[models]]\nname = \"{m}\"\nlauncher = \"static\"\nurl = \"http://{up}/{}\"\napi_key = \"worker-secret\"\n",
             if m == "chat" { "ok" } else { m }
