@@ -26,7 +26,8 @@ pub struct GatewayConfig {
     /// nothing, and a call would wait this long before it fails over). `upstream_timeout_s`
     /// bounds it too (the whole call).
     pub upstream_connect_timeout_s: u64,
-    /// A request body must arrive within this many seconds (slow clients get a 408).
+    /// A request body must arrive within this many seconds (slow clients get a 408); a stream
+    /// whose client takes no event for this long is ended (it stopped reading).
     pub body_timeout_s: u64,
     /// Bound of the in-memory usage-log queue before rows spill to disk; also how many rows
     /// may wait in memory alone while the journal cannot be written (a full disk), after which
