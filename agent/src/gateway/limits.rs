@@ -2,8 +2,9 @@
 //! together (`gateway.max_body_bytes_total`), on top of each body's own limit
 //! (`gateway.max_body_bytes`) and deadline (`gateway.body_timeout_s`).
 //!
-//! A body's bytes are counted as they arrive (a declared `Content-Length` is counted up front)
-//! and stay counted until its call ends, since the body is kept to be forwarded. A call whose
+//! A body's bytes are counted as they arrive (not as its `Content-Length` declares: a caller
+//! that declares large bodies and sends nothing must not hold the budget) and stay counted
+//! until its call ends, since the body is kept to be forwarded. A call whose
 //! body does not fit is refused with a 503 that names the limit, instead of waiting: a body
 //! half read holds bytes too, so waiting callers could starve each other.
 
@@ -20,6 +21,8 @@ use super::error::GatewayError;
 /// Bytes counted at a time when a body grows past what it holds (fewer wake-ups of the
 /// semaphore for a body that arrives in small frames).
 const STEP: usize = 64 * 1024;
+/// The most a body's buffer takes before its bytes arrive.
+const FIRST_CAPACITY: usize = 256 * 1024;
 
 /// The request-body bytes all calls may hold together.
 pub struct BodyBudget {
@@ -62,7 +65,8 @@ impl BodyBudget {
     }
 
     /// Reads a whole request body: at most `max` bytes, within `timeout`, counted against the
-    /// budget (`declared`, the `Content-Length`, up front). The permit keeps the bytes counted.
+    /// budget as they arrive (`declared`, the `Content-Length`, only sizes the steps). The
+    /// permit keeps the bytes counted.
     pub async fn read(
         &self,
         body: Body,
@@ -71,9 +75,8 @@ impl BodyBudget {
         timeout: Duration,
     ) -> Result<(Bytes, BodyPermit), GatewayError> {
         let mut permit = BodyPermit::default();
-        let first = declared.map_or(0, |d| usize::try_from(d).unwrap_or(usize::MAX).min(max));
-        self.grow(&mut permit, first)?;
-        let mut buf = BytesMut::with_capacity(first);
+        let cap = declared.map_or(max, |d| usize::try_from(d).unwrap_or(usize::MAX).min(max));
+        let mut buf = BytesMut::with_capacity(cap.min(FIRST_CAPACITY));
         let mut body = body;
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -92,7 +95,7 @@ impl BodyBudget {
                 return Err(GatewayError::BodyTooLarge { limit: max });
             }
             if len > permit.bytes() {
-                let want = (len - permit.bytes()).max(STEP).min(max - permit.bytes());
+                let want = (len - permit.bytes()).max(STEP).min(cap.max(len) - permit.bytes());
                 self.grow(&mut permit, want)?;
             }
             buf.extend_from_slice(&data);
@@ -130,5 +133,15 @@ mod tests {
         assert_eq!(e.code(), "request_too_large");
         drop(p);
         assert_eq!(budget.available(), 1000, "a refused body gives its bytes back");
+        // A declared body that does not come holds nothing of the budget meanwhile.
+        let budget = Arc::new(budget);
+        let b = budget.clone();
+        let waiting = tokio::spawn(async move {
+            let never = futures_util::stream::pending::<Result<Bytes, std::io::Error>>();
+            b.read(Body::from_stream(never), Some(800), 800, Duration::from_millis(300)).await.map(|_| ())
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(budget.available(), 1000, "a Content-Length alone reserves nothing");
+        assert_eq!(waiting.await.unwrap().unwrap_err().code(), "request_timeout");
     }
 }
