@@ -112,4 +112,12 @@ models_call mt-chat "no room"                  # mt-big holds 9 GiB with a call 
 echo "$MC_BODY" | grep -q 'mt-big' || models_fail "the 503 should name what holds the GPU: $MC_BODY"
 echo "   ok: 503: $(echo "$MC_BODY" | jq -r .error.message)"
 wait $big || true
+echo "== 7. a suspended worker job -> cancelled (it would resume with nobody keeping it)"
+sus="$(models_field mt-big worker_id)"
+scontrol suspend "$sus" || models_fail "scontrol suspend $sus failed"
+models_wait_state mt-big unloaded 20
+for ((i = 0; i < 100; i++)); do [ -z "$(models_jobs mt-big)" ] && break; sleep 0.1; done
+[ -z "$(models_jobs mt-big)" ] || models_fail "job $sus was suspended and is still listed ($(squeue -h -j "$sus" -o %T)): nothing cancelled it"
+models_field mt-big detail | grep -q SUSPENDED || models_fail "the state detail should say the job was suspended: $(models_field mt-big detail)"
+echo "   ok: job $sus suspended -> cancelled: $(models_field mt-big detail)"
 echo "PASS models-slurm"

@@ -56,6 +56,11 @@ pub enum Proof {
     Other { uid: u32 },
 }
 
+/// Job states of a job that has ended or is ending for good: a worker in one is gone, and
+/// nothing is left to stop. (`PREEMPTED` and `NODE_FAIL` are not here: Slurm may requeue such
+/// a job, which would then run again with no agent keeping it.)
+const ENDING: &[&str] = &["COMPLETING", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "REVOKED"];
+
 /// One worker job as `squeue` lists it ([`SQUEUE_FORMAT`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobInfo {
@@ -321,7 +326,14 @@ impl Slurm {
             Ok(Some(j)) => match j.state.as_str() {
                 "PENDING" | "CONFIGURING" | "REQUEUED" => RunState::Pending(j.reason),
                 "RUNNING" => RunState::Running,
-                other => RunState::Gone(format!("Slurm job {} is {other}", inst.id)),
+                other if ENDING.contains(&other) => RunState::Gone(format!("Slurm job {} is {other}", inst.id)),
+                // Suspended, stopped, preempted, held after a requeue, ...: not serving, and it
+                // could run again later with no agent keeping it. Cancelled, so that it never does.
+                other => {
+                    tracing::warn!(job = %inst.id, state = other, "a worker job is neither running nor ending; cancelling it");
+                    self.cancel(&inst.id).await;
+                    RunState::Gone(format!("Slurm job {} was {other}; it was cancelled", inst.id))
+                }
             },
             Ok(None) => RunState::Gone(format!("Slurm job {} has ended", inst.id)),
             // squeue itself failed (slurmctld restarting?): say running, check again later.
