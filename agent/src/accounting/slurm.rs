@@ -7,7 +7,7 @@
 //!   `GRES=shard:h200:7(IDX:0)` on 22.05 or `shard:h200:7(7/14,0/14)` on later releases;
 //!   finished jobs still listed (`MinJobAge`) keep only the job-wide `TRES=...,gres/gpu=2`, which
 //!   23.02 and later print as `AllocTRES=` beside `ReqTRES=`).
-//! - `sacct -n -P -X -o JobID,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID`
+//! - `sacct -n -P -X -o JobIDRaw,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID`
 //!   for jobs slurmctld no longer knows: counts, no GPU indices.
 //!
 //! Both run with `SLURM_TIME_FORMAT=%s` (times as Unix seconds), `LC_ALL=C` and the telemetry
@@ -468,11 +468,12 @@ fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
     })
 }
 
-/// `sacct` fields, in this order.
-pub const SACCT_FIELDS: &str = "JobID,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID";
+/// `sacct` fields, in this order. `JobIDRaw`: an array task's own job id (what slurmctld,
+/// `SLURM_JOB_ID` and the records carry), where `JobID` prints `12_3`.
+pub const SACCT_FIELDS: &str = "JobIDRaw,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID";
 
-/// Parses `sacct -n -P -X -o SACCT_FIELDS` (with `SLURM_TIME_FORMAT=%s`); array and
-/// heterogeneous job lines (`12_3`, `12+0`) are skipped.
+/// Parses `sacct -n -P -X -o SACCT_FIELDS` (with `SLURM_TIME_FORMAT=%s`); a line whose id is
+/// not a number is skipped.
 pub fn parse_sacct(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
     let mut jobs = BTreeMap::new();
     let mut errors = Vec::new();
@@ -829,6 +830,13 @@ short|line
         assert_eq!((jobs[&15].gpus, jobs[&15].account.clone(), jobs[&15].uid), (2, None, Some(1001)));
         assert_eq!((jobs[&23].node_list.as_str(), jobs[&23].start_us), ("", None));
         assert_eq!(jobs[&15].alloc_on(&nodes(&["gpu01"])).unwrap().gpus, 2);
+        // Captured: an array job's two tasks (`sbatch -a 1-2`), `JobID` 1346_1 and 1346_2: their
+        // raw ids, as slurmctld and the records know them.
+        let (jobs, errs) = parse_sacct(
+            "1347|billing=1,cpu=1,gres/gpu=1,mem=500M,node=1|lab|gpu|gpu01|1796488080|1796488082|COMPLETED|gpuhublab|1001\n\
+             1346|billing=1,cpu=1,gres/gpu=1,mem=500M,node=1|lab|gpu|gpu01|1796488080|1796488082|COMPLETED|gpuhublab|1001\n",
+        );
+        assert!(errs.is_empty() && jobs.len() == 2 && jobs[&1347].gpus == 1, "{errs:?} {jobs:?}");
     }
 
     #[test]
