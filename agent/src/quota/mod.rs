@@ -217,14 +217,24 @@ impl Quotas {
             if held.contains_key(&(kind.clone(), name.clone())) && !reassert {
                 continue;
             }
+            // Recorded first: a hold Slurm has must be one the store lists, or no later pass
+            // would release it (the releases go by the store's list).
+            if let Err(e) = state.store.add_quota_hold(kind, name, quota, crate::util::now_us()).await {
+                tracing::error!(error = %e, kind = %kind, name = %name, "quotas: cannot record a hold in the store; not holding in Slurm (the next pass tries again)");
+                continue;
+            }
             match self.sacctmgr.set(kind, name, true).await {
                 Ok(()) => {
                     tracing::info!(kind = %kind, name = %name, quota = %quota, "quotas: held in Slurm (GrpTRES {}); new GPU jobs pend with {}", slurm::HOLD_TRES, slurm::HELD_REASON);
-                    if let Err(e) = state.store.add_quota_hold(kind, name, quota, crate::util::now_us()).await {
-                        tracing::error!(error = %e, kind = %kind, name = %name, "quotas: held in Slurm but not recorded in the store; the next pass tries again");
+                }
+                Err(e) => {
+                    tracing::error!(kind = %kind, name = %name, quota = %quota, error = %e, "quotas: cannot hold the association");
+                    if !held.contains_key(&(kind.clone(), name.clone()))
+                        && let Err(e) = state.store.remove_quota_hold(kind, name).await
+                    {
+                        tracing::error!(error = %e, kind = %kind, name = %name, "quotas: the store lists a hold Slurm does not have; the agent's next restart sets it");
                     }
                 }
-                Err(e) => tracing::error!(kind = %kind, name = %name, quota = %quota, error = %e, "quotas: cannot hold the association"),
             }
         }
         for (kind, name) in held.keys() {
