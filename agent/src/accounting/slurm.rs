@@ -339,6 +339,11 @@ pub fn parse_squeue_json(text: &str) -> Result<SqueueIds, String> {
     Ok(out)
 }
 
+/// Runs `squeue --json -t all` and parses it ([`parse_squeue_json`]).
+pub fn read_squeue(squeue: &std::path::Path, timeout: Duration) -> Result<SqueueIds, String> {
+    run_command_env(squeue, &["--json", "-t", "all"], &[], timeout).map_err(|e| e.to_string()).and_then(|text| parse_squeue_json(&text))
+}
+
 /// Keeps in `jobs` (parsed from `scontrol show job -o`, whose lines carried the ids `listed`)
 /// only what squeue vouches for: a line for a job id slurmctld does not have is free text (a job
 /// name with a line break that imitates a line) and is dropped; a job with a line break in its
@@ -587,10 +592,7 @@ impl SlurmSource for CommandSlurm {
                 st.ctld_ok = true;
                 st.errors.extend(errs.iter().map(ToString::to_string));
                 let listed = listed_ids(&out);
-                match run_command_env(&self.squeue, &["--json", "-t", "all"], &[], self.timeout)
-                    .map_err(|e| e.to_string())
-                    .and_then(|text| parse_squeue_json(&text))
-                {
+                match read_squeue(&self.squeue, self.timeout) {
                     Ok(sq) => {
                         let (unsure, problems) = vouch(&mut jobs, &listed, &sq);
                         st.ctld_unsure = unsure;

@@ -35,7 +35,9 @@ use super::metrics::{
     StateLabels,
 };
 use super::{Published, Stop, TelemetryConfig, lock, unix_now};
-use crate::accounting::slurm::{LineError, SlurmJob, is_finished, is_live, listed_ids, parse_scontrol, parse_slurm_size};
+use crate::accounting::slurm::{
+    LineError, SlurmJob, is_finished, is_live, listed_ids, parse_scontrol, parse_slurm_size, read_squeue, vouch,
+};
 
 /// Output beyond this is refused (a runaway command must not eat the agent's memory).
 const MAX_OUTPUT: u64 = 64 * 1024 * 1024;
@@ -388,12 +390,9 @@ impl SlurmSampler {
         let (mut jobs, mut job_errors) = parse_scontrol(&jobs_text);
         // A job name with a line break can print lines that imitate other jobs' (a user's GPUs
         // shown as another's): only the lines squeue's JSON vouches for are used.
-        match run_command_env(&self.squeue, &["--json", "-t", "all"], &[], self.timeout)
-            .map_err(|e| e.to_string())
-            .and_then(|text| crate::accounting::slurm::parse_squeue_json(&text))
-        {
+        match read_squeue(&self.squeue, self.timeout) {
             Ok(sq) => {
-                let (_, problems) = crate::accounting::slurm::vouch(&mut jobs, &listed_ids(&jobs_text), &sq);
+                let (_, problems) = vouch(&mut jobs, &listed_ids(&jobs_text), &sq);
                 job_errors.extend(problems.into_iter().map(|problem| LineError { command: "squeue --json", line: 0, problem }));
                 self.warned_squeue = false;
             }
