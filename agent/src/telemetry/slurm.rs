@@ -294,6 +294,8 @@ pub struct SlurmSampler {
     /// `squeue --json`: which of scontrol's job lines are slurmctld's own.
     squeue: PathBuf,
     warned_squeue: bool,
+    /// The job lines skipped at the last snapshot, as logged.
+    last_job_errors: Vec<String>,
     timeout: Duration,
     node: String,
     own: GpuhubMetrics,
@@ -322,6 +324,7 @@ impl SlurmSampler {
                 None => PathBuf::from("squeue"),
             },
             warned_squeue: false,
+            last_job_errors: Vec::new(),
             timeout: Duration::from_millis(cfg.slurm_timeout_ms.clamp(100, 600_000)),
             node: cfg.effective_node_name(),
             own,
@@ -404,10 +407,17 @@ impl SlurmSampler {
             Err(_) => {}
         }
         let (nodes, node_errors) = parse_nodes(&nodes_text);
-        for e in &job_errors {
-            tracing::warn!("telemetry: skipped a Slurm job line: {e}");
+        // Logged when they change (a job whose name imitates lines stays listed for its whole
+        // life and MinJobAge after); counted on every snapshot.
+        let said: Vec<String> = job_errors.iter().map(ToString::to_string).collect();
+        let new = said != self.last_job_errors;
+        for e in &said {
+            if new {
+                tracing::warn!("telemetry: skipped a Slurm job line: {e}");
+            }
             fail(&self.own, JOB_CMD);
         }
+        self.last_job_errors = said;
         for e in &node_errors {
             tracing::warn!("telemetry: skipped a Slurm node line: {e}");
             fail(&self.own, NODE_CMD);
