@@ -81,7 +81,7 @@ page_checks() {
     mkdir -p "$LAB_REPO/target/test-logs" && cp "$JH_T/gpage" "$LAB_REPO/target/test-logs/jupyterhub-profiles-page.html"
     grep -q "<td>$job</td><td>$U</td>.*<td>2 GPUs</td>" "$JH_T/gpage" || jh_fail "the page does not show job $job with 2 GPUs: $(jh_text | head -c 800)"
     # Each GPU's sample now: the lab agent has no NVML (gpuhub_nvml_up 0), so none.
-    curl -s http://127.0.0.1:9410/metrics | grep -qx "gpuhub_nvml_up 0" || jh_fail "the lab agent reads NVML now: update this check to the sampled values"
+    curl -s http://127.0.0.1:9410/metrics | grep -x "gpuhub_nvml_up 0" >/dev/null || jh_fail "the lab agent reads NVML now: update this check to the sampled values"
     grep -qF "GPU 0: now: no sample (no GPU telemetry for this job); mean -, peak -<br>GPU 1: now: no sample" "$JH_T/gpage" ||
         jh_fail "the page does not show job $job's two GPUs with their sample now: $(jh_text | head -c 800)"
     jh_text | grep -q "GPU-hours this month and quota .* No GPU-hour quota covers you\." ||

@@ -325,7 +325,7 @@ g2_metrics="$(nodes_exec gpu02 curl -s --max-time 5 "http://$(nodes_ip gpu02):94
 grep -qx 'gpuhub_gateway_policy_differences 1' <<<"$g2_metrics" ||
     fail "gpu02's /metrics does not say one other gateway differs: $(grep policy_differences <<<"$g2_metrics")"
 # gpu01 compares on every pass: its gauge and its log follow gpu02's publication within a pass.
-differences_at() { nodes_exec "$1" curl -s --max-time 5 "http://$(nodes_ip "$1"):9410/metrics" | grep -qx "gpuhub_gateway_policy_differences $2"; }
+differences_at() { nodes_exec "$1" curl -s --max-time 5 "http://$(nodes_ip "$1"):9410/metrics" | grep -x "gpuhub_gateway_policy_differences $2" >/dev/null; }
 until_ok 6 differences_at gpu01 1 || fail "gpu01's gpuhub_gateway_policy_differences is not 1 within 6 s of gpu02's start with other limits"
 grep -q 'gateway policy: another gateway enforces other settings than this one.*gateways=gpu02' "$NODES_DIR/gpu01/agent.log" ||
     fail "gpu01's agent did not log that gpu02 enforces other settings"
@@ -333,7 +333,7 @@ echo "   gpu01's doctor: $(policy_at gpu01 | cut -c1-120)"
 # A role set through gpu02 to a model only gpu02 serves: gpu01 follows the role (cluster sync)
 # and says, in its log and gpuhub_roles_unserved, that its model is not served on gpu01; set
 # back, it says so again.
-unserved_at_g1() { nodes_exec gpu01 curl -s --max-time 5 "http://$(nodes_ip gpu01):9410/metrics" | grep -qx "gpuhub_roles_unserved $1"; }
+unserved_at_g1() { nodes_exec gpu01 curl -s --max-time 5 "http://$(nodes_ip gpu01):9410/metrics" | grep -x "gpuhub_roles_unserved $1" >/dev/null; }
 until_ok 6 unserved_at_g1 0 || fail "gpu01 counts an unserved role before the test"
 lab_cleanup_add "nodes_exec gpu01 ${GH[*]} roles set ocr dots.ocr >/dev/null 2>&1 || true"
 nodes_exec gpu02 "${GH[@]}" roles set ocr g2-only >/dev/null || fail "gpuhub roles set ocr g2-only failed on gpu02 (which serves it)"
