@@ -337,6 +337,18 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    // A proxy that appends its header to the client's (or joins them with a comma) names no one.
+    for (first, second) in [("root", Some("dave")), ("root, dave", None)] {
+        let mut r = proxy.post(a.url("/v1/chat/completions")).header("x-gpuhub-proxy-secret", "proxy-secret-0123456789");
+        r = r.header("x-forwarded-user", first);
+        if let Some(v) = second {
+            r = r.header("x-forwarded-user", v);
+        }
+        let (s, e) = error_of(r.send().await.unwrap()).await;
+        assert_eq!(s, 401, "{first} {second:?}: {e}");
+        let m = e["message"].as_str().unwrap();
+        assert!(if second.is_some() { m.contains("came 2 times") } else { m.contains("does not hold a user name") }, "{e}");
+    }
     // Revoked keys say so.
     let (key, id) = a.key("alice", "ocr", &[]).await;
     assert_eq!(post(&a, &key, "/v1/chat/completions", body.clone()).await.status(), 200);
@@ -405,7 +417,10 @@ async fn identity_keys_tokens_sso_and_allow_lists() {
     let pool = sqlx::AnyPool::connect(&db).await.unwrap();
     let (n,): (i64,) =
         sqlx::query_as("SELECT CAST(SUM(calls) AS BIGINT) FROM usage_log WHERE status = 401").fetch_one(&pool).await.unwrap();
-    assert_eq!(n, 8, "no credentials, a made-up key, four SSO headers without the proof, a revoked key, a forged token");
+    assert_eq!(
+        n, 10,
+        "no credentials, a made-up key, four SSO headers without the proof, two that name no one, a revoked key, a forged token"
+    );
     pool.close().await;
 }
 

@@ -325,8 +325,16 @@ async fn authenticate_as(state: &AppState, headers: &HeaderMap, peer: &Peer) -> 
                 "the {name} header is only accepted {fix}; send `Authorization: Bearer <API key>` (an admin creates one with `gpuhub keys create`)"
             )));
         }
+        // A proxy that appends to what the client sent (instead of replacing it) would pass
+        // the client's name first: a header that came more than once names no one.
+        let times = headers.get_all(name).iter().count();
+        if times > 1 {
+            return Err(GatewayError::Unauthenticated(format!(
+                "the {name} header came {times} times; the site's proxy must set it once, replacing any the client sent (nginx: proxy_set_header {name} $remote_user)"
+            )));
+        }
         let user = value.to_str().unwrap_or("").trim();
-        if user.is_empty() || user.len() > 128 || user.chars().any(|c| c.is_control()) {
+        if user.is_empty() || user.len() > 128 || user.chars().any(|c| c.is_control() || c == ',') {
             return Err(GatewayError::Unauthenticated(format!("the {name} header from the proxy does not hold a user name")));
         }
         return Ok(Identity { user: user.to_string(), app: "sso".into(), ..Identity::default() });
