@@ -317,7 +317,11 @@ impl Ingestor {
             &st,
         );
         if st.ctld_ok {
-            for id in reconcile::listed_live(&st, &nodes) {
+            let listed: BTreeSet<u32> = reconcile::listed_live(&st, &nodes).into_iter().collect();
+            if let Err(e) = reconcile::keep_listed(&pool, &open, &listed, st.taken_us).await {
+                tracing::warn!("accounting: cannot keep when Slurm last listed running jobs: {e}; retried next interval");
+            }
+            for id in listed {
                 self.memo.last_listed.insert(id, st.taken_us);
             }
             self.memo.last_listed.retain(|_, t| *t > st.taken_us - 86_400 * 1_000_000);

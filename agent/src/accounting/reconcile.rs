@@ -293,6 +293,10 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
                 (e, "sacct's End", true)
             } else if let Some(t) = inp.last_listed.get(&id) {
                 (*t, "the last Slurm snapshot that listed it", false)
+            } else if row.last_seen_us > start {
+                // Listed before this agent started (the listing is kept on the row), or a
+                // record after its start: not the time the agent was down.
+                (row.last_seen_us, "the last Slurm snapshot or record that showed it running, before the agent restarted", false)
             } else {
                 (st.taken_us, "the first Slurm snapshot without it (the agent never saw it running)", false)
             };
@@ -606,6 +610,31 @@ pub async fn open_jobs(pool: &AnyPool, nodes: &[String]) -> Result<Vec<JobRow>, 
 }
 
 /// Which of `ids` the store has on one of `nodes`.
+/// Keeps on the open rows of `open` that slurmctld lists live now (`listed`) the time of this
+/// look (`last_seen_us`), so that a job that ends while the agent is down, and that Slurm cannot
+/// date after the restart, is closed at its last listing rather than at the restart.
+pub async fn keep_listed(pool: &AnyPool, open: &[JobRow], listed: &BTreeSet<u32>, taken_us: i64) -> Result<(), sqlx::Error> {
+    let mut by_node: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for row in open.iter().filter(|r| r.last_seen_us < taken_us && u32::try_from(r.job_id).is_ok_and(|id| listed.contains(&id))) {
+        by_node.entry(row.node.as_str()).or_default().push(row.job_id);
+    }
+    for (node, ids) in by_node {
+        for chunk in ids.chunks(500) {
+            let marks: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 3)).collect();
+            let sql = format!(
+                "UPDATE acct_jobs SET last_seen_us = $1 WHERE node = $2 AND end_us IS NULL AND last_seen_us < $1 AND job_id IN ({})",
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql).bind(taken_us).bind(node);
+            for id in chunk {
+                q = q.bind(*id);
+            }
+            q.execute(pool).await?;
+        }
+    }
+    Ok(())
+}
+
 pub async fn known_ids(pool: &AnyPool, nodes: &BTreeSet<String>, ids: &BTreeSet<u32>) -> Result<BTreeSet<u32>, sqlx::Error> {
     let (Some(lo), Some(hi)) = (ids.first(), ids.last()) else { return Ok(BTreeSet::new()) };
     let rows: Vec<(String, i64)> = sqlx::query_as("SELECT node, job_id FROM acct_jobs WHERE job_id >= $1 AND job_id <= $2")

@@ -284,7 +284,9 @@ mod reconcile_story {
     impl SlurmSource for FakeSlurm {
         fn query(&self, _want: &[u32], _since: Option<i64>) -> SlurmState {
             let mut st = self.0.lock().unwrap().clone();
-            st.taken_us = crate::util::now_us();
+            if st.taken_us == 0 {
+                st.taken_us = crate::util::now_us();
+            }
             st
         }
     }
@@ -534,6 +536,40 @@ mod reconcile_story {
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(!text.contains("kind=\"end_from_slurm\"") && !text.contains("kind=\"start_from_slurm\""), "{text}");
         assert!(text.lines().any(|l| l == "gpuhub_accounting_anomalies_total{kind=\"end_approximate\"} 1"), "{text}");
+
+        // 35 runs (created from Slurm, then listed by a second look); the agent stops, the job
+        // ends while it is down, and neither slurmctld nor sacct knows it after the restart:
+        // closed at the last look that listed it (kept on the row), not at the restart.
+        let now = crate::util::now_us();
+        let listed_at = now + 10 * S;
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.taken_us = now;
+            st.ctld.insert(35, sj(35, Source::Slurmctld, "RUNNING", t0 + 200 * S, Some(t0 + 5000 * S), 1, 0));
+        }
+        ing.tick(true).await;
+        fake.0.lock().unwrap().taken_us = listed_at;
+        ing.tick(true).await;
+        drop(ing);
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.taken_us = now + 1000 * S;
+            st.ctld.remove(&35);
+        }
+        let restarted = SlurmLink {
+            source: fake.clone(),
+            node: "gpu01".into(),
+            interval: std::time::Duration::from_secs(1),
+            boundaries: JobBoundaries::Slurm,
+            job_map_dir: Some(map.path().to_path_buf()),
+        };
+        let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(restarted);
+        ing.start_watching(Some(listed_at)).await;
+        ing.tick(true).await;
+        let n = node(35).await;
+        assert_eq!((n["state"].as_str(), n["end_us"].as_i64()), (Some("ended"), Some(listed_at)), "{n:#}");
+        assert_eq!(kinds(&n), vec!["end_approximate"], "{n:#}");
     }
 
     #[tokio::test]
