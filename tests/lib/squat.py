@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A squatter for the security tests: `squat.py PORT LOG`, run as an unprivileged user on a
-worker's port. Answers 200 with a plausible OpenAI body to every GET and POST, and appends
+"""A squatter for the security tests: `squat.py PORT LOG [ADDRESS]`, run as an unprivileged
+user on a worker's port (ADDRESS: 127.0.0.1 unless given; `::1` binds IPv6). Answers 200 with a plausible OpenAI body to every GET and POST, and appends
 each request (method, path, Authorization header, the body's first 200 bytes) to LOG, so a
 test can prove that no prompt and no worker key ever reached it."""
 import http.server
@@ -26,4 +26,8 @@ class H(http.server.BaseHTTPRequestHandler):
         pass
 
 
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+class Server(http.server.ThreadingHTTPServer):
+    address_family = __import__("socket").AF_INET6 if ":" in (sys.argv[3:] or [""])[0] else __import__("socket").AF_INET
+
+
+Server(((sys.argv[3:] or ["127.0.0.1"])[0], int(sys.argv[1])), H).serve_forever()

@@ -5,6 +5,9 @@
 # job outlives its server (`{ server; sleep 300; }`: a wrapper that keeps running after its
 # server crashed, so neither the job's end nor a replica probe tells the agent):
 #   1. a call loads it and is answered (200), over a kept-alive connection;
+#   1b. the unprivileged $LAB_USER binds the same port on another address ([::1]), which never
+#      receives the gateway's calls to 127.0.0.1: calls that open new connections to the worker
+#      are answered by the same worker, which is not stopped, and the squatter gets nothing;
 #   2. its server is killed (SIGKILL) and the unprivileged $LAB_USER binds the freed port with a
 #      server that answers 200 to everything and logs what it receives;
 #   3. the next call is answered (200) by a new worker: nothing was sent to the squatter (no
@@ -42,10 +45,34 @@ pid="$(ss -Hltnp "sport = :$port" | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n
 [ -n "$pid" ] || models_fail "cannot find the worker's process listening at $url"
 echo "   ok: job $job, server pid $pid at $url"
 
-echo "== 2. the server dies (its job runs on); $LAB_USER binds its port"
 # A copy the lab user can read whatever the checkout's permissions.
 install -m 644 "$REPO/tests/lib/squat.py" "$MT_DIR/squat.py"
 touch "$MT_DIR/squat.log" && chown "$LAB_USER" "$MT_DIR/squat.log"
+
+echo "== 1b. $LAB_USER binds port $port on [::1] beside the worker (127.0.0.1): the worker keeps serving"
+case "$url" in http://127.0.0.1:*) ;; *) models_fail "the worker's address should be on 127.0.0.1 for this step: $url" ;; esac
+runuser -u "$LAB_USER" -- python3 "$MT_DIR/squat.py" "$port" "$MT_DIR/squat.log" ::1 2>/dev/null &
+beside=$!
+lab_cleanup_add "kill $beside 2>/dev/null || true"
+for ((i = 0; i < 100; i++)); do ss -Hltn "src [::1]:$port" | grep . >/dev/null && break; sleep 0.05; done
+ss -Hltne "src [::1]:$port" | grep "uid:$squatter_uid" >/dev/null || models_fail "$LAB_USER could not bind [::1]:$port"
+# Four calls at once: at least three new connections to the worker, each checked.
+calls=()
+for i in 1 2 3 4; do
+    curl -s -o /dev/null -w '%{http_code}\n' --max-time 30 -H "Authorization: Bearer $MT_KEY" -H 'content-type: application/json' \
+        -d '{"model": "tk-chat", "messages": [{"role": "user", "content": "beside"}]}' "http://$MT_GW/v1/chat/completions" >"$MT_DIR/beside.$i" &
+    calls+=($!)
+done
+wait "${calls[@]}" || true
+for i in 1 2 3 4; do [ "$(cat "$MT_DIR/beside.$i")" = 200 ] || models_fail "call $i with a listener on [::1]:$port: $(cat "$MT_DIR/beside.$i")"; done
+[ "$(models_jobs tk-chat)" = "$job" ] || models_fail "a listener on another address stopped worker job $job (now: '$(models_jobs tk-chat)')"
+grep -F "is not held by the worker account" "$MT_DIR/agent.log" && models_fail "a listener on [::1]:$port was taken for a squatter on 127.0.0.1:$port"
+[ -s "$MT_DIR/squat.log" ] && models_fail "the listener on [::1] received a request: $(cat "$MT_DIR/squat.log")"
+kill "$beside" 2>/dev/null || true
+wait "$beside" 2>/dev/null || true
+echo "   ok: 4 calls answered by job $job; nothing sent to [::1]:$port"
+
+echo "== 2. the server dies (its job runs on); $LAB_USER binds its port"
 kill -9 "$pid"
 # listener_uid: the uid of what listens on the port now (none while the dead server's socket
 # is torn down and before the squatter binds).

@@ -250,10 +250,7 @@ impl Serialize for Secret {
 /// Why an address cannot prove a proxy on its own, if it cannot: loopback, unspecified, or
 /// one of this node's own addresses.
 fn local_address(ip: IpAddr, own: &[IpAddr]) -> Option<&'static str> {
-    let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6)),
-        v4 => v4,
-    };
+    let ip = ip.to_canonical();
     if ip.is_loopback() {
         Some("a loopback address")
     } else if ip.is_unspecified() {

@@ -72,10 +72,7 @@ impl Peer {
     /// its port (a new one per connection), or `unix:uid=N`.
     pub fn address(&self) -> String {
         match self {
-            Peer::Tcp(a) => match a.ip() {
-                std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or_else(|| v6.to_string(), |v4| v4.to_string()),
-                v4 => v4.to_string(),
-            },
+            Peer::Tcp(a) => a.ip().to_canonical().to_string(),
             Peer::Unix { uid, .. } => format!("unix:uid={uid}"),
         }
     }

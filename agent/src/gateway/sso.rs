@@ -101,7 +101,7 @@ impl SsoProof {
             Peer::Unix { .. } if self.secret.is_none() => return Err(Rejected::Uid),
             Peer::Unix { .. } => {}
             Peer::Tcp(addr) => {
-                if !self.proxies.is_empty() && !self.proxies.contains(&canonical(addr.ip())) {
+                if !self.proxies.is_empty() && !self.proxies.contains(&addr.ip().to_canonical()) {
                     return Err(Rejected::Address);
                 }
                 if self.secret.is_none() {
@@ -116,13 +116,6 @@ impl SsoProof {
             Some(got) if equal(&got, want) => Ok(()),
             _ => Err(Rejected::Secret),
         }
-    }
-}
-
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6)),
-        v4 => v4,
     }
 }
 

@@ -294,7 +294,7 @@ fn check_owner(conn: &TcpStream, uid: u32) -> Result<(), String> {
     if local.ip() != peer.ip() && !peer.ip().is_loopback() {
         return Ok(());
     }
-    match proof::owner(peer.port(), uid) {
+    match proof::owner(peer.port(), uid, Some(&[peer.ip()])) {
         Ok(PortOwner::Worker) => Ok(()),
         Ok(PortOwner::Other { uid: other }) => {
             Err(format!("uid {other} listens on port {} (the worker account is uid {uid})", peer.port()))

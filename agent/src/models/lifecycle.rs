@@ -1976,7 +1976,7 @@ fn remove_stale_keys(keys: &std::path::Path, kept: &[KeyFiles]) {
 /// on another host, where the owner cannot be seen).
 fn port_owner(base_url: &str, uid: u32) -> Option<std::io::Result<PortOwner>> {
     let (host, port) = proof::host_port(base_url)?;
-    proof::is_this_node(&host).then(|| proof::owner(port, uid))
+    proof::is_this_node(&host).then(|| proof::owner(port, uid, proof::targets_of(&host).as_deref()))
 }
 
 /// "port P is held by another user's process (uid N)", when it is.

@@ -156,7 +156,7 @@ async fn vouch(slurm: &Slurm, m: &ModelConfig, row: &WorkerRow, uid: u32) -> Res
     if let Some((host, port)) = proof::host_port(&row.base_url)
         && proof::is_this_node(&host)
     {
-        match proof::owner(port, uid) {
+        match proof::owner(port, uid, proof::targets_of(&host).as_deref()) {
             Ok(PortOwner::Worker) => {}
             Ok(PortOwner::Nobody) => return Err(format!("nothing listens on its port {port}")),
             Ok(PortOwner::Other { uid: other }) => {

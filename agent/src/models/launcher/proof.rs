@@ -31,19 +31,54 @@ pub enum PortOwner {
     Other { uid: u32 },
 }
 
-/// The uids of the sockets in LISTEN state on `port` (any local address, IPv4 and IPv6).
-pub fn listening_uids(port: u16) -> std::io::Result<Vec<u32>> {
-    match netlink_listeners() {
-        Ok(all) => Ok(all.into_iter().filter(|(p, _)| *p == port).map(|(_, uid)| uid).collect()),
-        Err(e) => {
-            tracing::debug!(error = %e, "sock_diag netlink refused; reading /proc/net/tcp");
-            proc_listening_uids(port)
+/// A TCP socket in LISTEN state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listener {
+    pub port: u16,
+    pub uid: u32,
+    /// Its local address (unspecified: every address).
+    pub addr: IpAddr,
+    /// An IPv6 socket that takes no IPv4 connections (`IPV6_V6ONLY`); false where unknown.
+    pub v6only: bool,
+}
+
+impl Listener {
+    /// Whether a connection to `target` on its port could reach this socket.
+    pub fn receives(&self, target: IpAddr) -> bool {
+        let (addr, target) = (self.addr.to_canonical(), target.to_canonical());
+        if target.is_unspecified() || addr == target {
+            return true;
+        }
+        match self.addr {
+            IpAddr::V4(a) => a.is_unspecified() && target.is_ipv4(),
+            IpAddr::V6(a) => a.is_unspecified() && (target.is_ipv6() || !self.v6only),
         }
     }
 }
 
-/// `(port, uid)` of every listening TCP socket (IPv4 and IPv6), from `NETLINK_SOCK_DIAG`.
-pub fn netlink_listeners() -> std::io::Result<Vec<(u16, u32)>> {
+/// The addresses a connection to `host` goes to, when known without a name lookup: the
+/// address itself, or both loopbacks for `localhost`. `None` (a host name): every address.
+pub fn targets_of(host: &str) -> Option<Vec<IpAddr>> {
+    if host == "localhost" {
+        return Some(vec![IpAddr::from([127, 0, 0, 1]), IpAddr::from(std::net::Ipv6Addr::LOCALHOST)]);
+    }
+    let ip = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().ok()?;
+    (!ip.is_unspecified()).then(|| vec![ip])
+}
+
+/// The sockets in LISTEN state on `port` (any local address, IPv4 and IPv6).
+pub fn listeners_on(port: u16) -> std::io::Result<Vec<Listener>> {
+    match netlink_listeners() {
+        Ok(all) => Ok(all.into_iter().filter(|l| l.port == port).collect()),
+        Err(e) => {
+            tracing::debug!(error = %e, "sock_diag netlink refused; reading /proc/net/tcp");
+            proc_listeners(port)
+        }
+    }
+}
+
+/// Every listening TCP socket (IPv4 and IPv6), from `NETLINK_SOCK_DIAG`.
+pub fn netlink_listeners() -> std::io::Result<Vec<Listener>> {
     const NETLINK_SOCK_DIAG: libc::c_int = 4;
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
     const TCP_LISTEN: u32 = 10;
@@ -112,7 +147,7 @@ pub fn netlink_listeners() -> std::io::Result<Vec<(u16, u32)>> {
 }
 
 /// Parses one datagram of a sock_diag dump into `out`; `Ok(true)` once the dump is done.
-fn parse_diag(mut data: &[u8], seq: u32, out: &mut Vec<(u16, u32)>) -> std::io::Result<bool> {
+fn parse_diag(mut data: &[u8], seq: u32, out: &mut Vec<Listener>) -> std::io::Result<bool> {
     let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed sock_diag answer");
     let u32_at = |b: &[u8], i: usize| b.get(i..i + 4).map(|x| u32::from_ne_bytes([x[0], x[1], x[2], x[3]]));
     while data.len() >= 16 {
@@ -133,11 +168,20 @@ fn parse_diag(mut data: &[u8], seq: u32, out: &mut Vec<(u16, u32)>) -> std::io::
                     }
                 }
                 _ => {
-                    // inet_diag_msg: family, state, timer, retrans, then inet_diag_sockid
-                    // (sport big-endian first), ..., uid at byte 64.
+                    // inet_diag_msg (72 bytes): family, state, timer, retrans, then
+                    // inet_diag_sockid (sport big-endian, dport, src address in 16 bytes, ...),
+                    // uid at byte 64; then attributes, INET_DIAG_SKV6ONLY among them for IPv6.
                     let port = body.get(4..6).map(|p| u16::from_be_bytes([p[0], p[1]])).ok_or_else(bad)?;
                     let uid = u32_at(body, 64).ok_or_else(bad)?;
-                    out.push((port, uid));
+                    let src = body.get(8..24).ok_or_else(bad)?;
+                    let addr = if body[0] == libc::AF_INET6 as u8 {
+                        let mut b = [0u8; 16];
+                        b.copy_from_slice(src);
+                        IpAddr::from(b)
+                    } else {
+                        IpAddr::from([src[0], src[1], src[2], src[3]])
+                    };
+                    out.push(Listener { port, uid, addr, v6only: v6only_attr(body.get(72..).unwrap_or_default()) });
                 }
             }
         }
@@ -146,15 +190,32 @@ fn parse_diag(mut data: &[u8], seq: u32, out: &mut Vec<(u16, u32)>) -> std::io::
     Ok(false)
 }
 
-/// [`listening_uids`] from `/proc/net/tcp` and `tcp6`.
-pub fn proc_listening_uids(port: u16) -> std::io::Result<Vec<u32>> {
-    let mut uids = Vec::new();
+/// Whether the attributes after an `inet_diag_msg` say `INET_DIAG_SKV6ONLY` = 1.
+fn v6only_attr(mut attrs: &[u8]) -> bool {
+    const INET_DIAG_SKV6ONLY: u16 = 11;
+    while attrs.len() >= 4 {
+        let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
+        let kind = u16::from_ne_bytes([attrs[2], attrs[3]]);
+        if len < 4 || len > attrs.len() {
+            return false;
+        }
+        if kind == INET_DIAG_SKV6ONLY {
+            return attrs.get(4).is_some_and(|v| *v != 0);
+        }
+        attrs = &attrs[((len + 3) & !3).min(attrs.len())..];
+    }
+    false
+}
+
+/// [`listeners_on`] from `/proc/net/tcp` and `tcp6` (which do not say `IPV6_V6ONLY`).
+pub fn proc_listeners(port: u16) -> std::io::Result<Vec<Listener>> {
+    let mut found = Vec::new();
     let mut found_table = false;
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         match std::fs::read_to_string(table) {
             Ok(text) => {
                 found_table = true;
-                uids.extend(parse_listeners(&text, port));
+                found.extend(parse_listeners(&text, port));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -163,12 +224,15 @@ pub fn proc_listening_uids(port: u16) -> std::io::Result<Vec<u32>> {
     if !found_table {
         return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "neither /proc/net/tcp nor /proc/net/tcp6 exists"));
     }
-    Ok(uids)
+    Ok(found)
 }
 
-/// Who listens on `port`, against the worker's `uid`.
-pub fn owner(port: u16, uid: u32) -> std::io::Result<PortOwner> {
-    let uids = listening_uids(port)?;
+/// Who listens on `port`, against the worker's `uid`: the sockets a connection to one of
+/// `targets` could reach (`None`: every socket on the port). A socket of another user on
+/// another address (`[::1]:P` beside a worker on `127.0.0.1:P`) never sees the worker's calls.
+pub fn owner(port: u16, uid: u32, targets: Option<&[IpAddr]>) -> std::io::Result<PortOwner> {
+    let uids: Vec<u32> =
+        listeners_on(port)?.into_iter().filter(|l| targets.is_none_or(|t| t.iter().any(|t| l.receives(*t)))).map(|l| l.uid).collect();
     Ok(classify(&uids, uid))
 }
 
@@ -193,7 +257,7 @@ pub fn prove_port(port: u16, job: &str, file: &std::path::Path, secs: u64) -> st
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     let mut delay = std::time::Duration::from_millis(5);
     loop {
-        let line = match owner(port, me)? {
+        let line = match owner(port, me, None)? {
             PortOwner::Nobody => None,
             PortOwner::Worker => Some(format!("{job} {port} ok\n")),
             PortOwner::Other { uid } => Some(format!("{job} {port} uid {uid}\n")),
@@ -213,17 +277,30 @@ pub fn prove_port(port: u16, job: &str, file: &std::path::Path, secs: u64) -> st
 }
 
 /// Parses one `/proc/net/tcp{,6}` table: `sl local_address rem_address st ... uid ...`, the
-/// address `HEXIP:HEXPORT`, state `0A` = LISTEN, uid the 8th column.
-pub fn parse_listeners(text: &str, port: u16) -> Vec<u32> {
+/// address `HEXIP:HEXPORT` (the IP as 32-bit words in host order), state `0A` = LISTEN, uid
+/// the 8th column.
+pub fn parse_listeners(text: &str, port: u16) -> Vec<Listener> {
     text.lines()
         .skip(1)
         .filter_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();
-            let local = f.get(1)?;
+            let (ip, p) = f.get(1)?.rsplit_once(':')?;
             let state = f.get(3)?;
             let uid = f.get(7)?.parse::<u32>().ok()?;
-            let p = u16::from_str_radix(local.rsplit_once(':')?.1, 16).ok()?;
-            (*state == "0A" && p == port).then_some(uid)
+            let p = u16::from_str_radix(p, 16).ok()?;
+            let word = |i: usize| ip.get(i * 8..i * 8 + 8).and_then(|w| u32::from_str_radix(w, 16).ok()).map(u32::to_ne_bytes);
+            let addr = match ip.len() {
+                8 => IpAddr::from(word(0)?),
+                32 => {
+                    let mut b = [0u8; 16];
+                    for i in 0..4 {
+                        b[i * 4..i * 4 + 4].copy_from_slice(&word(i)?);
+                    }
+                    IpAddr::from(b)
+                }
+                _ => return None,
+            };
+            (*state == "0A" && p == port).then_some(Listener { port, uid, addr, v6only: false })
         })
         .collect()
 }
@@ -283,16 +360,90 @@ mod tests {
         assert!(!none.exists());
     }
 
+    const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:20D0 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1002        0 5 1 0000000000000000 100 0 0 10 0
+   1: 0000000000000000FFFF00000200007F:20D0 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1003        0 6 1 0000000000000000 100 0 0 10 0
+";
+
+    fn uids(l: Vec<Listener>) -> Vec<u32> {
+        l.into_iter().map(|l| l.uid).collect()
+    }
+
     #[test]
     fn listeners_are_read_from_the_kernel_table() {
         // Port 0x20D0 = 8400: two listeners (uid 999 on 127.0.0.1, uid 1001 on 0.0.0.0); the
         // established connection (state 01) does not count.
-        assert_eq!(parse_listeners(TCP, 8400), vec![999, 1001]);
-        assert_eq!(parse_listeners(TCP, 8080), vec![0]);
-        assert_eq!(parse_listeners(TCP, 9), Vec::<u32>::new());
+        let v4 = parse_listeners(TCP, 8400);
+        assert_eq!(
+            v4.iter().map(|l| (l.uid, l.addr.to_string())).collect::<Vec<_>>(),
+            [(999, "127.0.0.1".into()), (1001, "0.0.0.0".into())]
+        );
+        assert_eq!(uids(parse_listeners(TCP, 8080)), vec![0]);
+        assert_eq!(uids(parse_listeners(TCP, 9)), Vec::<u32>::new());
+        let v6 = parse_listeners(TCP6, 8400);
+        assert_eq!(
+            v6.iter().map(|l| (l.uid, l.addr.to_string())).collect::<Vec<_>>(),
+            [(1002, "::1".into()), (1003, "::ffff:127.0.0.2".into())]
+        );
         assert_eq!(classify(&[999, 1001], 999), PortOwner::Other { uid: 1001 });
         assert_eq!(classify(&[999], 999), PortOwner::Worker);
         assert_eq!(classify(&[], 999), PortOwner::Nobody);
+    }
+
+    #[test]
+    fn only_sockets_a_call_could_reach_count() {
+        let at = |addr: &str, v6only: bool| Listener { port: 1, uid: 7, addr: addr.parse().unwrap(), v6only };
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let lo6: IpAddr = "::1".parse().unwrap();
+        for (l, to_lo, to_lo6) in [
+            (at("127.0.0.1", false), true, false),
+            (at("::ffff:127.0.0.1", false), true, false),
+            (at("127.0.0.2", false), false, false),
+            (at("0.0.0.0", false), true, false),
+            (at("::1", false), false, true),
+            (at("::", false), true, true),
+            (at("::", true), false, true),
+        ] {
+            assert_eq!((l.receives(lo), l.receives(lo6)), (to_lo, to_lo6), "{l:?}");
+        }
+        assert!(at("127.0.0.2", false).receives("0.0.0.0".parse().unwrap()), "a call to 0.0.0.0: any socket");
+    }
+
+    /// A listening IPv6 socket on `[::]:0` with `IPV6_V6ONLY` set to `v6only`; its port.
+    fn listen_v6_any(v6only: bool) -> Option<(std::os::fd::OwnedFd, u16)> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain syscalls on a fresh descriptor owned by `fd`; the option and address
+        // structs are valid for the lengths given.
+        unsafe {
+            let raw = libc::socket(libc::AF_INET6, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            if raw < 0 {
+                return None;
+            }
+            let fd = std::os::fd::OwnedFd::from_raw_fd(raw);
+            let on = libc::c_int::from(v6only);
+            let len = std::mem::size_of::<libc::c_int>() as u32;
+            libc::setsockopt(raw, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, (&on as *const libc::c_int).cast(), len);
+            let mut addr: libc::sockaddr_in6 = std::mem::zeroed();
+            addr.sin6_family = libc::AF_INET6 as u16;
+            let alen = std::mem::size_of::<libc::sockaddr_in6>() as u32;
+            if libc::bind(raw, (&addr as *const libc::sockaddr_in6).cast(), alen) != 0 || libc::listen(raw, 1) != 0 {
+                return None;
+            }
+            let mut alen = alen;
+            libc::getsockname(raw, (&mut addr as *mut libc::sockaddr_in6).cast(), &mut alen);
+            Some((fd, u16::from_be(addr.sin6_port)))
+        }
+    }
+
+    #[test]
+    fn the_kernel_says_which_ipv6_sockets_take_ipv4_calls() {
+        for v6only in [true, false] {
+            let Some((_fd, port)) = listen_v6_any(v6only) else { return };
+            let found: Vec<Listener> = netlink_listeners().unwrap().into_iter().filter(|l| l.port == port).collect();
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert_eq!((found[0].addr.to_string(), found[0].v6only), ("::".to_string(), v6only));
+            assert_eq!(found[0].receives(IpAddr::from([127, 0, 0, 1])), !v6only);
+        }
     }
 
     #[test]
@@ -301,24 +452,31 @@ mod tests {
         let port = l.local_addr().unwrap().port();
         // SAFETY: plain syscall.
         let me = unsafe { libc::geteuid() };
-        assert_eq!(owner(port, me).unwrap(), PortOwner::Worker);
-        assert_eq!(owner(port, me.wrapping_add(1)).unwrap(), PortOwner::Other { uid: me });
+        assert_eq!(owner(port, me, None).unwrap(), PortOwner::Worker);
+        assert_eq!(owner(port, me.wrapping_add(1), None).unwrap(), PortOwner::Other { uid: me });
         drop(l);
-        assert_eq!(owner(port, me).unwrap(), PortOwner::Nobody);
+        assert_eq!(owner(port, me, None).unwrap(), PortOwner::Nobody);
         assert!(is_this_node("127.0.0.1") && is_this_node("::1") && is_this_node("localhost") && is_this_node("0.0.0.0"));
         assert!(!is_this_node("192.0.2.7"));
         // Netlink and /proc agree.
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
-        let via_netlink: Vec<u32> = netlink_listeners().unwrap().into_iter().filter(|(p, _)| *p == port).map(|(_, u)| u).collect();
-        assert_eq!(via_netlink, vec![me]);
-        assert_eq!(proc_listening_uids(port).unwrap(), vec![me]);
+        let via_netlink: Vec<Listener> = netlink_listeners().unwrap().into_iter().filter(|l| l.port == port).collect();
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        assert_eq!(via_netlink, vec![Listener { port, uid: me, addr: lo, v6only: false }]);
+        assert_eq!(proc_listeners(port).unwrap(), via_netlink);
         let l6 = std::net::TcpListener::bind("[::1]:0");
         if let Ok(l6) = l6 {
             let p6 = l6.local_addr().unwrap().port();
-            assert_eq!(listening_uids(p6).unwrap(), vec![me], "IPv6 listeners count too");
+            assert_eq!(uids(listeners_on(p6).unwrap()), vec![me], "IPv6 listeners count too");
+            // Another address on the same port: counted for calls to that address only.
+            assert_eq!(owner(p6, me.wrapping_add(1), Some(&[lo])).unwrap(), PortOwner::Nobody);
+            assert_eq!(owner(p6, me.wrapping_add(1), targets_of("localhost").as_deref()).unwrap(), PortOwner::Other { uid: me });
+            assert_eq!(owner(p6, me.wrapping_add(1), targets_of("[::1]").as_deref()).unwrap(), PortOwner::Other { uid: me });
         }
         assert_eq!(host_port("http://[::1]:8000/x"), Some(("::1".to_string(), 8000)));
+        assert_eq!(targets_of("gpu01"), None);
+        assert_eq!(targets_of("0.0.0.0"), None);
         assert_eq!(host_port("http://gpu01:20001"), Some(("gpu01".to_string(), 20001)));
         assert_eq!(host_port("https://gpu01:1"), None);
     }
