@@ -1749,8 +1749,9 @@ impl Shared {
     }
 
     /// Touches `<workers dir>/agent.heartbeat` every 5 s while the agent runs; Slurm worker
-    /// jobs stop themselves when it goes stale (an agent that never came back).
-    fn heartbeat(&self) {
+    /// jobs stop themselves when it goes stale (an agent that never came back). Every 30 s,
+    /// cancels again the worker jobs whose `scancel` failed.
+    fn heartbeat(self: &Arc<Self>) {
         let Some(rt) = &self.rt else { return };
         let registry_slurm = self.registry_launcher == Some(LauncherKind::Slurm);
         if !registry_slurm && !self.current_workers().iter().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
@@ -1758,9 +1759,15 @@ impl Shared {
         }
         let path = rt.dir.join(launcher::slurm::HEARTBEAT_FILE);
         let token = rt.shutdown.clone();
+        let me = self.clone();
         rt.tasks.spawn(async move {
             let mut warned = false;
-            loop {
+            for beat in 0u64.. {
+                if beat % 6 == 5
+                    && let Some(rt) = &me.rt
+                {
+                    rt.launchers.slurm.cancel_again().await;
+                }
                 let touched = std::fs::create_dir_all(path.parent().unwrap_or(std::path::Path::new("/"))).and_then(|()| std::fs::write(&path, crate::util::now_s().to_string()));
                 if let Err(e) = touched
                     && !warned

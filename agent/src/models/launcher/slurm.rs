@@ -41,6 +41,9 @@ pub struct Slurm {
     pub owner: String,
     /// The supervisors' job states, one `squeue` for all ([`Slurm::poll`]).
     watch: Arc<JobWatch>,
+    /// Worker jobs whose `scancel` failed, cancelled again by [`Slurm::cancel_again`]: the
+    /// agent forgets a worker it stopped, and its heartbeat keeps the job's watchdog quiet.
+    failed_cancels: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
 }
 
 /// `workers.host = "node"`: a Slurm worker binds its node's `NodeAddr` (from `scontrol show
@@ -90,7 +93,7 @@ pub fn job_name(model: &str) -> String {
 
 impl Slurm {
     pub fn new(cfg: SlurmConfig, dir: PathBuf, owner: String) -> Slurm {
-        Slurm { cfg, dir, owner, watch: Arc::default() }
+        Slurm { cfg, dir, owner, watch: Arc::default(), failed_cancels: Default::default() }
     }
 
     fn bin(&self, tool: &str) -> PathBuf {
@@ -433,8 +436,38 @@ impl Slurm {
 
     pub async fn cancel(&self, id: &str) {
         if let Err(e) = self.run("scancel", &[id.to_string()]).await {
-            tracing::error!(job = %id, error = %e, "scancel failed; the worker job may still hold its GPU");
+            tracing::error!(job = %id, error = %e, "scancel failed; the worker job may still hold its GPU; cancelled again every 30 s until Slurm takes it");
+            self.failed_cancels.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string());
         }
+    }
+
+    /// Cancels again the jobs whose `scancel` failed; a job squeue no longer lists is done.
+    pub async fn cancel_again(&self) {
+        let ids: Vec<String> = self.failed_cancels.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
+        for id in ids {
+            let done = match self.run("scancel", std::slice::from_ref(&id)).await {
+                Ok(_) => {
+                    tracing::info!(job = %id, "worker job cancelled after an earlier scancel failed");
+                    true
+                }
+                Err(e) => match self.job(&id).await {
+                    Ok(None) => true,
+                    Ok(Some(j)) if ENDING.contains(&j.state.as_str()) => true,
+                    _ => {
+                        tracing::debug!(job = %id, error = %e, "scancel failed again; retried in 30 s");
+                        false
+                    }
+                },
+            };
+            if done {
+                self.failed_cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            }
+        }
+    }
+
+    /// Jobs whose `scancel` failed and that are not cancelled yet.
+    pub fn cancels_pending(&self) -> usize {
+        self.failed_cancels.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
 
@@ -762,5 +795,44 @@ mod tests {
         let j = parse_holder("9|bob|2026-12-01T11:00:00|NONE|gres/shard:7|nb").unwrap_or_else(|| unreachable!());
         assert!(j.describe().ends_with("7 shards since 2026-12-01T11:00:00, with no time limit"), "{}", j.describe());
         assert!(parse_holder("garbage").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_failed_scancel_is_tried_again_until_slurm_takes_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = tempfile::tempdir().unwrap();
+        let d = bin.path().display();
+        // scancel fails until `ok` exists; squeue cannot reach slurmctld, except for job 43,
+        // which it no longer knows.
+        let scripts = [
+            (
+                "scancel",
+                format!(
+                    "#!/bin/sh\n[ -e {d}/ok ] || {{ echo 'scancel: error: Unable to contact slurm controller' >&2; exit 1; }}\necho \"$@\" >> {d}/cancelled\n"
+                ),
+            ),
+            (
+                "squeue",
+                format!(
+                    "#!/bin/sh\ncase \"$*\" in *43*) echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1;; esac\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n"
+                ),
+            ),
+        ];
+        for (name, text) in scripts {
+            let p = bin.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let cfg = SlurmConfig { bin_dir: Some(bin.path().to_path_buf()), ..Default::default() };
+        let slurm = Slurm::new(cfg, bin.path().to_path_buf(), "gpu01".into());
+        slurm.cancel("42").await;
+        slurm.cancel("43").await;
+        assert_eq!(slurm.cancels_pending(), 2);
+        slurm.cancel_again().await;
+        assert_eq!(slurm.cancels_pending(), 1, "job 43 is gone; job 42 is still to cancel");
+        std::fs::write(bin.path().join("ok"), "").unwrap();
+        slurm.cancel_again().await;
+        assert_eq!(slurm.cancels_pending(), 0);
+        assert_eq!(std::fs::read_to_string(bin.path().join("cancelled")).unwrap(), "42\n");
     }
 }
