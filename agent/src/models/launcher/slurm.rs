@@ -813,9 +813,8 @@ mod tests {
             ),
             (
                 "squeue",
-                format!(
-                    "#!/bin/sh\ncase \"$*\" in *43*) echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1;; esac\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n"
-                ),
+                "#!/bin/sh\ncase \"$*\" in *43*) echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1;; esac\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n"
+                    .to_string(),
             ),
         ];
         for (name, text) in scripts {
