@@ -75,6 +75,20 @@ async fn an_adapter_is_forwarded_under_its_own_name_and_logged_with_its_base_mod
     let one: Value = http.get(a.url("/v1/models/base-sql")).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
     assert_eq!((one["id"].as_str(), one["parent"].as_str()), (Some("base-sql"), Some("base")), "{one}");
 
+    // A key allowed the base model may call its adapters, and sees them listed.
+    let (narrow, _) = a.key("alice", "narrow", &["base"]).await;
+    let r = http
+        .post(a.url("/v1/chat/completions"))
+        .bearer_auth(&narrow)
+        .json(&json!({"model": "base-sql", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let list: Value = http.get(a.url("/v1/models")).bearer_auth(&narrow).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = list["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+    assert_eq!(ids, ["base", "base-sql"], "what the key may call is what it sees: {list}");
+
     let rows = rows(&a.db_url, 3).await;
     assert_eq!(rows[0], ("base-sql".into(), "base".into(), "base-sql".into(), 200));
     assert_eq!(rows[1], ("old-sql".into(), "base".into(), "base-sql".into(), 200));

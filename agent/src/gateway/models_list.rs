@@ -49,10 +49,12 @@ fn adapter_entry(name: &str, base: &ModelStatus) -> Value {
 pub async fn list(State(state): State<AppState>, Extension(meta): Extension<RequestMeta>, Extension(id): Extension<Identity>) -> Response {
     let mut data: Vec<Value> = Vec::new();
     for s in state.models.statuses() {
-        if id.may_list(&s.name) {
+        // An allow-list that names a catalog entry allows its adapters too (as calls do).
+        let base = id.may_list(&s.name);
+        if base {
             data.push(entry(&s));
         }
-        data.extend(s.adapters.iter().filter(|a| id.may_list(a)).map(|a| adapter_entry(a, &s)));
+        data.extend(s.adapters.iter().filter(|a| base || id.may_list(a)).map(|a| adapter_entry(a, &s)));
     }
     let mut call = meta.call("/v1/models", &id);
     call.row.status = 200;
