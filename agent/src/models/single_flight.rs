@@ -71,19 +71,26 @@ pub async fn enter(store: Option<&Store>, model: &str, deadline: Instant, shutdo
     };
     let key = lock_key(model);
     let mut logged = false;
+    let unlocked = |e: crate::store::StoreError| {
+        tracing::warn!(model, error = %e, "cannot take the cluster-wide start lock; starting without it");
+        Ok(Flight { cluster: None })
+    };
+    let mut session = match store.lock_session().await {
+        Ok(Some(s)) => s,
+        Ok(None) => return Ok(Flight { cluster: None }),
+        Err(e) => return unlocked(e),
+    };
     loop {
-        match store.try_cluster_lock(key).await {
-            Ok(Some(l)) => return Ok(Flight { cluster: Some(l) }),
-            Ok(None) => {
+        match session.try_lock(key).await {
+            Ok(Ok(l)) => return Ok(Flight { cluster: Some(l) }),
+            Ok(Err(back)) => {
+                session = back;
                 if !logged {
                     tracing::info!(model, "another gateway is starting this model's worker; waiting for it");
                     logged = true;
                 }
             }
-            Err(e) => {
-                tracing::warn!(model, error = %e, "cannot take the cluster-wide start lock; starting without it");
-                return Ok(Flight { cluster: None });
-            }
+            Err(e) => return unlocked(e),
         }
         tokio::select! {
             () = tokio::time::sleep(POLL) => {}

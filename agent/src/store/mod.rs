@@ -34,7 +34,7 @@ mod worker_use;
 pub use limit_counts::LimitCount;
 pub use models::WorkerRow;
 pub use promotions::PromotionRow;
-pub use worker_use::ClusterLock;
+pub use worker_use::{ClusterLock, LockSession};
 
 /// Which database the URL selected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

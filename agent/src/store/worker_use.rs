@@ -3,51 +3,63 @@
 //! the key from their row), and when each worker was last used through any gateway (the
 //! owner's idle unload reads it).
 
-use sqlx::Row;
-use sqlx::pool::PoolConnection;
+use sqlx::{Connection, Row};
 
 use super::{Backend, Store, StoreError, WorkerRow};
 
-/// A PostgreSQL session-level advisory lock, held on its own pooled connection. Release it
-/// with [`ClusterLock::release`]; a lock dropped without it closes its connection, which ends
-/// the session and so releases the lock too (never back to the pool still holding it).
+/// A PostgreSQL session-level advisory lock, held on a connection of its own outside the pool:
+/// a start holds its lock for a whole cold load, and locks taken from the pool would leave
+/// the gateway's queries none once `store.max_connections` loads start at once. Release it with
+/// [`ClusterLock::release`]; a lock dropped without it closes its connection, which ends the
+/// session and so releases the lock too.
 #[derive(Debug)]
 pub struct ClusterLock {
-    conn: Option<PoolConnection<sqlx::Any>>,
+    conn: Option<sqlx::PgConnection>,
     key: i64,
 }
 
 impl ClusterLock {
     pub async fn release(mut self) {
         if let Some(mut conn) = self.conn.take() {
-            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.key).execute(&mut *conn).await;
+            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.key).execute(&mut conn).await;
             if let Err(e) = unlocked {
                 tracing::warn!(key = self.key, error = %e, "cannot release a worker start lock; closing its connection instead");
-                drop(conn.detach());
             }
+            drop(conn.close_hard().await);
         }
     }
 }
 
-impl Drop for ClusterLock {
-    fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            // Dropping the detached connection closes the session: PostgreSQL releases the lock.
-            drop(conn.detach());
-        }
+/// A connection of its own for taking a [`ClusterLock`]: a gateway waiting for another's start
+/// asks again on it every poll instead of opening a connection each time.
+#[derive(Debug)]
+pub struct LockSession(sqlx::PgConnection);
+
+impl LockSession {
+    /// Takes the lock `key` on this session if nobody holds it; else gives the session back.
+    pub async fn try_lock(mut self, key: i64) -> Result<Result<ClusterLock, LockSession>, StoreError> {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(key).fetch_one(&mut self.0).await?;
+        Ok(if got { Ok(ClusterLock { conn: Some(self.0), key }) } else { Err(self) })
     }
 }
 
 impl Store {
-    /// Takes the cluster-wide advisory lock `key` if nobody holds it (PostgreSQL only;
-    /// `Ok(None)` when another session holds it, and always on SQLite, which has none).
-    pub async fn try_cluster_lock(&self, key: i64) -> Result<Option<ClusterLock>, StoreError> {
-        if self.backend() != Backend::Postgres {
+    /// A session for [`ClusterLock`]s (PostgreSQL only; `None` on SQLite, which has no locks).
+    pub async fn lock_session(&self) -> Result<Option<LockSession>, StoreError> {
+        let Some(super::PgConnect(opts)) = self.pg.as_ref().filter(|_| self.backend() == Backend::Postgres) else {
             return Ok(None);
+        };
+        match tokio::time::timeout(super::ACQUIRE_TIMEOUT, sqlx::PgConnection::connect_with(opts)).await {
+            Ok(conn) => Ok(Some(LockSession(conn?))),
+            Err(_) => Err(StoreError::Query(sqlx::Error::PoolTimedOut)),
         }
-        let mut conn = self.pool().acquire().await?;
-        let got: bool = sqlx::query("SELECT pg_try_advisory_lock($1)").bind(key).fetch_one(&mut *conn).await?.try_get(0)?;
-        Ok(got.then_some(ClusterLock { conn: Some(conn), key }))
+    }
+
+    /// Takes the cluster-wide advisory lock `key` if nobody holds it (PostgreSQL only;
+    /// `Ok(None)` when another session holds it, and always on SQLite).
+    pub async fn try_cluster_lock(&self, key: i64) -> Result<Option<ClusterLock>, StoreError> {
+        let Some(session) = self.lock_session().await? else { return Ok(None) };
+        Ok(session.try_lock(key).await?.ok())
     }
 
     /// The workers of `model` that agents other than `owner` own and whose address is known
@@ -221,6 +233,17 @@ mod tests {
                 l.release().await;
             }
             if let Some(l) = other {
+                l.release().await;
+            }
+            // More loads at once than the pool has connections (8): each lock has its own, and
+            // the gateway's queries still get one.
+            let mut held = Vec::new();
+            for key in 100..110 {
+                held.push(store.try_cluster_lock(key).await.unwrap().expect("a free key"));
+            }
+            let answered = tokio::time::timeout(std::time::Duration::from_secs(2), sqlx::query("SELECT 1").execute(store.pool())).await;
+            assert!(answered.is_ok_and(|r| r.is_ok()), "the pool is not used up by start locks");
+            for l in held {
                 l.release().await;
             }
         }
