@@ -448,6 +448,57 @@ async fn a_restart_in_the_middle_of_a_switch_adopts_the_new_worker_and_stops_the
     assert!(!pid_alive(&new_pid));
 }
 
+/// MLflow slower than the first catalog after a restart: the first catalog lacks the
+/// registry's models, and their remembered workers are kept aside (not stopped) until a
+/// registry read says whether the model is still served: adopted if it is, stopped if not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_worker_waits_for_the_first_registry_read() {
+    let env = Env::new().await;
+    let owner = gpuhub_agent::telemetry::TelemetryConfig::default().effective_node_name();
+    let registry = "[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\nregistry_poll_s = 60\nlauncher = \"local\"\n";
+    let tagged = env.model("a", "", "");
+    for served_by_the_read in [true, false] {
+        let (m1, _reg, token, _tasks) = env.manager("", &tagged).await;
+        drop(m1.acquire("a").await.unwrap());
+        let pid = m1.status("a").unwrap().worker_id.unwrap();
+        token.cancel();
+        drop(m1);
+        // The restart: MLflow does not answer in time, so the first catalog has no `a`.
+        let config = env.config("", registry);
+        let mut reg = Registry::default();
+        let (token, tasks) = (CancellationToken::new(), TaskTracker::new());
+        let first = Arc::new(Catalog::from_config(&config.file).registry_unread());
+        let deps = ManagerDeps {
+            config: &config,
+            store: Some(env.store.clone()),
+            registry: &mut reg,
+            gpus: Box::new(Vec::new),
+            tasks: tasks.clone(),
+            shutdown: token.clone(),
+        };
+        let m2 = ModelManager::start(first, deps).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(pid_alive(&pid), "a worker of a model the registry may still serve is not stopped before a read");
+        assert_eq!(env.store.workers(&owner).await.unwrap().len(), 1, "nor forgotten");
+        // A config reload before any read (still unread) keeps it aside too.
+        m2.apply_catalog(Arc::new(Catalog::from_config(&config.file).registry_unread())).await;
+        assert!(pid_alive(&pid));
+        // The first read: `a` tagged (adopted, the same worker) or not (stopped, forgotten).
+        let read = if served_by_the_read { env.config("", &format!("{registry}{tagged}")) } else { config.clone() };
+        m2.apply_catalog(Arc::new(Catalog::from_config(&read.file))).await;
+        if served_by_the_read {
+            wait_state(&m2, "a", "ready", Duration::from_secs(10)).await;
+            assert_eq!(m2.status("a").unwrap().worker_id.as_deref(), Some(pid.as_str()), "the remembered worker, adopted");
+            m2.unload("a", "test over").await.unwrap();
+        } else {
+            assert!(!pid_alive(&pid), "a model the read does not serve: its worker is stopped");
+        }
+        assert!(!pid_alive(&pid));
+        assert!(env.store.workers(&owner).await.unwrap().is_empty());
+        token.cancel();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remembered_worker_that_died_is_forgotten_not_adopted() {
     let env = Env::new().await;

@@ -22,6 +22,9 @@ pub struct Catalog {
     roles: BTreeMap<String, Option<String>>,
     /// Names served because of MLflow registry tags (not `[[models]]` entries).
     from_registry: BTreeSet<String>,
+    /// Built without a registry read (polling is on, MLflow has not answered yet): a model
+    /// missing from it may still be tagged.
+    registry_unread: bool,
 }
 
 impl Catalog {
@@ -108,6 +111,17 @@ impl Catalog {
     /// The names served because of MLflow registry tags.
     pub fn registry_names(&self) -> &BTreeSet<String> {
         &self.from_registry
+    }
+
+    /// This catalog, marked as built before any registry read.
+    pub fn registry_unread(mut self) -> Catalog {
+        self.registry_unread = true;
+        self
+    }
+
+    /// Whether it was built before any registry read (its registry models are unknown).
+    pub fn is_registry_unread(&self) -> bool {
+        self.registry_unread
     }
 }
 

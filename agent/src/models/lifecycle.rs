@@ -343,6 +343,24 @@ struct Shared {
     rt: Option<Runtime>,
     /// The versions gpuhub promoted (served instead of `@production`).
     promoted: Arc<Promoted>,
+    /// Remembered workers of models the first catalog lacks because MLflow had not answered
+    /// yet (with when they were set aside): adopted once a registry read serves their model,
+    /// stopped once one does not, or after [`DEFERRED_MAX`].
+    deferred: Mutex<Vec<(WorkerRow, Instant)>>,
+}
+
+/// How long a remembered worker waits for the registry read that says whether its model is
+/// still served (its GPU is held meanwhile, and no call can reach it).
+const DEFERRED_MAX: Duration = Duration::from_secs(600);
+
+/// What adopting remembered workers kept.
+#[derive(Default)]
+struct Adopted {
+    /// Slurm jobs kept (adopted or set aside): not orphans.
+    jobs: Vec<String>,
+    keys: Vec<KeyFiles>,
+    /// A Slurm lookup failed: no job is taken for an orphan in this pass.
+    unsure: bool,
 }
 
 /// What a catalog change did to the models.
@@ -458,6 +476,7 @@ impl ModelManager {
             registry_launcher: registry.then_some(f.mlflow.launcher),
             rt: Some(rt),
             promoted,
+            deferred: Mutex::new(Vec::new()),
         });
         shared.heartbeat();
         shared.adopt_all().await;
@@ -635,12 +654,15 @@ impl ModelManager {
                 change.removed.push(n);
             }
         }
-        sh.catalog.store(new);
         if let Some(rt) = &sh.rt {
             for n in change.added.iter().chain(&change.changed) {
                 rt.metrics.set_state(n, None, State::Unloaded);
             }
         }
+        // Workers set aside at start for want of a registry read: adopted before a call can
+        // find their model (and start a second worker), or stopped if the read does not serve it.
+        sh.adopt_deferred(new.is_registry_unread(), false).await;
+        sh.catalog.store(new);
         for w in leaving {
             w.leaving.store(true, Ordering::Release);
             sh.leaving.lock().unwrap_or_else(|p| p.into_inner()).push(w.clone());
@@ -1767,6 +1789,8 @@ impl Shared {
                     && let Some(rt) = &me.rt
                 {
                     rt.launchers.slurm.cancel_again().await;
+                    let _one = me.applying.lock().await;
+                    me.adopt_deferred(true, true).await;
                 }
                 let touched = std::fs::create_dir_all(path.parent().unwrap_or(std::path::Path::new("/"))).and_then(|()| std::fs::write(&path, crate::util::now_s().to_string()));
                 if let Err(e) = touched
@@ -1783,21 +1807,12 @@ impl Shared {
         });
     }
 
-    /// After an agent restart: adopt the workers the store remembers and that still run; cancel
-    /// this agent's Slurm worker jobs nobody remembers (no orphan holds a GPU).
-    async fn adopt_all(self: &Arc<Self>) {
-        let Some(rt) = &self.rt else { return };
-        let rows = match &rt.store {
-            Some(store) => store.workers(&rt.owner).await.unwrap_or_else(|e| {
-                tracing::error!(error = %e, "cannot read remembered workers; none adopted");
-                Vec::new()
-            }),
-            None => Vec::new(),
-        };
-        let mut adopted_jobs = Vec::new();
-        // A Slurm lookup that failed: no job is taken for an orphan in this pass.
-        let mut unsure = false;
-        let mut kept_keys = Vec::new();
+    /// Adopts remembered workers `rows` that still run; stops those whose model is gone or
+    /// whose version is no longer served, and forgets them. With `defer` (since when), a live
+    /// worker of a model the catalog lacks is set aside instead ([`Shared::deferred`]).
+    async fn adopt_rows(self: &Arc<Self>, rows: Vec<WorkerRow>, defer: Option<Instant>) -> Adopted {
+        let Some(rt) = &self.rt else { return Adopted::default() };
+        let mut out = Adopted::default();
         let mut adopting: Vec<String> = Vec::new();
         let uid = rt.user.as_ref().map(|u| u.uid).ok();
         let serves = self.versions_to_adopt(&rows);
@@ -1828,12 +1843,20 @@ impl Shared {
                         // than forgetting a live worker that would then be cancelled or leak.
                         Err(e) => {
                             tracing::warn!(model = %row.model, worker = %row.instance_id, error = %e, "cannot ask Slurm about a remembered worker; adopting it and checking its readiness");
-                            unsure = true;
+                            out.unsure = true;
                             true
                         }
                     },
                     _ => uid.is_some_and(|uid| launcher::local::Local::adopt(&inst.id, &inst.api_key, uid)),
                 };
+            if let Some(since) = defer.filter(|_| alive && w.is_none()) {
+                tracing::warn!(model = %row.model, worker = %row.instance_id, "a remembered worker's model is not in the catalog before the first MLflow registry read; keeping it until a read says whether the model is still served");
+                if kind == LauncherKind::Slurm {
+                    out.jobs.push(inst.id.clone());
+                }
+                self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((row, since));
+                continue;
+            }
             let Some(w) = w.filter(|_| alive) else {
                 if alive {
                     tracing::warn!(model = %row.model, worker = %row.instance_id, "a remembered worker's model left the catalog; stopping it");
@@ -1861,10 +1884,10 @@ impl Shared {
             }
             tracing::info!(model = %row.model, worker = %row.instance_id, "adopting a worker started before the agent restarted");
             if inst.launcher == LauncherKind::Slurm {
-                adopted_jobs.push(inst.id.clone());
+                out.jobs.push(inst.id.clone());
             }
             if let Some(k) = &inst.key_files {
-                kept_keys.push(k.clone());
+                out.keys.push(k.clone());
             }
             let inst = Arc::new(inst);
             if adopting.contains(&row.model) {
@@ -1881,6 +1904,44 @@ impl Shared {
             let (me, attempt) = (self.clone(), w.lock().attempt);
             rt.tasks.spawn(async move { me.finish_adoption(w, inst, attempt).await });
         }
+        out
+    }
+
+    /// The workers set aside at start ([`Shared::deferred`]), once a catalog is served: those
+    /// whose model it serves are adopted; the others are stopped when it comes from a registry
+    /// read (`unread` false), else kept aside. With `expired_only`, only those set aside for
+    /// [`DEFERRED_MAX`] are taken, and stopped.
+    async fn adopt_deferred(self: &Arc<Self>, unread: bool, expired_only: bool) {
+        let rows: Vec<(WorkerRow, Instant)> = {
+            let mut d = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+            let (take, keep) = std::mem::take(&mut *d).into_iter().partition(|(_, t)| !expired_only || t.elapsed() >= DEFERRED_MAX);
+            *d = keep;
+            take
+        };
+        let Some(since) = rows.iter().map(|(_, t)| *t).min() else { return };
+        if expired_only {
+            tracing::warn!(
+                workers = rows.len(),
+                "no MLflow registry read for 10 minutes after the restart; stopping the remembered workers of models it would serve"
+            );
+        }
+        let defer = (unread && !expired_only).then_some(since);
+        self.adopt_rows(rows.into_iter().map(|(r, _)| r).collect(), defer).await;
+    }
+
+    /// After an agent restart: adopt the workers the store remembers and that still run; cancel
+    /// this agent's Slurm worker jobs nobody remembers (no orphan holds a GPU).
+    async fn adopt_all(self: &Arc<Self>) {
+        let Some(rt) = &self.rt else { return };
+        let rows = match &rt.store {
+            Some(store) => store.workers(&rt.owner).await.unwrap_or_else(|e| {
+                tracing::error!(error = %e, "cannot read remembered workers; none adopted");
+                Vec::new()
+            }),
+            None => Vec::new(),
+        };
+        let unread = self.registry_launcher.is_some() && self.catalog.load().is_registry_unread();
+        let Adopted { jobs: adopted_jobs, keys: kept_keys, unsure } = self.adopt_rows(rows, unread.then(Instant::now)).await;
         remove_stale_keys(&rt.dir.join("keys"), &kept_keys);
         if unsure {
             tracing::warn!(

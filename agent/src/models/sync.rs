@@ -146,6 +146,7 @@ impl CatalogSync {
                     self.record(&file, Err(format!("MLflow did not answer within {}s", timeout.as_secs())));
                 }
             }
+            return Catalog::from_config(&file).registry_unread();
         }
         Catalog::from_config(&file)
     }
@@ -160,7 +161,7 @@ impl CatalogSync {
             Ok(found) => {
                 *self.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(found.clone());
                 let entries = self.record(&file, Ok(&found));
-                Ok(self.apply(state, &file, entries).await)
+                Ok(self.apply_read(state, &file, entries, true).await)
             }
             Err(e) => {
                 let message = e.to_string();
@@ -190,11 +191,12 @@ impl CatalogSync {
         }
         *self.file.lock().unwrap_or_else(|p| p.into_inner()) = file.clone();
         let found = self.found.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let unread = found.is_none() && state.models.mlflow().is_some() && file.mlflow.registry_poll_s > 0;
         let entries = match &found {
             Some(found) => self.record(&file, Ok(found)),
             None => Vec::new(),
         };
-        let change = self.apply(state, &file, entries).await;
+        let change = self.apply_read(state, &file, entries, !unread).await;
         if let Err(e) = crate::snapshot::write(state) {
             tracing::error!(error = %e, "cannot rewrite the snapshot after a reload; new jobs get the old roles until it is");
         }
@@ -275,8 +277,10 @@ impl CatalogSync {
     /// Serves `file`'s catalog with `entries` from the registry. Names the registry stops
     /// serving are retired before the swap (so no call sees them unknown), names it serves
     /// again are restored after it.
-    async fn apply(&self, state: &AppState, file: &ConfigFile, entries: Vec<crate::config::ModelConfig>) -> CatalogChange {
-        let new = Arc::new(Catalog::build(file, &entries));
+    /// (`read`: `entries` come from a registry read; else none has succeeded yet.)
+    async fn apply_read(&self, state: &AppState, file: &ConfigFile, entries: Vec<crate::config::ModelConfig>, read: bool) -> CatalogChange {
+        let built = Catalog::build(file, &entries);
+        let new = Arc::new(if read { built } else { built.registry_unread() });
         let old = state.catalog.load();
         let gone: Vec<(String, String)> = old
             .registry_names()

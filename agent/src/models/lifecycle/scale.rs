@@ -489,6 +489,7 @@ mod tests {
             registry_launcher: None,
             rt: None,
             promoted: Arc::new(Promoted::load(None).await),
+            deferred: Mutex::new(Vec::new()),
         };
         let first = shared.worker("r").unwrap();
         let other = shared.worker("o").unwrap();
