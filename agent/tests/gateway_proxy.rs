@@ -199,6 +199,45 @@ async fn a_stream_whose_client_stops_reading_is_ended() {
     a.stop().await;
 }
 
+/// Plain answers that callers do not take stay counted (`max_response_bytes_total`): while
+/// one 8 MiB answer waits for a client that reads nothing, a second does not fit in 12 MiB and
+/// is refused with a 503 that names the limit; once that client goes, it fits again.
+#[tokio::test]
+async fn answers_waiting_for_slow_readers_share_one_budget() {
+    let a = start("[gateway]\nmax_response_bytes = 10485760\nmax_response_bytes_total = 12582912\n").await;
+    let (key, _) = a.key("dave", "app", &[]).await;
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut slow = sock.connect(a.gateway).await.unwrap();
+    let body = json!({"model": "flood"}).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    slow.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    let until = |want: u16| {
+        let (a, key) = (&a, key.clone());
+        async move {
+            let t = Instant::now();
+            loop {
+                let r = post(a, &key, "/v1/chat/completions", json!({"model": "flood"})).await;
+                let status = r.status().as_u16();
+                let text = r.text().await.unwrap();
+                if status == want {
+                    return text;
+                }
+                assert!(t.elapsed() < Duration::from_secs(10), "expected {want}, still {status}: {}", &text[..text.len().min(300)]);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let refused = until(503).await;
+    assert!(refused.contains("server_busy") && refused.contains("gateway.max_response_bytes_total"), "{refused}");
+    drop(slow);
+    until(200).await;
+    a.stop().await;
+}
+
 #[tokio::test]
 async fn upstream_failures_name_the_model_and_what_happened() {
     let a = start("[gateway]\nupstream_timeout_s = 1\n").await;

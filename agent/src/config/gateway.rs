@@ -46,6 +46,10 @@ pub struct GatewayConfig {
     /// Largest worker answer held in memory: a whole plain answer, or one event of a stream.
     /// A larger one is answered 502.
     pub max_response_bytes: usize,
+    /// Plain answers held in memory across all calls together, from when the worker's answer
+    /// is read until the caller has taken it (a slow reader holds its answer); past it a call's
+    /// answer is refused with 503 (retry) instead of held.
+    pub max_response_bytes_total: usize,
     /// Unauthenticated refusals answered per second to one peer address (with a burst of five
     /// seconds' worth); past it the peer gets 429 and its connection is closed.
     pub unauth_refusals_per_s: u32,
@@ -165,6 +169,7 @@ impl Default for GatewayConfig {
             max_connections: 4096,
             max_body_bytes_total: 256 * 1024 * 1024,
             max_response_bytes: 64 * 1024 * 1024,
+            max_response_bytes_total: 1024 * 1024 * 1024,
             unauth_refusals_per_s: 20,
             keys_per_user: 20,
             sso: SsoConfig::default(),
@@ -493,6 +498,18 @@ impl GatewayConfig {
         if self.max_response_bytes < 64 * 1024 {
             return Err(("gateway.max_response_bytes".into(), "must be at least 65536".into()));
         }
+        if self.max_response_bytes_total < self.max_response_bytes {
+            return Err((
+                "gateway.max_response_bytes_total".into(),
+                format!(
+                    "{} is less than gateway.max_response_bytes ({}): one largest answer must fit; raise it or lower gateway.max_response_bytes",
+                    self.max_response_bytes_total, self.max_response_bytes
+                ),
+            ));
+        }
+        if self.max_response_bytes_total > u32::MAX as usize {
+            return Err(("gateway.max_response_bytes_total".into(), format!("must be at most {} (4 GiB)", u32::MAX)));
+        }
         if self.unauth_refusals_per_s == 0 {
             return Err(("gateway.unauth_refusals_per_s".into(), "must be at least 1".into()));
         }
@@ -593,6 +610,8 @@ mod tests {
     fn limits_are_checked() {
         let e = Config::from_toml("[gateway]\nmax_body_bytes_total = 1024\n").unwrap_err().to_string();
         assert!(e.contains("gateway.max_body_bytes_total") && e.contains("one largest body must fit"), "{e}");
+        let e = Config::from_toml("[gateway]\nmax_response_bytes_total = 65536\n").unwrap_err().to_string();
+        assert!(e.contains("gateway.max_response_bytes_total") && e.contains("one largest answer must fit"), "{e}");
         let e = Config::from_toml("[gateway]\nheader_timeout_s = 0\n").unwrap_err().to_string();
         assert!(e.contains("gateway.header_timeout_s"), "{e}");
         for bad in ["upstream_connect_timeout_s = 0", "upstream_connect_timeout_s = 61"] {

@@ -63,6 +63,10 @@ pub enum GatewayError {
     InvalidModelName(String),
     #[error("the gateway already holds {limit} bytes of request bodies in memory (gateway.max_body_bytes_total); retry in a moment")]
     BodyBudget { limit: usize },
+    #[error(
+        "model `{model}`: the gateway already holds {limit} bytes of answers that callers have not taken yet (gateway.max_response_bytes_total); retry in a moment"
+    )]
+    AnswerBudget { model: String, limit: usize },
     #[error("model `{model}`: its worker's answer is larger than {limit} bytes (gateway.max_response_bytes){what}")]
     ResponseTooLarge { model: String, limit: usize, what: &'static str },
     #[error(
@@ -89,9 +93,10 @@ impl GatewayError {
             | GatewayError::WrongType { .. }
             | GatewayError::BadRequest(_)
             | GatewayError::InvalidModelName(_) => StatusCode::BAD_REQUEST,
-            GatewayError::BodyBudget { .. } | GatewayError::UsageBacklog { .. } | GatewayError::ConnectionCap { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            GatewayError::BodyBudget { .. }
+            | GatewayError::AnswerBudget { .. }
+            | GatewayError::UsageBacklog { .. }
+            | GatewayError::ConnectionCap { .. } => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::ResponseTooLarge { .. } => StatusCode::BAD_GATEWAY,
             GatewayError::Throttled { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::HeaderTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -135,7 +140,7 @@ impl GatewayError {
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::Internal { .. } => "internal_error",
             GatewayError::InvalidModelName(_) => "invalid_model_name",
-            GatewayError::BodyBudget { .. } => "server_busy",
+            GatewayError::BodyBudget { .. } | GatewayError::AnswerBudget { .. } => "server_busy",
             GatewayError::ResponseTooLarge { .. } => "upstream_response_too_large",
             GatewayError::UsageBacklog { .. } => "usage_log_full",
             GatewayError::Throttled { .. } => "too_many_unauthenticated",
@@ -215,7 +220,11 @@ impl IntoResponse for GatewayError {
         if let GatewayError::Unauthenticated(_) | GatewayError::Throttled { .. } = &self {
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
-        if let GatewayError::BodyBudget { .. } | GatewayError::UsageBacklog { .. } | GatewayError::Throttled { .. } = &self {
+        if let GatewayError::BodyBudget { .. }
+        | GatewayError::AnswerBudget { .. }
+        | GatewayError::UsageBacklog { .. }
+        | GatewayError::Throttled { .. } = &self
+        {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         if let GatewayError::Throttled { .. } = &self {

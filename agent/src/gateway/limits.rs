@@ -1,6 +1,8 @@
 //! What the gateway holds in memory for its callers, bounded: request bodies across all calls
 //! together (`gateway.max_body_bytes_total`), on top of each body's own limit
-//! (`gateway.max_body_bytes`) and deadline (`gateway.body_timeout_s`).
+//! (`gateway.max_body_bytes`) and deadline (`gateway.body_timeout_s`); and plain answers
+//! waiting for their callers to take them (`gateway.max_response_bytes_total`): an answer holds
+//! its bytes until the caller has read it or gone ([`HeldBody`]).
 //!
 //! A body's bytes are counted as they arrive (not as its `Content-Length` declares: a caller
 //! that declares large bodies and sends nothing must not hold the budget) and stay counted
@@ -64,6 +66,12 @@ impl BodyBudget {
         Ok(())
     }
 
+    /// `n` bytes counted at once, if they fit.
+    pub fn hold(&self, n: usize) -> Option<BodyPermit> {
+        let mut permit = BodyPermit::default();
+        self.grow(&mut permit, n).ok().map(|()| permit)
+    }
+
     /// Reads a whole request body: at most `max` bytes, within `timeout`, counted against the
     /// budget as they arrive (`declared`, the `Content-Length`, only sizes the steps). The
     /// permit keeps the bytes counted.
@@ -101,6 +109,48 @@ impl BodyBudget {
             buf.extend_from_slice(&data);
         }
         Ok((buf.freeze(), permit))
+    }
+}
+
+/// Bytes of an answer handed to the connection at a time: the connection takes the next piece
+/// only once it has written the last, so an answer's bytes stay counted until a slow reader
+/// has nearly all of them.
+const ANSWER_PIECE: usize = 64 * 1024;
+
+/// An answer body that keeps its bytes counted until it is sent or dropped (the caller took
+/// it, or went away).
+pub struct HeldBody {
+    data: Bytes,
+    _permit: BodyPermit,
+}
+
+impl HeldBody {
+    pub fn new(data: Bytes, permit: BodyPermit) -> HeldBody {
+        HeldBody { data, _permit: permit }
+    }
+}
+
+impl http_body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.data.is_empty() {
+            return std::task::Poll::Ready(None);
+        }
+        let n = self.data.len().min(ANSWER_PIECE);
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(self.data.split_to(n)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.data.len() as u64)
     }
 }
 

@@ -70,6 +70,8 @@ pub struct Gateway {
     pub upstream: upstream::Client,
     /// Request-body bytes held across all calls (`gateway.max_body_bytes_total`).
     pub budget: limits::BodyBudget,
+    /// Plain answers not yet taken by their callers (`gateway.max_response_bytes_total`).
+    pub answers: limits::BodyBudget,
     /// Refused calls nobody can be billed for: counters, rate buckets, one row per minute.
     pub refusals: refusals::Refusals,
     /// What proves an SSO header (`[gateway.sso]`).
@@ -127,6 +129,7 @@ impl Gateway {
             users: auth::UserNames::default(),
             upstream,
             budget: limits::BodyBudget::new(g.max_body_bytes_total),
+            answers: limits::BodyBudget::new(g.max_response_bytes_total),
             refusals: refusals::Refusals::register(g.unauth_refusals_per_s, registry),
             sso,
             connections: Arc::new(server::Connections::register(server::Limits::from_config(g), registry)),

@@ -476,12 +476,16 @@ async fn plain(state: &AppState, mut call: Call, out: Outgoing) -> Response {
         call.row.completion_tokens = c;
         call.row.usage_source = super::usage_log::UsageSource::Reported;
     }
+    let Some(held) = state.gateway.answers.hold(body.len()) else {
+        let limit = state.config.file.gateway.max_response_bytes_total;
+        return call.fail(state, GatewayError::AnswerBudget { model: lease.model.clone(), limit });
+    };
     call.row.status = status.as_u16();
     if !status.is_success() {
         call.row.error_code = upstream_code(status, &body);
     }
     let extra = std::mem::take(&mut call.extra_headers);
-    let mut response = Response::new(Body::from(body));
+    let mut response = Response::new(Body::new(super::limits::HeldBody::new(body, held)));
     *response.status_mut() = status;
     copy_headers(&headers, response.headers_mut());
     call.record(state);

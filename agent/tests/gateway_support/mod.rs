@@ -85,6 +85,7 @@ async fn handle(State(up): State<Upstream>, Path((mode, rest)): Path<(String, St
             return sse(vec![chunk("small "), event, "data: [DONE]\n\n".into()], Duration::from_millis(1), false);
         }
         "big" => return Json(json!({"choices": [{"index": 0, "message": {"content": "x".repeat(200 * 1024)}}]})).into_response(),
+        "flood" if !stream => return Json(json!({"choices": [{"index": 0, "message": {"content": "x".repeat(8 << 20)}}]})).into_response(),
         "flood" => {
             let event = format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": "x".repeat(200 * 1024)}}]}));
             return sse(vec![event; 100].into_iter().chain(["data: [DONE]\n\n".to_string()]).collect(), Duration::from_millis(1), false);
@@ -133,7 +134,7 @@ pub struct Agent {
 }
 
 /// Catalog: `chat` (ok), `fail`, `break`, `nodone`, `slow`, `hang`, `bad` (upstream answers 400),
-/// `big` (answers 200 KiB), `flood` (streams 100 events of 200 KiB at once),
+/// `big` (answers 200 KiB), `flood` (streams 100 events of 200 KiB at once; plain: 8 MiB),
 /// `down` (nothing listens), `one` (ok, max_concurrency 1, queue 0, slow); `svc-chat` is a
 /// deprecated name of `chat`.
 pub async fn start(extra: &str) -> Agent {
