@@ -727,7 +727,13 @@ impl Shared {
                     self.unload(w, why).await;
                     return;
                 }
-                State::Unloaded | State::Failed => return,
+                State::Unloaded | State::Failed => {
+                    // Its further replicas may still run (started while it served, or starting
+                    // when it died): out of the list, a ready one is stopped here and one still
+                    // starting stops once ready (its supervisor finds it unlisted).
+                    self.stop_replicas(w, why).await;
+                    return;
+                }
                 State::Pending | State::Starting | State::Draining => {}
             }
             let shutdown = async {

@@ -512,6 +512,12 @@ mod tests {
         // A stopped extra holds nothing.
         ready.lock().state = State::Unloaded;
         assert_eq!(shared.held_gib(Some(&starting)), 10.0);
+        // The model's entry is replaced while its first replica is down: its extras are
+        // stopped with it, not left running where nothing counts or idles them out.
+        first.lock().state = State::Failed;
+        shared.retire(&first, "its catalog entry changed").await;
+        assert!(first.rep.extras().is_empty(), "the extras leave with the first replica");
+        assert_eq!(shared.held_gib(Some(&other)), 0.0);
     }
 
     /// An extra replica that Slurm keeps off a node (`--exclude`, where another replica runs)
