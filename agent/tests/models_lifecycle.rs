@@ -375,6 +375,31 @@ async fn placement_evicts_idle_models_lru_first_then_refuses_naming_the_holder()
     m.unload("big", "test over").await.unwrap();
 }
 
+/// Eviction picks the least recently used model counting calls through other gateways (a
+/// borrowing gateway records them in the store): a model used there just now is not evicted
+/// before one nobody has called for longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_counts_use_through_other_gateways() {
+    let env = Env::new().await;
+    let vram = |g: f64| format!("resources = {{ vram_gib = {g} }}");
+    let models = env.model("a", "", &vram(4.0)) + &env.model("b", "", &vram(4.0)) + &env.model("c", "", &vram(5.0));
+    let (m, _reg, _t, _tasks) = env.manager("vram_gib = 10", &models).await;
+    drop(m.acquire("a").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    drop(m.acquire("b").await.unwrap());
+    // Here a was used before b; through another gateway, a was used after b.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let a = m.status("a").unwrap().worker_id.unwrap();
+    env.store.touch_worker_use("local", &a, gpuhub_agent::util::now_us()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    drop(m.acquire("c").await.unwrap());
+    assert_eq!(m.status("b").unwrap().state, "unloaded", "b is the least recently used, counting a's use elsewhere");
+    assert_eq!(m.status("a").unwrap().state, "ready");
+    for n in ["a", "c"] {
+        m.unload(n, "test over").await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_adopts_running_workers_instead_of_starting_new_ones() {
     let env = Env::new().await;

@@ -1478,7 +1478,7 @@ impl Shared {
             if let Some(message) = room.never_fits(need, gpus_wanted) {
                 return Err(message);
             }
-            let victim = self
+            let mut candidates: Vec<(Instant, Arc<Worker>, Option<Arc<Instance>>)> = self
                 .all_workers()
                 .into_iter()
                 // An extra replica's calls are counted on its model's first one: never a victim.
@@ -1486,10 +1486,22 @@ impl Shared {
                 .filter_map(|o| {
                     let s = o.lock();
                     // Another agent's worker holds nothing here: unloading it frees no room.
-                    (s.state == State::Ready && s.holds_gpu_here()).then(|| (s.last_used, o.clone()))
+                    (s.state == State::Ready && s.holds_gpu_here()).then(|| (s.last_used, o.clone(), s.instance.clone()))
                 })
-                .min_by_key(|(t, _)| *t)
-                .map(|(_, o)| o);
+                .collect();
+            // Calls through other gateways count as use too (they record it in the store).
+            if let Some(store) = &rt.store {
+                let now_us = crate::util::now_us();
+                for (t, _, inst) in &mut candidates {
+                    let Some(inst) = inst else { continue };
+                    if let Ok(Some(us)) = store.worker_last_used(launcher_name(inst.launcher), &inst.id).await
+                        && let Some(there) = Instant::now().checked_sub(Duration::from_micros(u64::try_from(now_us - us).unwrap_or(0)))
+                    {
+                        *t = (*t).max(there);
+                    }
+                }
+            }
+            let victim = candidates.into_iter().min_by_key(|(t, _, _)| *t).map(|(_, o, _)| o);
             let Some(victim) = victim else {
                 return Err(self.no_room_message(rt, w, need, &room).await);
             };
