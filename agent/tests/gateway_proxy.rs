@@ -175,21 +175,28 @@ async fn a_client_that_gives_up_on_a_plain_call_keeps_its_usage_row() {
     a.stop().await;
 }
 
+/// Sends a chat call on a connection with a 4 KiB receive buffer that never reads a byte of
+/// the answer (the connection stays open while the returned socket lives).
+async fn call_and_never_read(gateway: std::net::SocketAddr, key: &str, body: &Value) -> tokio::net::TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut sock = sock.connect(gateway).await.unwrap();
+    let body = body.to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    sock
+}
+
 /// A stream whose client stops reading but keeps its connection is taken as gone after
 /// `body_timeout_s` without taking an event: its row is written and its slot freed.
 #[tokio::test]
 async fn a_stream_whose_client_stops_reading_is_ended() {
     let a = start("[gateway]\nbody_timeout_s = 1\n").await;
     let (key, _) = a.key("dave", "app", &[]).await;
-    let sock = tokio::net::TcpSocket::new_v4().unwrap();
-    sock.set_recv_buffer_size(4096).unwrap();
-    let mut sock = sock.connect(a.gateway).await.unwrap();
-    let body = json!({"model": "flood", "stream": true}).to_string();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    sock.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    let sock = call_and_never_read(a.gateway, &key, &json!({"model": "flood", "stream": true})).await;
     let t = Instant::now();
     let rows = a.rows(1).await; // never reads a byte of the answer
     let row = &rows[0];
@@ -206,15 +213,7 @@ async fn a_stream_whose_client_stops_reading_is_ended() {
 async fn answers_waiting_for_slow_readers_share_one_budget() {
     let a = start("[gateway]\nmax_response_bytes = 10485760\nmax_response_bytes_total = 12582912\n").await;
     let (key, _) = a.key("dave", "app", &[]).await;
-    let sock = tokio::net::TcpSocket::new_v4().unwrap();
-    sock.set_recv_buffer_size(4096).unwrap();
-    let mut slow = sock.connect(a.gateway).await.unwrap();
-    let body = json!({"model": "flood"}).to_string();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    slow.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    let slow = call_and_never_read(a.gateway, &key, &json!({"model": "flood"})).await;
     let until = |want: u16| {
         let (a, key) = (&a, key.clone());
         async move {

@@ -61,11 +61,17 @@ impl Env {
 
     async fn manager(&self, workers: &str, models: &str) -> (ModelManager, Registry, CancellationToken, TaskTracker) {
         let config = self.config(workers, models);
+        let catalog = Catalog::from_config(&config.file);
+        self.manager_on(&config, catalog).await
+    }
+
+    /// A manager of `config` whose first catalog is `catalog`.
+    async fn manager_on(&self, config: &Config, catalog: Catalog) -> (ModelManager, Registry, CancellationToken, TaskTracker) {
         let mut registry = Registry::default();
         let (token, tasks) = (CancellationToken::new(), TaskTracker::new());
-        let catalog = Arc::new(Catalog::from_config(&config.file));
+        let catalog = Arc::new(catalog);
         let deps = ManagerDeps {
-            config: &config,
+            config,
             store: Some(self.store.clone()),
             registry: &mut registry,
             gpus: Box::new(Vec::new),
@@ -490,18 +496,7 @@ async fn a_remembered_worker_waits_for_the_first_registry_read() {
         drop(m1);
         // The restart: MLflow does not answer in time, so the first catalog has no `a`.
         let config = env.config("", registry);
-        let mut reg = Registry::default();
-        let (token, tasks) = (CancellationToken::new(), TaskTracker::new());
-        let first = Arc::new(Catalog::from_config(&config.file).registry_unread());
-        let deps = ManagerDeps {
-            config: &config,
-            store: Some(env.store.clone()),
-            registry: &mut reg,
-            gpus: Box::new(Vec::new),
-            tasks: tasks.clone(),
-            shutdown: token.clone(),
-        };
-        let m2 = ModelManager::start(first, deps).await;
+        let (m2, _reg, token, _tasks) = env.manager_on(&config, Catalog::from_config(&config.file).registry_unread()).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(pid_alive(&pid), "a worker of a model the registry may still serve is not stopped before a read");
         assert_eq!(env.store.workers(&owner).await.unwrap().len(), 1, "nor forgotten");

@@ -473,14 +473,14 @@ mod reconcile_story {
         let fake = Arc::new(FakeSlurm(Mutex::new(st)));
         let mut registry = Registry::default();
         let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
-        let link = SlurmLink {
+        let link = || SlurmLink {
             source: fake.clone(),
             node: "gpu01".into(),
             interval: std::time::Duration::from_secs(1),
             boundaries: JobBoundaries::Slurm,
             job_map_dir: Some(map.path().to_path_buf()),
         };
-        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link());
         ing.start_watching(None).await;
         ing.tick(true).await;
         let read = |gpu: u32| std::fs::read_to_string(map.path().join(gpu.to_string())).unwrap_or_default();
@@ -556,15 +556,8 @@ mod reconcile_story {
             st.taken_us = now + 1000 * S;
             st.ctld.remove(&35);
         }
-        let restarted = SlurmLink {
-            source: fake.clone(),
-            node: "gpu01".into(),
-            interval: std::time::Duration::from_secs(1),
-            boundaries: JobBoundaries::Slurm,
-            job_map_dir: Some(map.path().to_path_buf()),
-        };
         let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
-        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(restarted);
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link());
         ing.start_watching(Some(listed_at)).await;
         ing.tick(true).await;
         let n = node(35).await;

@@ -126,6 +126,21 @@ impl LimitsConfig {
     }
 }
 
+/// `gateway.<one>_total` (`total`) holds at least one largest `<one>` and fits the 4 GiB a
+/// memory budget counts.
+fn total_holds_one(one: &str, largest: usize, what: &str, total: usize) -> Result<(), (String, String)> {
+    if total < largest {
+        return Err((
+            format!("gateway.{one}_total"),
+            format!("{total} is less than gateway.{one} ({largest}): one largest {what} must fit; raise it or lower gateway.{one}"),
+        ));
+    }
+    if total > u32::MAX as usize {
+        return Err((format!("gateway.{one}_total"), format!("must be at most {} (4 GiB)", u32::MAX)));
+    }
+    Ok(())
+}
+
 /// A user name as a `[gateway.user_models]` key: letters, digits, `. _ - @`, 1 to 64
 /// characters (as `gpuhub keys create --user` and job tokens). Checked while parsing, so a bad
 /// one is reported with its line.
@@ -483,33 +498,11 @@ impl GatewayConfig {
         if self.max_body_bytes > u32::MAX as usize {
             return Err(("gateway.max_body_bytes".into(), format!("must be at most {} (4 GiB)", u32::MAX)));
         }
-        if self.max_body_bytes_total < self.max_body_bytes {
-            return Err((
-                "gateway.max_body_bytes_total".into(),
-                format!(
-                    "{} is less than gateway.max_body_bytes ({}): one largest body must fit; raise it or lower gateway.max_body_bytes",
-                    self.max_body_bytes_total, self.max_body_bytes
-                ),
-            ));
-        }
-        if self.max_body_bytes_total > u32::MAX as usize {
-            return Err(("gateway.max_body_bytes_total".into(), format!("must be at most {} (4 GiB)", u32::MAX)));
-        }
+        total_holds_one("max_body_bytes", self.max_body_bytes, "body", self.max_body_bytes_total)?;
         if self.max_response_bytes < 64 * 1024 {
             return Err(("gateway.max_response_bytes".into(), "must be at least 65536".into()));
         }
-        if self.max_response_bytes_total < self.max_response_bytes {
-            return Err((
-                "gateway.max_response_bytes_total".into(),
-                format!(
-                    "{} is less than gateway.max_response_bytes ({}): one largest answer must fit; raise it or lower gateway.max_response_bytes",
-                    self.max_response_bytes_total, self.max_response_bytes
-                ),
-            ));
-        }
-        if self.max_response_bytes_total > u32::MAX as usize {
-            return Err(("gateway.max_response_bytes_total".into(), format!("must be at most {} (4 GiB)", u32::MAX)));
-        }
+        total_holds_one("max_response_bytes", self.max_response_bytes, "answer", self.max_response_bytes_total)?;
         if self.unauth_refusals_per_s == 0 {
             return Err(("gateway.unauth_refusals_per_s".into(), "must be at least 1".into()));
         }
