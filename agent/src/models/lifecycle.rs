@@ -479,6 +479,7 @@ impl ModelManager {
             deferred: Mutex::new(Vec::new()),
         });
         shared.heartbeat();
+        shared.maintain();
         shared.adopt_all().await;
         shared.start_min_replicas();
         ModelManager { shared }
@@ -1788,10 +1789,30 @@ impl Shared {
         }
     }
 
+    /// Every 30 s, apart from the heartbeat (which nothing may delay): cancels again the worker
+    /// jobs whose `scancel` failed, and stops the workers set aside at start that no registry
+    /// read has settled within [`DEFERRED_MAX`].
+    fn maintain(self: &Arc<Self>) {
+        let Some(rt) = &self.rt else { return };
+        let (me, token) = (self.clone(), rt.shutdown.clone());
+        rt.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_secs(30)) => {}
+                }
+                if let Some(rt) = &me.rt {
+                    rt.launchers.slurm.cancel_again().await;
+                }
+                let _one = me.applying.lock().await;
+                me.adopt_deferred(true, true).await;
+            }
+        });
+    }
+
     /// Touches `<workers dir>/agent.heartbeat` every 5 s while the agent runs; Slurm worker
-    /// jobs stop themselves when it goes stale (an agent that never came back). Every 30 s,
-    /// cancels again the worker jobs whose `scancel` failed.
-    fn heartbeat(self: &Arc<Self>) {
+    /// jobs stop themselves when it goes stale (an agent that never came back).
+    fn heartbeat(&self) {
         let Some(rt) = &self.rt else { return };
         let registry_slurm = self.registry_launcher == Some(LauncherKind::Slurm);
         if !registry_slurm && !self.current_workers().iter().any(|w| w.cfg.launcher == LauncherKind::Slurm) {
@@ -1799,17 +1820,9 @@ impl Shared {
         }
         let path = rt.dir.join(launcher::slurm::HEARTBEAT_FILE);
         let token = rt.shutdown.clone();
-        let me = self.clone();
         rt.tasks.spawn(async move {
             let mut warned = false;
-            for beat in 0u64.. {
-                if beat % 6 == 5
-                    && let Some(rt) = &me.rt
-                {
-                    rt.launchers.slurm.cancel_again().await;
-                    let _one = me.applying.lock().await;
-                    me.adopt_deferred(true, true).await;
-                }
+            loop {
                 let touched = std::fs::create_dir_all(path.parent().unwrap_or(std::path::Path::new("/"))).and_then(|()| std::fs::write(&path, crate::util::now_s().to_string()));
                 if let Err(e) = touched
                     && !warned
