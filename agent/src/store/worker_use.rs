@@ -46,7 +46,7 @@ impl LockSession {
 impl Store {
     /// A session for [`ClusterLock`]s (PostgreSQL only; `None` on SQLite, which has no locks).
     pub async fn lock_session(&self) -> Result<Option<LockSession>, StoreError> {
-        let Some(super::PgConnect(opts)) = self.pg.as_ref().filter(|_| self.backend() == Backend::Postgres) else {
+        let Some(super::PgConnect(opts)) = &self.pg else {
             return Ok(None);
         };
         match tokio::time::timeout(super::ACQUIRE_TIMEOUT, sqlx::PgConnection::connect_with(opts)).await {
