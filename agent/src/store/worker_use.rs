@@ -5,7 +5,7 @@
 
 use sqlx::{Connection, Row};
 
-use super::{Backend, Store, StoreError, WorkerRow};
+use super::{Store, StoreError, WorkerRow};
 
 /// A PostgreSQL session-level advisory lock, held on a connection of its own outside the pool:
 /// a start holds its lock for a whole cold load, and locks taken from the pool would leave
@@ -56,7 +56,9 @@ impl Store {
     }
 
     /// Takes the cluster-wide advisory lock `key` if nobody holds it (PostgreSQL only;
-    /// `Ok(None)` when another session holds it, and always on SQLite).
+    /// `Ok(None)` when another session holds it, and always on SQLite). For tests: the start
+    /// path keeps one [`LockSession`] while it waits.
+    #[cfg(test)]
     pub async fn try_cluster_lock(&self, key: i64) -> Result<Option<ClusterLock>, StoreError> {
         let Some(session) = self.lock_session().await? else { return Ok(None) };
         Ok(session.try_lock(key).await?.ok())
@@ -145,7 +147,7 @@ impl Store {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::store::testing;
+    use crate::store::{Backend, testing};
 
     fn row(owner: &str, id: &str, url: &str) -> WorkerRow {
         WorkerRow {

@@ -466,6 +466,7 @@ impl Slurm {
     }
 
     /// Jobs whose `scancel` failed and that are not cancelled yet.
+    #[cfg(test)]
     pub fn cancels_pending(&self) -> usize {
         self.failed_cancels.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
