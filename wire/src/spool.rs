@@ -140,18 +140,23 @@ impl Record {
         }
     }
 
-    /// Identity of the event, stable across re-ingestion: a job starts and ends once per node;
-    /// a step starts and ends once.
-    pub fn record_id(&self) -> String {
+    /// What happened to which job or step on which node: `node:job:kind` or
+    /// `node:job.step:kind`. A job Slurm requeues starts (and ends) again under the same event:
+    /// its runs differ only in time, so this is not unique; [`Record::record_id`] is.
+    pub fn event(&self) -> String {
         let job = self.job();
         match self {
-            Record::JobStart { .. } | Record::JobEnd { .. } => {
-                format!("{}:{}:{}", job.node, job.job_id, self.kind())
-            }
+            Record::JobStart { .. } | Record::JobEnd { .. } => format!("{}:{}:{}", job.node, job.job_id, self.kind()),
             Record::StepStart { step_id, .. } | Record::StepEnd { step_id, .. } => {
                 format!("{}:{}.{}:{}", job.node, job.job_id, step_id, self.kind())
             }
         }
+    }
+
+    /// Identity of the record, stable across re-ingestion (a file re-read after a crash):
+    /// the event and its time, since a requeued job's next run repeats the event.
+    pub fn record_id(&self) -> String {
+        format!("{}@{}", self.event(), self.time_us())
     }
 
     pub fn to_json(&self) -> String {
@@ -204,7 +209,7 @@ impl Record {
 
 /// File name of a committed record: sortable by time, unique per event and writer.
 pub fn record_file_name(rec: &Record, pid: u32) -> String {
-    let id = rec.record_id().replace([':', '/'], "_");
+    let id = rec.event().replace([':', '/'], "_");
     format!("{:020}-{id}-{pid}.json", rec.time_us().max(0))
 }
 
@@ -248,7 +253,12 @@ mod tests {
         let json = rec.to_json();
         assert!(json.contains(r#""kind":"step_start""#), "{json}");
         assert_eq!(Record::parse(json.as_bytes()).unwrap(), rec);
-        assert_eq!(rec.record_id(), "gpu01:42.0:step_start");
+        assert_eq!(rec.record_id(), "gpu01:42.0:step_start@5");
+        // A requeued job's next run repeats the event at another time: another record.
+        let Record::StepStart { v, job, step_id, gpus, shards, .. } = rec.clone() else { unreachable!() };
+        let again = Record::StepStart { v, time_us: 6, job, step_id, gpus, shards };
+        assert_eq!(again.event(), rec.event());
+        assert_ne!(again.record_id(), rec.record_id());
         assert!(record_file_name(&rec, 9).ends_with("-gpu01_42.0_step_start-9.json"));
     }
 

@@ -274,7 +274,7 @@ pub async fn job_json(pool: &sqlx::AnyPool, caller: &Caller, job_id: u32, spg: u
         }
         let verified = if j.verified.is_empty() { "pending" } else { j.verified.as_str() };
         nodes.push(json!({
-            "node": j.node, "job_id": j.job_id, "user": j.user_name, "uid": j.uid, "account": j.account,
+            "node": j.node, "job_id": j.job_id, "run": j.run, "user": j.user_name, "uid": j.uid, "account": j.account,
             "partition": j.partition, "start_us": j.start_us.unwrap_or(j.first_seen_us), "end_us": j.end_us,
             "state": state, "exit_code": j.exit_code, "shards": j.shards, "gpu_count": billed_gpus,
             "verified": verified, "slurm_start_us": j.slurm_start_us, "slurm_end_us": j.slurm_end_us,

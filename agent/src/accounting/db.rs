@@ -16,6 +16,9 @@ use crate::telemetry::JobGpuStats;
 pub struct JobRow {
     pub node: String,
     pub job_id: i64,
+    /// Which run of the job on this node: 0, then one more each time Slurm requeues it and it
+    /// starts here again (migration 0022).
+    pub run: i64,
     pub uid: i64,
     pub user_name: String,
     pub account: Option<String>,
@@ -41,6 +44,7 @@ impl JobRow {
         JobRow {
             node: node.to_string(),
             job_id,
+            run: 0,
             uid,
             user_name: user.to_string(),
             account: None,
@@ -71,6 +75,7 @@ impl JobRow {
 pub struct JobGpuRow {
     pub node: String,
     pub job_id: i64,
+    pub run: i64,
     pub gpu_index: i64,
     pub gpu_uuid: Option<String>,
     pub mean_util: Option<f64>,
@@ -81,8 +86,8 @@ pub struct JobGpuRow {
     pub shards: Option<i64>,
 }
 
-pub(crate) const JOB_COLS: &str = "node, job_id, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, exit_code, end_reason, shards, anomalies, verified, slurm_gpus, slurm_start_us, slurm_end_us";
-pub(crate) const GPU_COLS: &str = "node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples, shards";
+pub(crate) const JOB_COLS: &str = "node, job_id, run, uid, user_name, account, partition, start_us, end_us, first_seen_us, last_seen_us, exit_code, end_reason, shards, anomalies, verified, slurm_gpus, slurm_start_us, slurm_end_us";
+pub(crate) const GPU_COLS: &str = "node, job_id, run, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples, shards";
 
 /// What folding one record found.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -136,17 +141,24 @@ async fn fold(
 ) -> Result<Folded, sqlx::Error> {
     let id = rec.job();
     let t = rec.time_us();
-    let existing: Option<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2"))
+    let mut runs: Vec<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2 ORDER BY run"))
         .bind(&id.node)
         .bind(i64::from(id.job_id))
-        .fetch_optional(&mut **tx)
+        .fetch_all(&mut **tx)
         .await?;
-    let mut row = existing.unwrap_or_else(|| JobRow::new(&id.node, i64::from(id.job_id), i64::from(id.uid), &id.user, t));
+    let mut row = match run_of(&runs, rec) {
+        Some(i) => runs.swap_remove(i),
+        None => {
+            let mut row = JobRow::new(&id.node, i64::from(id.job_id), i64::from(id.uid), &id.user, t);
+            row.run = runs.last().map_or(0, |r| r.run + 1);
+            row
+        }
+    };
     // A verified job keeps Slurm's values; the record's claims are only compared.
     let verified = row.is_verified();
     let mut disagreements = Vec::new();
     if verified {
-        let slurm_gpus = reconcile::load_gpus(tx, &row.node, row.job_id).await?;
+        let slurm_gpus = reconcile::load_gpus(tx, &row).await?;
         disagreements = reconcile::check_claims(&row, &slurm_gpus, rec);
     } else {
         row.uid = i64::from(id.uid);
@@ -231,42 +243,56 @@ async fn fold(
     for g in gpus {
         // A verified job's GPUs are Slurm's: a record only adds the UUID of one of them.
         let sql = if verified {
-            "UPDATE acct_job_gpus SET gpu_uuid = COALESCE($4, gpu_uuid) WHERE node = $1 AND job_id = $2 AND gpu_index = $3"
+            "UPDATE acct_job_gpus SET gpu_uuid = COALESCE($4, gpu_uuid) WHERE node = $1 AND job_id = $2 AND gpu_index = $3 AND run = $5"
         } else {
-            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid) VALUES ($1, $2, $3, $4) ON CONFLICT (node, job_id, gpu_index) DO UPDATE SET gpu_uuid = COALESCE(excluded.gpu_uuid, acct_job_gpus.gpu_uuid)"
+            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid, run) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (node, job_id, run, gpu_index) DO UPDATE SET gpu_uuid = COALESCE(excluded.gpu_uuid, acct_job_gpus.gpu_uuid)"
         };
         sqlx::query(sql)
             .bind(&row.node)
             .bind(row.job_id)
             .bind(i64::from(g.index))
             .bind(g.uuid.clone().or_else(|| known_gpus.and_then(|k| k.get(&g.index).cloned())))
+            .bind(row.run)
             .execute(&mut **tx)
             .await?;
     }
     if matches!(rec, Record::JobEnd { .. }) {
-        store_job_stats(tx, &row.node, row.job_id, stats).await?;
+        store_job_stats(tx, &row, stats).await?;
     }
     Ok(Folded { anomalies, disagreements, unverified: row.verified.is_empty() })
 }
 
+/// Which of a job's runs on a node (`runs`, in run order) `rec` belongs to; `None`: a new run.
+/// Runs' records arrive in time order (the spool is read in time order, and Slurm starts a
+/// requeued job only after the last run's epilog wrote its end), so a start after the end of a
+/// latest run that has its start opens the next run. (A latest run with an end and no start is
+/// waiting for its own start: records out of order, or a clock that went backwards.) Anything
+/// else belongs to the latest run that started by its time, else to the first.
+pub(crate) fn run_of(runs: &[JobRow], rec: &Record) -> Option<usize> {
+    let t = rec.time_us();
+    let latest = runs.len().checked_sub(1)?;
+    let last = &runs[latest];
+    if matches!(rec, Record::JobStart { .. }) && last.start_us.is_some() && last.end_us.is_some_and(|e| t > e) {
+        return None;
+    }
+    let started = |r: &JobRow| r.start_us.or(r.slurm_start_us).unwrap_or(r.first_seen_us);
+    Some(runs.iter().rposition(|r| started(r) <= t + reconcile::TIME_TOLERANCE_US).unwrap_or(0))
+}
+
 /// What telemetry measured on each of a job's GPUs, stored on its GPU rows when the job ends.
-pub(crate) async fn store_job_stats(
-    tx: &mut Transaction<'static, Any>,
-    node: &str,
-    job_id: i64,
-    stats: &[JobGpuStats],
-) -> Result<(), sqlx::Error> {
+pub(crate) async fn store_job_stats(tx: &mut Transaction<'static, Any>, row: &JobRow, stats: &[JobGpuStats]) -> Result<(), sqlx::Error> {
     for s in stats {
         sqlx::query(
-            "UPDATE acct_job_gpus SET mean_util = $1, peak_vram_bytes = $2, energy_joules = $3, samples = $4 WHERE node = $5 AND job_id = $6 AND gpu_index = $7",
+            "UPDATE acct_job_gpus SET mean_util = $1, peak_vram_bytes = $2, energy_joules = $3, samples = $4 WHERE node = $5 AND job_id = $6 AND gpu_index = $7 AND run = $8",
         )
         .bind(s.mean_util)
         .bind(i64::try_from(s.peak_vram_bytes).unwrap_or(i64::MAX))
         .bind(s.energy_joules)
         .bind(i64::try_from(s.samples).unwrap_or(i64::MAX))
-        .bind(node)
-        .bind(job_id)
+        .bind(&row.node)
+        .bind(row.job_id)
         .bind(i64::from(s.gpu_index))
+        .bind(row.run)
         .execute(&mut **tx)
         .await?;
     }
@@ -291,8 +317,8 @@ pub(crate) fn add_anomaly(list: &mut String, a: &str) -> bool {
 
 pub(crate) async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<(), sqlx::Error> {
     sqlx::query(&format!(
-        "INSERT INTO acct_jobs ({JOB_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
-         ON CONFLICT (node, job_id) DO UPDATE SET uid = excluded.uid, user_name = excluded.user_name, account = excluded.account, \
+        "INSERT INTO acct_jobs ({JOB_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
+         ON CONFLICT (node, job_id, run) DO UPDATE SET uid = excluded.uid, user_name = excluded.user_name, account = excluded.account, \
          partition = excluded.partition, start_us = excluded.start_us, end_us = excluded.end_us, first_seen_us = excluded.first_seen_us, \
          last_seen_us = excluded.last_seen_us, exit_code = excluded.exit_code, end_reason = excluded.end_reason, shards = excluded.shards, \
          anomalies = excluded.anomalies, verified = excluded.verified, slurm_gpus = excluded.slurm_gpus, \
@@ -300,6 +326,7 @@ pub(crate) async fn upsert_job(tx: &mut Transaction<'static, Any>, row: &JobRow)
     ))
     .bind(&row.node)
     .bind(row.job_id)
+    .bind(row.run)
     .bind(row.uid)
     .bind(&row.user_name)
     .bind(&row.account)
@@ -361,7 +388,7 @@ pub async fn close_jobs_lost_in_reboot(
 pub async fn jobs_since(pool: &AnyPool, since_us: i64, uid: Option<i64>) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
     let filter = if uid.is_some() { " AND j.uid = $2" } else { "" };
     let cols: String = JOB_COLS.split(", ").map(|c| format!("j.{c}")).collect::<Vec<_>>().join(", ");
-    let sql = format!("SELECT {cols} FROM acct_jobs j WHERE (j.end_us IS NULL OR j.end_us >= $1){filter} ORDER BY j.job_id");
+    let sql = format!("SELECT {cols} FROM acct_jobs j WHERE (j.end_us IS NULL OR j.end_us >= $1){filter} ORDER BY j.job_id, j.run");
     let mut q = sqlx::query_as::<_, JobRow>(&sql).bind(since_us);
     if let Some(u) = uid {
         q = q.bind(u);
@@ -369,7 +396,7 @@ pub async fn jobs_since(pool: &AnyPool, since_us: i64, uid: Option<i64>) -> Resu
     let jobs = q.fetch_all(pool).await?;
     let gcols: String = GPU_COLS.split(", ").map(|c| format!("g.{c}")).collect::<Vec<_>>().join(", ");
     let sql = format!(
-        "SELECT {gcols} FROM acct_job_gpus g JOIN acct_jobs j ON j.node = g.node AND j.job_id = g.job_id \
+        "SELECT {gcols} FROM acct_job_gpus g JOIN acct_jobs j ON j.node = g.node AND j.job_id = g.job_id AND j.run = g.run \
          WHERE (j.end_us IS NULL OR j.end_us >= $1){filter} ORDER BY g.gpu_index"
     );
     let mut q = sqlx::query_as::<_, JobGpuRow>(&sql).bind(since_us);
@@ -377,36 +404,38 @@ pub async fn jobs_since(pool: &AnyPool, since_us: i64, uid: Option<i64>) -> Resu
         q = q.bind(u);
     }
     let gpus = q.fetch_all(pool).await?;
-    let mut by_job: BTreeMap<(String, i64), Vec<JobGpuRow>> = BTreeMap::new();
+    let mut by_job: BTreeMap<(String, i64, i64), Vec<JobGpuRow>> = BTreeMap::new();
     for g in gpus {
-        by_job.entry((g.node.clone(), g.job_id)).or_default().push(g);
+        by_job.entry((g.node.clone(), g.job_id, g.run)).or_default().push(g);
     }
     Ok(jobs
         .into_iter()
         .map(|j| {
-            let g = by_job.remove(&(j.node.clone(), j.job_id)).unwrap_or_default();
+            let g = by_job.remove(&(j.node.clone(), j.job_id, j.run)).unwrap_or_default();
             (j, g)
         })
         .collect())
 }
 
-/// Jobs of `node` that ended before `before_us`, in job-id order after `after_job`, at most
-/// `limit`, with their GPUs: the settled part of the usage counters, read in pages so a store
-/// with years of jobs is never loaded at once.
+/// Job runs of `node` that ended before `before_us`, in (job id, run) order after `after`, at
+/// most `limit`, with their GPUs: the settled part of the usage counters, read in pages so a
+/// store with years of jobs is never loaded at once.
 pub async fn node_jobs_ended_before(
     pool: &AnyPool,
     node: &str,
     before_us: i64,
-    after_job: i64,
+    after: (i64, i64),
     limit: i64,
 ) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
     let jobs: Vec<JobRow> = sqlx::query_as(&format!(
-        "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NOT NULL AND end_us < $2 AND job_id > $3 ORDER BY job_id LIMIT $4"
+        "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND end_us IS NOT NULL AND end_us < $2 \
+         AND (job_id > $3 OR (job_id = $3 AND run > $5)) ORDER BY job_id, run LIMIT $4"
     ))
     .bind(node)
     .bind(before_us)
-    .bind(after_job)
+    .bind(after.0)
     .bind(limit)
+    .bind(after.1)
     .fetch_all(pool)
     .await?;
     let (Some(first), Some(last)) = (jobs.first().map(|j| j.job_id), jobs.last().map(|j| j.job_id)) else { return Ok(Vec::new()) };
@@ -417,14 +446,14 @@ pub async fn node_jobs_ended_before(
             .bind(last)
             .fetch_all(pool)
             .await?;
-    let mut by_job: BTreeMap<i64, Vec<JobGpuRow>> = BTreeMap::new();
+    let mut by_job: BTreeMap<(i64, i64), Vec<JobGpuRow>> = BTreeMap::new();
     for g in rows {
-        by_job.entry(g.job_id).or_default().push(g);
+        by_job.entry((g.job_id, g.run)).or_default().push(g);
     }
     Ok(jobs
         .into_iter()
         .map(|j| {
-            let g = by_job.remove(&j.job_id).unwrap_or_default();
+            let g = by_job.remove(&(j.job_id, j.run)).unwrap_or_default();
             (j, g)
         })
         .collect())
@@ -432,8 +461,10 @@ pub async fn node_jobs_ended_before(
 
 /// One job (every node it ran on), with its GPUs.
 pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
-    let jobs: Vec<JobRow> =
-        sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE job_id = $1 ORDER BY node")).bind(job_id).fetch_all(pool).await?;
+    let jobs: Vec<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE job_id = $1 ORDER BY node, run"))
+        .bind(job_id)
+        .fetch_all(pool)
+        .await?;
     with_gpus(pool, jobs).await
 }
 
@@ -441,12 +472,14 @@ pub async fn job(pool: &AnyPool, job_id: i64) -> Result<Vec<(JobRow, Vec<JobGpuR
 pub(crate) async fn with_gpus(pool: &AnyPool, jobs: Vec<JobRow>) -> Result<Vec<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
     let mut out = Vec::with_capacity(jobs.len());
     for j in jobs {
-        let gpus: Vec<JobGpuRow> =
-            sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 ORDER BY gpu_index"))
-                .bind(&j.node)
-                .bind(j.job_id)
-                .fetch_all(pool)
-                .await?;
+        let gpus: Vec<JobGpuRow> = sqlx::query_as(&format!(
+            "SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 AND run = $3 ORDER BY gpu_index"
+        ))
+        .bind(&j.node)
+        .bind(j.job_id)
+        .bind(j.run)
+        .fetch_all(pool)
+        .await?;
         out.push((j, gpus));
     }
     Ok(out)

@@ -368,15 +368,15 @@ type StoredShare = (String, i64, String, String, i64, i64, i64, i64);
 /// The worker jobs overlapping the window that were split, and their stored shares.
 async fn stored(pool: &AnyPool, since_us: i64) -> Result<(BTreeSet<(String, i64)>, BTreeMap<(String, i64), Vec<Share>>), sqlx::Error> {
     let jobs: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT i.node, i.job_id FROM inference_jobs i JOIN acct_jobs j ON j.node = i.node AND j.job_id = i.job_id \
-         WHERE j.end_us IS NULL OR j.end_us >= $1",
+        "SELECT i.node, i.job_id FROM inference_jobs i WHERE EXISTS (SELECT 1 FROM acct_jobs j WHERE j.node = i.node AND j.job_id = i.job_id \
+         AND (j.end_us IS NULL OR j.end_us >= $1))",
     )
     .bind(since_us)
     .fetch_all(pool)
     .await?;
     let rows: Vec<StoredShare> = sqlx::query_as(
         "SELECT s.node, s.job_id, s.user_name, s.app, s.busy_us, s.calls, s.gpu_us, s.shard_us FROM inference_shares s \
-         JOIN acct_jobs j ON j.node = s.node AND j.job_id = s.job_id WHERE j.end_us IS NULL OR j.end_us >= $1 \
+         WHERE EXISTS (SELECT 1 FROM acct_jobs j WHERE j.node = s.node AND j.job_id = s.job_id AND (j.end_us IS NULL OR j.end_us >= $1)) \
          ORDER BY s.node, s.job_id, s.user_name, s.app",
     )
     .bind(since_us)

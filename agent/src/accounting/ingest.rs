@@ -298,7 +298,7 @@ impl Ingestor {
                 }
             }
         } else {
-            BTreeSet::new()
+            BTreeMap::new()
         };
         let grace =
             i64::try_from(self.slurm.as_ref().map_or(Duration::ZERO, |l| l.interval).as_micros()).unwrap_or(i64::MAX).max(5_000_000);
@@ -372,7 +372,7 @@ impl Ingestor {
     fn report_applied(&self, action: &Action, applied: reconcile::Applied) {
         let (node, job, source) = match action {
             Action::Verify { node, job_id, job, .. } => (node.as_str(), *job_id, job.source.as_str()),
-            Action::Unverified { node, job_id } => (node.as_str(), *job_id, "slurm"),
+            Action::Unverified { node, job_id, .. } => (node.as_str(), *job_id, "slurm"),
             Action::Close { node, job_id, job, how, end_us, .. } => {
                 for a in applied.anomalies.iter().filter(|a| matches!(a, Anomaly::EndFromSlurm | Anomaly::EndApproximate)) {
                     tracing::warn!("accounting: job {job_id} on {node}: {}; closed at {:.0} ({how})", a.explain(), *end_us as f64 / 1e6);

@@ -137,6 +137,7 @@ pub fn verify(row: &mut JobRow, gpus: &mut Vec<JobGpuRow>, sj: &SlurmJob, alloc:
             let mut g = old.get(&idx).cloned().unwrap_or(JobGpuRow {
                 node: row.node.clone(),
                 job_id: row.job_id,
+                run: row.run,
                 gpu_index: idx,
                 gpu_uuid: None,
                 mean_util: None,
@@ -227,15 +228,35 @@ pub fn check_claims(row: &JobRow, gpus: &[JobGpuRow], rec: &Record) -> Vec<Disag
 /// What to do after a look at Slurm.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Apply Slurm's allocation to a job not verified yet.
-    Verify { node: String, job_id: u32, job: SlurmJob, alloc: Alloc },
+    /// Apply Slurm's allocation to a job (run) not verified yet.
+    Verify { node: String, job_id: u32, run: i64, job: SlurmJob, alloc: Alloc },
     /// Neither slurmctld nor sacct knows the job: its records stand.
-    Unverified { node: String, job_id: u32 },
+    Unverified { node: String, job_id: u32, run: i64 },
     /// An open job Slurm no longer runs here: close it at `end_us` (`exact`: Slurm's own end
     /// time; else the last or first look with or without it).
-    Close { node: String, job_id: u32, end_us: i64, how: String, exact: bool, job: Option<(SlurmJob, Alloc)> },
-    /// A job Slurm ran here that the store lacks.
+    Close { node: String, job_id: u32, run: i64, end_us: i64, how: String, exact: bool, job: Option<(SlurmJob, Alloc)> },
+    /// A job (or a requeued job's next run) Slurm ran here that the store lacks.
     Create { node: String, job: SlurmJob, alloc: Alloc },
+}
+
+/// The latest run the store has of a job on this node, for [`plan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatestRun {
+    /// When it started (Slurm's start when verified, else its record's or first sighting).
+    pub start_us: i64,
+    pub ended: bool,
+}
+
+impl LatestRun {
+    pub(crate) fn of(row: &JobRow) -> Self {
+        LatestRun { start_us: row.slurm_start_us.or(row.start_us).unwrap_or(row.first_seen_us), ended: row.end_us.is_some() }
+    }
+
+    /// Slurm's job (started at `start_us`) is a later run than this one: Slurm requeued it
+    /// after this run ended (each run has its own StartTime).
+    pub fn is_before(&self, start_us: i64) -> bool {
+        self.ended && start_us > self.start_us + TIME_TOLERANCE_US
+    }
 }
 
 /// What [`plan`] looks at besides Slurm.
@@ -250,8 +271,8 @@ pub struct Inputs<'a> {
     pub unverified: &'a [JobRow],
     /// Jobs of this node with no end.
     pub open: &'a [JobRow],
-    /// Job ids the store has for this node (among Slurm's candidates).
-    pub known: &'a BTreeSet<u32>,
+    /// The latest run the store has of each job of this node (among Slurm's candidates).
+    pub known: &'a BTreeMap<u32, LatestRun>,
     /// Jobs that started before this are not created from Slurm (the agent was not watching).
     pub watch_since_us: i64,
     /// Job id -> the last look that listed it live on this node.
@@ -302,7 +323,15 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             };
             let job = st.job(id).and_then(|j| j.alloc_on(&nodes).map(|a| (j.clone(), a)));
             handled.insert(id);
-            out.push(Action::Close { node: row.node.clone(), job_id: id, end_us: end.max(start), how: how.into(), exact, job });
+            out.push(Action::Close {
+                node: row.node.clone(),
+                job_id: id,
+                run: row.run,
+                end_us: end.max(start),
+                how: how.into(),
+                exact,
+                job,
+            });
         }
     }
     for row in inp.unverified {
@@ -317,21 +346,26 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             // line was not used is verified from sacct once it has ended.
             Some(j) if st.ctld_unsure.contains(&id) && !is_finished(&j.state) => {}
             Some(j) if j.source == Source::Sacct && (j.partition.is_none() || j.cpus == 0) => {}
+            // Slurm describes a later run of a requeued job: nothing to verify this run by.
+            Some(j) if j.start_us.is_some_and(|s| LatestRun::of(row).is_before(s)) => {}
             Some(j) => {
                 let alloc = j.alloc_on(&nodes_of(row)).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
-                out.push(Action::Verify { node: row.node.clone(), job_id: id, job: j.clone(), alloc });
+                out.push(Action::Verify { node: row.node.clone(), job_id: id, run: row.run, job: j.clone(), alloc });
             }
-            None if st.ctld_ok && st.acct_ok => out.push(Action::Unverified { node: row.node.clone(), job_id: id }),
+            None if st.ctld_ok && st.acct_ok => out.push(Action::Unverified { node: row.node.clone(), job_id: id, run: row.run }),
             None => {}
         }
     }
     if inp.reconcile && st.ctld_ok {
         let mut seen = BTreeSet::new();
         for j in st.ctld.values().chain(st.acct.values()) {
-            if !seen.insert(j.job_id) || inp.known.contains(&j.job_id) || !(is_live(&j.state) || is_finished(&j.state)) {
+            if !seen.insert(j.job_id) || !(is_live(&j.state) || is_finished(&j.state)) {
                 continue;
             }
             let Some(start) = j.start_us else { continue };
+            if inp.known.get(&j.job_id).is_some_and(|run| !run.is_before(start)) {
+                continue;
+            }
             // Slurm's times are whole seconds: a job that started in the second the agent began
             // watching has a StartTime before that instant, and it is still this agent's.
             let watch_since = inp.watch_since_us - inp.watch_since_us.rem_euclid(1_000_000);
@@ -370,31 +404,46 @@ pub struct Applied {
     pub disagreements: Vec<Disagreement>,
 }
 
-async fn load(tx: &mut Transaction<'static, Any>, node: &str, job_id: i64) -> Result<Option<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
-    let row: Option<JobRow> = sqlx::query_as(&format!("SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2"))
-        .bind(node)
-        .bind(job_id)
-        .fetch_optional(&mut **tx)
-        .await?;
+/// A run of a job with its GPUs; `run: None`, its latest run.
+async fn load(
+    tx: &mut Transaction<'static, Any>,
+    node: &str,
+    job_id: i64,
+    run: Option<i64>,
+) -> Result<Option<(JobRow, Vec<JobGpuRow>)>, sqlx::Error> {
+    let row: Option<JobRow> = sqlx::query_as(&format!(
+        "SELECT {JOB_COLS} FROM acct_jobs WHERE node = $1 AND job_id = $2 AND ($3 < 0 OR run = $3) ORDER BY run DESC LIMIT 1"
+    ))
+    .bind(node)
+    .bind(job_id)
+    .bind(run.unwrap_or(-1))
+    .fetch_optional(&mut **tx)
+    .await?;
     let Some(row) = row else { return Ok(None) };
-    let gpus = load_gpus(tx, node, job_id).await?;
+    let gpus = load_gpus(tx, &row).await?;
     Ok(Some((row, gpus)))
 }
 
-pub(crate) async fn load_gpus(tx: &mut Transaction<'static, Any>, node: &str, job_id: i64) -> Result<Vec<JobGpuRow>, sqlx::Error> {
-    sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 ORDER BY gpu_index"))
-        .bind(node)
-        .bind(job_id)
+pub(crate) async fn load_gpus(tx: &mut Transaction<'static, Any>, row: &JobRow) -> Result<Vec<JobGpuRow>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {GPU_COLS} FROM acct_job_gpus WHERE node = $1 AND job_id = $2 AND run = $3 ORDER BY gpu_index"))
+        .bind(&row.node)
+        .bind(row.job_id)
+        .bind(row.run)
         .fetch_all(&mut **tx)
         .await
 }
 
 async fn replace_gpus(tx: &mut Transaction<'static, Any>, row: &JobRow, gpus: &[JobGpuRow]) -> Result<(), sqlx::Error> {
-    sqlx::query("DELETE FROM acct_job_gpus WHERE node = $1 AND job_id = $2").bind(&row.node).bind(row.job_id).execute(&mut **tx).await?;
+    sqlx::query("DELETE FROM acct_job_gpus WHERE node = $1 AND job_id = $2 AND run = $3")
+        .bind(&row.node)
+        .bind(row.job_id)
+        .bind(row.run)
+        .execute(&mut **tx)
+        .await?;
     for g in gpus {
         sqlx::query(
-            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples, shards) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            "INSERT INTO acct_job_gpus (node, job_id, gpu_index, gpu_uuid, mean_util, peak_vram_bytes, energy_joules, samples, shards, run) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(&row.node)
         .bind(row.job_id)
@@ -405,6 +454,7 @@ async fn replace_gpus(tx: &mut Transaction<'static, Any>, row: &JobRow, gpus: &[
         .bind(g.energy_joules)
         .bind(g.samples)
         .bind(g.shards)
+        .bind(row.run)
         .execute(&mut **tx)
         .await?;
     }
@@ -481,8 +531,8 @@ pub async fn apply(
     let mut out = Applied::default();
     let mut tx = pool.begin().await?;
     match action {
-        Action::Verify { node, job_id, job, alloc } => {
-            let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
+        Action::Verify { node, job_id, run, job, alloc } => {
+            let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id), Some(*run)).await? else { return Ok(out) };
             if row.is_verified() {
                 return Ok(out);
             }
@@ -492,8 +542,8 @@ pub async fn apply(
             db::upsert_job(&mut tx, &row).await?;
             replace_gpus(&mut tx, &row, &gpus).await?;
         }
-        Action::Unverified { node, job_id } => {
-            let Some((mut row, _)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
+        Action::Unverified { node, job_id, run } => {
+            let Some((mut row, _)) = load(&mut tx, node, i64::from(*job_id), Some(*run)).await? else { return Ok(out) };
             if !row.verified.is_empty() {
                 return Ok(out);
             }
@@ -503,8 +553,8 @@ pub async fn apply(
             }
             db::upsert_job(&mut tx, &row).await?;
         }
-        Action::Close { node, job_id, end_us, exact, job, .. } => {
-            let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id)).await? else { return Ok(out) };
+        Action::Close { node, job_id, run, end_us, exact, job, .. } => {
+            let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id), Some(*run)).await? else { return Ok(out) };
             if row.end_us.is_some() {
                 return Ok(out);
             }
@@ -532,14 +582,16 @@ pub async fn apply(
                 out.anomalies.push(a);
             }
             db::upsert_job(&mut tx, &row).await?;
-            db::store_job_stats(&mut tx, &row.node, row.job_id, stats).await?;
+            db::store_job_stats(&mut tx, &row, stats).await?;
         }
         Action::Create { node, job, alloc } => {
-            if load(&mut tx, node, i64::from(job.job_id)).await?.is_some() {
+            let start = job.start_us.unwrap_or(now_us);
+            let latest = load(&mut tx, node, i64::from(job.job_id), None).await?.map(|(r, _)| r);
+            if latest.as_ref().is_some_and(|r| !LatestRun::of(r).is_before(start)) {
                 return Ok(out);
             }
-            let start = job.start_us.unwrap_or(now_us);
             let mut row = JobRow::new(node, i64::from(job.job_id), i64::from(job.uid.unwrap_or(u32::MAX)), &job.user, start);
+            row.run = latest.map_or(0, |r| r.run + 1);
             let mut gpus = Vec::new();
             verify(&mut row, &mut gpus, job, alloc);
             row.start_us = job.start_us;
@@ -567,7 +619,7 @@ pub async fn apply(
             db::upsert_job(&mut tx, &row).await?;
             replace_gpus(&mut tx, &row, &gpus).await?;
             if ended {
-                db::store_job_stats(&mut tx, &row.node, row.job_id, stats).await?;
+                db::store_job_stats(&mut tx, &row, stats).await?;
             }
         }
     }
@@ -635,12 +687,26 @@ pub async fn keep_listed(pool: &AnyPool, open: &[JobRow], listed: &BTreeSet<u32>
     Ok(())
 }
 
-pub async fn known_ids(pool: &AnyPool, nodes: &BTreeSet<String>, ids: &BTreeSet<u32>) -> Result<BTreeSet<u32>, sqlx::Error> {
-    let (Some(lo), Some(hi)) = (ids.first(), ids.last()) else { return Ok(BTreeSet::new()) };
-    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT node, job_id FROM acct_jobs WHERE job_id >= $1 AND job_id <= $2")
-        .bind(i64::from(*lo))
-        .bind(i64::from(*hi))
-        .fetch_all(pool)
-        .await?;
-    Ok(rows.into_iter().filter(|(n, _)| nodes.contains(n)).filter_map(|(_, j)| u32::try_from(j).ok()).filter(|j| ids.contains(j)).collect())
+/// The latest run the store has on one of `nodes` of each of `ids` it has.
+pub async fn known_ids(pool: &AnyPool, nodes: &BTreeSet<String>, ids: &BTreeSet<u32>) -> Result<BTreeMap<u32, LatestRun>, sqlx::Error> {
+    let (Some(lo), Some(hi)) = (ids.first(), ids.last()) else { return Ok(BTreeMap::new()) };
+    type Run = (String, i64, Option<i64>, Option<i64>, i64, Option<i64>);
+    let rows: Vec<Run> = sqlx::query_as(
+        "SELECT node, job_id, slurm_start_us, start_us, first_seen_us, end_us FROM acct_jobs WHERE job_id >= $1 AND job_id <= $2 ORDER BY run",
+    )
+    .bind(i64::from(*lo))
+    .bind(i64::from(*hi))
+    .fetch_all(pool)
+    .await?;
+    let mut out = BTreeMap::new();
+    for (node, job_id, slurm_start, start, first_seen, end) in rows {
+        if let Ok(id) = u32::try_from(job_id)
+            && ids.contains(&id)
+            && nodes.contains(&node)
+        {
+            // Later runs come later: the last one stays.
+            out.insert(id, LatestRun { start_us: slurm_start.or(start).unwrap_or(first_seen), ended: end.is_some() });
+        }
+    }
+    Ok(out)
 }

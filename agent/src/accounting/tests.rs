@@ -565,6 +565,107 @@ mod reconcile_story {
         assert_eq!(kinds(&n), vec!["end_approximate"], "{n:#}");
     }
 
+    /// A job Slurm requeues runs again under its id: every run is billed, with its own GPUs,
+    /// whether its records arrive (41) or only Slurm shows it (42, no record of its second run).
+    async fn requeue_story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let t0 = (crate::util::now_us() / S - 1000) * S;
+        store.set_setting("accounting.slurm_watch_since_us", &(t0 - S).to_string()).await.unwrap();
+        let lab = |job: u32| JobIdentity { account: None, partition: None, ..ident(job, 1001, "gpuhublab") };
+        // First runs: 41 on GPU 0 for 30 s, 42 on GPU 1 for 20 s, records and Slurm agree.
+        write(spool.path(), &start(t0 + 10 * S, &lab(41), vec![g(0, None)]));
+        write(spool.path(), &start(t0 + 10 * S, &lab(42), vec![g(1, None)]));
+        let st = SlurmState {
+            taken_us: 0,
+            ctld_ok: true,
+            acct_ok: true,
+            ctld: BTreeMap::from([
+                (41, indexed(sj(41, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[0], &[])),
+                (42, indexed(sj(42, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[1], &[])),
+            ]),
+            ..SlurmState::default()
+        };
+        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
+        let link = SlurmLink {
+            source: fake.clone(),
+            node: "gpu01".into(),
+            interval: std::time::Duration::from_secs(1),
+            boundaries: JobBoundaries::Slurm,
+            job_map_dir: None,
+        };
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
+        ing.start_watching(None).await;
+        ing.tick(true).await;
+        // `scontrol requeue`: the epilogs write the ends, Slurm holds both pending.
+        write(spool.path(), &end(t0 + 40 * S, &lab(41), vec![g(0, None)]));
+        write(spool.path(), &end(t0 + 30 * S, &lab(42), vec![g(1, None)]));
+        {
+            let mut st = fake.0.lock().unwrap();
+            for id in [41, 42] {
+                let j = st.ctld.get_mut(&id).unwrap();
+                (j.state, j.node_list, j.start_us) = ("PENDING".into(), String::new(), None);
+                j.per_node.clear();
+            }
+        }
+        ing.tick(true).await;
+        // Second runs, on the other GPU each: 41 with its records, 42 seen by Slurm only.
+        write(spool.path(), &start(t0 + 100 * S, &lab(41), vec![g(1, None)]));
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.ctld.insert(41, indexed(sj(41, Source::Slurmctld, "RUNNING", t0 + 100 * S, None, 1, 0), &[1], &[]));
+            st.ctld.insert(42, indexed(sj(42, Source::Slurmctld, "RUNNING", t0 + 90 * S, None, 1, 0), &[0], &[]));
+        }
+        ing.tick(true).await;
+        let pool = store.pool();
+        assert!(!store.job_ended(41, 1001).await.unwrap(), "the second run's credential still works");
+        write(spool.path(), &end(t0 + 160 * S, &lab(41), vec![g(1, None)]));
+        {
+            let mut st = fake.0.lock().unwrap();
+            for (id, end) in [(41, 160), (42, 190)] {
+                let j = st.ctld.get_mut(&id).unwrap();
+                (j.state, j.end_us) = ("COMPLETED".into(), Some(t0 + end * S));
+            }
+        }
+        ing.tick(true).await;
+        let admin = caller(0, "root", true);
+        let runs = |v: Value| -> Vec<(i64, String, i64, i64, f64, Vec<i64>)> {
+            v["nodes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| {
+                    (
+                        n["run"].as_i64().unwrap(),
+                        n["state"].as_str().unwrap().to_string(),
+                        (n["start_us"].as_i64().unwrap() - t0) / S,
+                        (n["end_us"].as_i64().unwrap_or(t0) - t0) / S,
+                        n["gpu_seconds"].as_f64().unwrap(),
+                        n["gpus"].as_array().unwrap().iter().map(|g| g["index"].as_i64().unwrap()).collect(),
+                    )
+                })
+                .collect()
+        };
+        let ended = || "ended".to_string();
+        let v = job_json(pool, &admin, 41, 14).await.unwrap().unwrap();
+        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 40, 30.0, vec![0]), (1, ended(), 100, 160, 60.0, vec![1])], "{v:#}");
+        let v = job_json(pool, &admin, 42, 14).await.unwrap().unwrap();
+        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 30, 20.0, vec![1]), (1, ended(), 90, 190, 100.0, vec![0])], "{v:#}");
+        let v = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::User, 14).await.unwrap();
+        assert_eq!(row(&v, "gpuhublab")["gpu_seconds"].as_f64(), Some(30.0 + 60.0 + 20.0 + 100.0), "{v:#}");
+        assert!(store.job_ended(41, 1001).await.unwrap());
+        // A pass that reads everything again changes nothing (no third run).
+        ing.tick(true).await;
+        assert_eq!(job_json(pool, &admin, 42, 14).await.unwrap().unwrap()["nodes"].as_array().unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_requeued_job_is_billed_for_every_run_on_every_backend() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            requeue_story(store).await;
+        }
+    }
+
     #[tokio::test]
     async fn reconcile_on_every_backend() {
         for (store, _dir) in crate::store::testing::stores().await {
@@ -583,7 +684,8 @@ mod reconcile_story {
         open.start_us = Some(now - 100 * S);
         let fresh = db::JobRow { job_id: 8, start_us: Some(now - S), ..open.clone() };
         let listed = BTreeMap::from([(7, now - 10 * S)]);
-        let known = BTreeSet::from([7, 8]);
+        let ran = |start_us| reconcile::LatestRun { start_us, ended: false };
+        let known = BTreeMap::from([(7, ran(now - 100 * S)), (8, ran(now - S))]);
         let inp = Inputs {
             nodes: &nodes,
             default_node: "gpu01",
@@ -643,7 +745,7 @@ mod reconcile_story {
     fn a_job_that_started_in_the_second_watching_began_is_created() {
         let nodes: BTreeSet<String> = ["gpu01".to_string()].into();
         let now = 1_000_000 * S;
-        let known = BTreeSet::new();
+        let known = BTreeMap::new();
         let listed = BTreeMap::new();
         let inp = Inputs {
             nodes: &nodes,

@@ -206,6 +206,7 @@ mod tests {
         JobRow {
             node: "gpu01".into(),
             job_id: id,
+            run: 0,
             uid: 1000,
             user_name: user.into(),
             account: Some("acct".into()),
@@ -230,6 +231,7 @@ mod tests {
             .map(|i| JobGpuRow {
                 node: "gpu01".into(),
                 job_id: id,
+                run: 0,
                 gpu_index: *i,
                 gpu_uuid: None,
                 mean_util: None,

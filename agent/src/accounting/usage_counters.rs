@@ -194,10 +194,10 @@ impl UsageCounters {
         if self.last_full.is_none_or(|t| t.elapsed() >= FULL_EVERY) {
             let cutoff = now.saturating_sub(i64::try_from(WINDOW.as_micros()).unwrap_or(i64::MAX));
             let mut settled = Totals::new();
-            let mut after = i64::MIN;
+            let mut after = (i64::MIN, i64::MIN);
             loop {
                 let page = db::node_jobs_ended_before(pool, &self.node, cutoff, after, PAGE).await?;
-                let Some(last) = page.last().map(|(j, _)| j.job_id) else { break };
+                let Some(last) = page.last().map(|(j, _)| (j.job_id, j.run)) else { break };
                 add(&mut settled, totals_by_user_account(&page, now));
                 after = last;
                 if (page.len() as i64) < PAGE {

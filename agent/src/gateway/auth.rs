@@ -186,6 +186,10 @@ pub const JOB_STATE_FRESH: Duration = Duration::from_secs(1);
 /// A store that does not answer within this is taken as "not ended" (logged): the gateway must
 /// not stall every job's calls on a slow database; the token still expires.
 pub const JOB_STATE_TIMEOUT: Duration = Duration::from_millis(250);
+/// How long an "ended" answer is reused before the store is asked again: Slurm may requeue an
+/// ended job, and its next run's token (the same job id) must work again. A store that fails
+/// then keeps the job ended.
+pub const JOB_ENDED_RECHECK: Duration = Duration::from_secs(30);
 /// Past this many cached jobs, entries older than a minute are dropped.
 const JOB_STATE_MAX: usize = 4096;
 
@@ -199,13 +203,19 @@ struct JobState {
 type JobSlot = Arc<tokio::sync::Mutex<Option<JobState>>>;
 
 /// Per (job id, uid): whether the job has ended, as the store said within the last
-/// [`JOB_STATE_FRESH`]. One async lock per job, so concurrent calls of one job wait for a
-/// single query instead of each sending one.
-#[derive(Default)]
+/// [`JOB_STATE_FRESH`] ([`JOB_ENDED_RECHECK`] once ended). One async lock per job, so
+/// concurrent calls of one job wait for a single query instead of each sending one.
 pub struct JobStates {
     jobs: Mutex<HashMap<(u32, u32), JobSlot>>,
     /// Store queries made (tests check the cache with it).
     queries: std::sync::atomic::AtomicU64,
+    ended_recheck: Duration,
+}
+
+impl Default for JobStates {
+    fn default() -> Self {
+        JobStates { jobs: Mutex::default(), queries: Default::default(), ended_recheck: JOB_ENDED_RECHECK }
+    }
 }
 
 impl JobStates {
@@ -225,10 +235,11 @@ impl JobStates {
     pub async fn ended(&self, store: &Store, job_id: u32, uid: u32) -> bool {
         let slot = self.slot((job_id, uid));
         let mut state = slot.lock().await;
-        // A job that ended stays ended (the store never takes an end back): asked no more, and
-        // a store that fails later cannot make its token good again.
+        // An ended job is asked about again only every `ended_recheck` (Slurm may requeue it),
+        // and a store that fails then cannot make its token good again.
+        let was_ended = state.is_some_and(|s| s.ended);
         if let Some(s) = *state
-            && (s.ended || s.at.elapsed() < JOB_STATE_FRESH)
+            && s.at.elapsed() < if s.ended { self.ended_recheck } else { JOB_STATE_FRESH }
         {
             return s.ended;
         }
@@ -236,16 +247,20 @@ impl JobStates {
         let ended = match tokio::time::timeout(JOB_STATE_TIMEOUT, store.job_ended(job_id, uid)).await {
             Ok(Ok(e)) => e,
             Ok(Err(e)) => {
-                tracing::warn!(job_id, error = %e, "cannot ask the store whether a job has ended; its token is accepted meanwhile");
-                false
+                if !was_ended {
+                    tracing::warn!(job_id, error = %e, "cannot ask the store whether a job has ended; its token is accepted meanwhile");
+                }
+                was_ended
             }
             Err(_) => {
-                tracing::warn!(
-                    job_id,
-                    timeout_ms = JOB_STATE_TIMEOUT.as_millis() as u64,
-                    "the store did not say in time whether a job has ended; its token is accepted meanwhile"
-                );
-                false
+                if !was_ended {
+                    tracing::warn!(
+                        job_id,
+                        timeout_ms = JOB_STATE_TIMEOUT.as_millis() as u64,
+                        "the store did not say in time whether a job has ended; its token is accepted meanwhile"
+                    );
+                }
+                was_ended
             }
         };
         *state = Some(JobState { at: Instant::now(), ended });
@@ -486,7 +501,7 @@ mod tests {
     #[tokio::test]
     async fn job_state_is_asked_once_a_second_per_job() {
         for (store, _dir) in crate::store::testing::stores().await {
-            let states = JobStates::default();
+            let states = JobStates { ended_recheck: 3 * JOB_STATE_FRESH, ..JobStates::default() };
             let calls: Vec<_> = (0..50).map(|_| states.ended(&store, 7, 1000)).collect();
             assert!(futures_util::future::join_all(calls).await.iter().all(|e| !e), "unknown job: not ended");
             assert_eq!(states.queries(), 1, "50 concurrent calls of one job, one query");
@@ -503,9 +518,25 @@ mod tests {
             assert!(states.ended(&store, 7, 1000).await, "asked again after a second: ended");
             assert_eq!(states.queries(), 3);
             tokio::time::sleep(JOB_STATE_FRESH + Duration::from_millis(50)).await;
+            assert!(states.ended(&store, 7, 1000).await);
+            assert_eq!(states.queries(), 3, "an ended job is not asked about again within `ended_recheck`");
+            // Slurm requeued it: its next run (run 1) makes its token good again.
+            sqlx::query(
+                "INSERT INTO acct_jobs (node, job_id, run, uid, user_name, start_us, first_seen_us, last_seen_us) VALUES ('n', 7, 1, 1000, 'u', 5, 5, 5)",
+            )
+            .execute(store.pool())
+            .await
+            .unwrap();
+            tokio::time::sleep(2 * JOB_STATE_FRESH).await;
+            assert!(!states.ended(&store, 7, 1000).await, "a requeued job's next run: asked again, not ended");
+            sqlx::query("UPDATE acct_jobs SET end_us = 6 WHERE job_id = 7 AND run = 1").execute(store.pool()).await.unwrap();
+            tokio::time::sleep(JOB_STATE_FRESH + Duration::from_millis(50)).await;
+            assert!(states.ended(&store, 7, 1000).await, "its last run ended");
+            let queries = states.queries();
+            tokio::time::sleep(3 * JOB_STATE_FRESH + Duration::from_millis(50)).await;
             store.close().await; // every query fails from now on
             assert!(states.ended(&store, 7, 1000).await, "an ended job stays ended while the store fails");
-            assert_eq!(states.queries(), 3, "and is not asked about again");
+            assert_eq!(states.queries(), queries + 1, "asked again after `ended_recheck`, and the failure keeps it ended");
             assert!(!states.ended(&store, 9, 1000).await, "a job never seen: accepted while the store fails (logged)");
         }
     }

@@ -19,6 +19,7 @@ fn gpu(id: i64, index: i64, util: f64, vram_gib: i64, joules: f64, samples: i64,
     JobGpuRow {
         node: "gpu01".into(),
         job_id: id,
+        run: 0,
         gpu_index: index,
         gpu_uuid: Some(format!("GPU-{index}")),
         mean_util: Some(util),
