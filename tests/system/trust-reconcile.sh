@@ -18,6 +18,9 @@
 #  (d) a job whose name holds a line break and a whole imitated scontrol line (a job of root's
 #      with 2 GPUs), then `JobId=N` (the rest of its real line parses as job N), is billed from
 #      Slurm, and neither imitated job is billed at all;
+#  (e) a job its user requeues (`scontrol requeue`) while it runs is billed for both runs, each
+#      against its own line of `sacct --duplicates`, with no anomaly (as shipped the first run
+#      ends at sacct's End of that run, the second is created from Slurm);
 # then `gpuhub usage` for the user equals the sum over those jobs. As shipped (job boundaries
 # from Slurm) (b) and (c) are the normal path: state `ended`, no anomaly. With the job-hooks build
 # (GPUHUB_TRUST_BOUNDARIES=prolog: spank_gpuhub_prolog.so, PrologFlags=Alloc, job_boundaries =
@@ -168,6 +171,25 @@ sleep 1
 curl -sf --max-time 5 "$metrics_url" > "$T/metrics-a.txt" || true
 grep '^gpuhub_accounting_slurm_disagreements_total' "$T/metrics-a.txt" | sed 's/^/  metrics: /' || true
 
+# ---- (e) requeued by its user while it runs: both runs billed
+lab_run as_user sbatch --parsable --requeue -t 2 -J trust-requeue --gres=gpu:1 -o /dev/null --wrap 'sleep 6'
+[ "$LAB_RC" -eq 0 ] || lab_fail "sbatch --requeue failed"
+e_job="$(tail -n1 <<<"$LAB_OUT" | cut -d';' -f1)"
+JOBS+=("$e_job")
+WHAT[$e_job]=requeued
+job_state() { squeue -h -j "$1" -o %T 2>/dev/null; }
+for ((i = 0; i < 60; i++)); do [ "$(job_state "$e_job")" = RUNNING ] && break; sleep 0.5; done
+[ "$(job_state "$e_job")" = RUNNING ] || lab_fail "job $e_job did not start in 30 s"
+sleep 3
+lab_run as_user scontrol requeue "$e_job"
+[ "$LAB_RC" -eq 0 ] || lab_fail "its owner could not requeue job $e_job"
+for ((i = 0; i < 60; i++)); do [ "$(job_state "$e_job")" = PENDING ] && break; sleep 0.5; done
+[ "$(job_state "$e_job")" = PENDING ] || lab_fail "requeued job $e_job does not pend again"
+sleep 3
+# Slurm holds a requeued job for 2 minutes (BeginTime); the admin lets it start now.
+lab_run scontrol update JobId="$e_job" StartTime=now
+lab_wait_job "$e_job" 90 || lab_fail "requeued job $e_job did not run again and end in 90 s"
+
 # ---- (b) end records deleted before ingest
 stop_agent
 run_srun end-deleted -- --gres=gpu:1
@@ -214,11 +236,12 @@ wait_ingested
 
 # ---- everything against sacct
 ids="$(IFS=,; echo "${JOBS[*]}")"
-sacct_cmd=(sacct -n -X -P -j "$ids" -o JobID,State,AllocTRES,ElapsedRaw,Start,End)
+# --duplicates: every run of a requeued job, each on its own line.
+sacct_cmd=(sacct -n -X -P -D -j "$ids" -o JobID,State,AllocTRES,ElapsedRaw,Start,End)
 echo "+ SLURM_TIME_FORMAT=%s ${sacct_cmd[*]}  (until all ${#JOBS[@]} have ended)"
 for ((i = 0; ; i++)); do
     sacct_out="$(SLURM_TIME_FORMAT=%s "${sacct_cmd[@]}" 2>&1)" || true
-    [ "$(awk -F'|' '$6 ~ /^[0-9]+$/' <<<"$sacct_out" | wc -l)" -eq "${#JOBS[@]}" ] && break
+    [ "$(awk -F'|' '$6 ~ /^[0-9]+$/ && $2 != "REQUEUED" {print $1}' <<<"$sacct_out" | sort -u | wc -l)" -eq "${#JOBS[@]}" ] && break
     [ "$i" -lt 120 ] || lab_fail "sacct does not list jobs $ids as ended after 60 s: $sacct_out"
     sleep 0.5
 done
@@ -239,26 +262,32 @@ import json, sys
 tmp, user, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 jobs = dict(a.split("=", 1) for a in sys.argv[4:])          # job id -> label
 TOL = 1.5
-sacct = {}
+sacct = {}                                                   # job id -> its runs that ended
 for line in open(f"{tmp}/sacct.txt"):
     f = line.strip().split("|")
-    if len(f) == 6:
-        sacct[f[0]] = f
+    if len(f) == 6 and f[5].isdigit():
+        sacct.setdefault(f[0], []).append(f)
 bad = []
 sum_g = sum_s = tol_g = tol_s = 0.0
+runs_total = 0
 for jid, label in jobs.items():
-    f = sacct.get(jid)
-    if f is None:
+    runs = sacct.get(jid)
+    if not runs:
         bad.append(f"job {jid} ({label}): not in sacct"); continue
+    f = runs[0]
     tres = dict(kv.split("=", 1) for kv in f[2].split(",") if "=" in kv)
-    sg, ss, el = int(tres.get("gres/gpu", 0)), int(tres.get("gres/shard", 0)), int(f[3])
-    sum_g += sg * el; sum_s += ss * el; tol_g += sg * TOL; tol_s += ss * TOL
+    sg, ss = int(tres.get("gres/gpu", 0)), int(tres.get("gres/shard", 0))
+    els = [int(r[3]) for r in runs]
+    el, tol = sum(els), TOL * len(runs)
+    runs_total += len(runs)
+    sum_g += sg * el; sum_s += ss * el; tol_g += sg * tol; tol_s += ss * tol
     try:
-        n = json.load(open(f"{tmp}/job-{jid}.json"))["nodes"][0]
+        nodes = json.load(open(f"{tmp}/job-{jid}.json"))["nodes"]
+        n = nodes[0]
     except Exception as e:
         bad.append(f"job {jid} ({label}): gpuhub job --json has no node ({e}; {open(f'{tmp}/job-{jid}.err').read().strip()})"); continue
-    gs, shs = n.get("gpu_seconds", 0.0), n.get("shard_seconds", 0.0)
-    anomalies = n.get("anomalies", [])
+    gs, shs = sum(m.get("gpu_seconds", 0.0) for m in nodes), sum(m.get("shard_seconds", 0.0) for m in nodes)
+    anomalies = [a for m in nodes for a in m.get("anomalies", [])]
     kinds = [a.get("kind") if isinstance(a, dict) else a for a in anomalies]
     # What the records alone claimed (the pre-reconciliation billing).
     recs = [json.loads(l) for l in open(f"{tmp}/records-{jid}.jsonl") if l.strip()]
@@ -268,9 +297,10 @@ for jid, label in jobs.items():
     claim_gpus = {g["index"] for r in recs if r["kind"] in claim_kinds for g in r.get("gpus", [])}
     claimed = (0, claim_shards) if claim_shards else (len(claim_gpus), 0)
     checks = [
-        (abs(gs - sg * el) <= sg * TOL + 1e-9, f"GPU-seconds: gpuhub {gs:.3f}, sacct gres/gpu={sg} x ElapsedRaw {el} = {sg * el} (tolerance {sg * TOL})"),
-        (abs(shs - ss * el) <= ss * TOL + 1e-9, f"shard-seconds: gpuhub {shs:.3f}, sacct gres/shard={ss} x ElapsedRaw {el} = {ss * el} (tolerance {ss * TOL})"),
+        (abs(gs - sg * el) <= sg * tol + 1e-9, f"GPU-seconds: gpuhub {gs:.3f}, sacct gres/gpu={sg} x ElapsedRaw {el} = {sg * el} (tolerance {sg * tol})"),
+        (abs(shs - ss * el) <= ss * tol + 1e-9, f"shard-seconds: gpuhub {shs:.3f}, sacct gres/shard={ss} x ElapsedRaw {el} = {ss * el} (tolerance {ss * tol})"),
         (n.get("user") == user, f"user: gpuhub {n.get('user')!r}, Slurm {user!r}"),
+        (len(nodes) == len(runs), f"runs: gpuhub shows {len(nodes)}, sacct --duplicates {len(runs)}"),
     ]
     if recs and claimed != (sg, ss):
         checks.append(("slurm_disagrees" in kinds,
@@ -280,6 +310,12 @@ for jid, label in jobs.items():
             checks.append(("end_from_slurm" in kinds and n.get("state") == "closed_from_slurm", f"not closed from Slurm: state {n.get('state')}, anomalies {kinds}"))
         else:
             checks.append((n.get("state") == "ended" and not kinds, f"not closed from Slurm as a normal job: state {n.get('state')}, anomalies {kinds}"))
+    if label == "requeued":
+        got = [round(m.get("gpu_seconds", 0.0), 3) for m in nodes]
+        checks.append((len(runs) == 2, f"sacct --duplicates lists {len(runs)} runs, expected 2 (was it requeued?)"))
+        checks.append((len(got) == len(els) and all(abs(g - sg * e) <= sg * TOL + 1e-9 for g, e in zip(got, els)),
+                       f"each run: gpuhub GPU-seconds {got}, sacct {[sg * e for e in els]}"))
+        checks.append((not kinds and all(m.get("state") == "ended" for m in nodes), f"runs: states {[m.get('state') for m in nodes]}, anomalies {kinds}"))
     if label == "spool-unwritable":
         checks.append((not recs, f"{len(recs)} records of a job run while the spool was unwritable"))
         if mode == "prolog":
@@ -299,9 +335,9 @@ try:
 except Exception as e:
     row = {"gpu_seconds": 0.0, "shard_seconds": 0.0, "jobs": 0}
     bad.append(f"no gpuhub usage row for {user} ({e})")
-ok_sum = abs(row["gpu_seconds"] - sum_g) <= tol_g + 1e-9 and abs(row["shard_seconds"] - sum_s) <= tol_s + 1e-9 and row["jobs"] == len(jobs)
+ok_sum = abs(row["gpu_seconds"] - sum_g) <= tol_g + 1e-9 and abs(row["shard_seconds"] - sum_s) <= tol_s + 1e-9 and row["jobs"] == runs_total
 print(("ok" if ok_sum else "MISMATCH") + f": gpuhub usage for {user}: gpu_seconds {row['gpu_seconds']:.3f} vs sacct sum {sum_g:.0f} "
-      f"(tolerance {tol_g}), shard_seconds {row['shard_seconds']:.3f} vs {sum_s:.0f} (tolerance {tol_s}), jobs {row['jobs']} vs {len(jobs)}")
+      f"(tolerance {tol_g}), shard_seconds {row['shard_seconds']:.3f} vs {sum_s:.0f} (tolerance {tol_s}), job runs {row['jobs']} vs {runs_total}")
 sys.exit(0 if ok_sum and not bad else 1)
 PY
 # Checked last, when many reconciliation looks have seen the imitated lines.

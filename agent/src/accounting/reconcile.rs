@@ -312,6 +312,8 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
                 (e, "slurmctld's EndTime", true)
             } else if let Some(e) = acct_end {
                 (e, "sacct's End", true)
+            } else if let Some(e) = ended_run(st, id, row) {
+                (e, "sacct's End of this run (Slurm requeued the job)", true)
             } else if let Some(t) = inp.last_listed.get(&id) {
                 (*t, "the last Slurm snapshot that listed it", false)
             } else if row.last_seen_us > start {
@@ -388,6 +390,12 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
         }
     }
     out
+}
+
+/// When the run `row` is of a job Slurm requeued ended: sacct's run that started when it did.
+fn ended_run(st: &SlurmState, id: u32, row: &JobRow) -> Option<i64> {
+    let start = row.slurm_start_us.or(row.start_us)?;
+    st.ended_runs.get(&id)?.iter().find(|r| r.start_us.is_some_and(|s| (s - start).abs() <= TIME_TOLERANCE_US))?.end_us
 }
 
 /// Job ids slurmctld lists live on `nodes` (for `last_listed`), and those it lists on lines

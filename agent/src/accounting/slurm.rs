@@ -478,9 +478,16 @@ fn parse_scontrol_line(line: &str) -> Result<SlurmJob, String> {
 pub const SACCT_FIELDS: &str = "JobIDRaw,AllocTRES,Account,Partition,NodeList,Start,End,State,User,UID";
 
 /// Parses `sacct -n -P -X -o SACCT_FIELDS` (with `SLURM_TIME_FORMAT=%s`); a line whose id is
-/// not a number is skipped.
+/// not a number is skipped. A job listed more than once (`--duplicates`: a requeued job's
+/// runs, oldest first) keeps its last line.
 pub fn parse_sacct(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
-    let mut jobs = BTreeMap::new();
+    let (lines, errors) = parse_sacct_lines(text);
+    (lines.into_iter().map(|j| (j.job_id, j)).collect(), errors)
+}
+
+/// Every line of [`parse_sacct`]'s input, in order.
+pub fn parse_sacct_lines(text: &str) -> (Vec<SlurmJob>, Vec<LineError>) {
+    let mut jobs = Vec::new();
     let mut errors = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let f: Vec<&str> = line.split('|').collect();
@@ -490,27 +497,24 @@ pub fn parse_sacct(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
         }
         let Ok(job_id) = f[0].trim().parse::<u32>() else { continue };
         let (gpus, shards) = parse_tres(f[1]);
-        jobs.insert(
+        jobs.push(SlurmJob {
             job_id,
-            SlurmJob {
-                job_id,
-                source: Source::Sacct,
-                state: f[7].split_whitespace().next().unwrap_or("").to_string(),
-                user: f[8].trim().to_string(),
-                uid: f[9].trim().parse().ok(),
-                account: null(f[2]),
-                partition: null(f[3]),
-                node_list: null(f[4]).filter(|n| n != "None assigned").unwrap_or_default(),
-                start_us: time_s(f[5]),
-                end_us: time_s(f[6]),
-                gpus,
-                shards,
-                cpus: f[1].split(',').find_map(|kv| kv.trim().strip_prefix("cpu=")).and_then(|v| v.parse().ok()).unwrap_or(0),
-                mem_bytes: parse_tres_mem(f[1]),
-                reason: None,
-                per_node: BTreeMap::new(),
-            },
-        );
+            source: Source::Sacct,
+            state: f[7].split_whitespace().next().unwrap_or("").to_string(),
+            user: f[8].trim().to_string(),
+            uid: f[9].trim().parse().ok(),
+            account: null(f[2]),
+            partition: null(f[3]),
+            node_list: null(f[4]).filter(|n| n != "None assigned").unwrap_or_default(),
+            start_us: time_s(f[5]),
+            end_us: time_s(f[6]),
+            gpus,
+            shards,
+            cpus: f[1].split(',').find_map(|kv| kv.trim().strip_prefix("cpu=")).and_then(|v| v.parse().ok()).unwrap_or(0),
+            mem_bytes: parse_tres_mem(f[1]),
+            reason: None,
+            per_node: BTreeMap::new(),
+        });
     }
     (jobs, errors)
 }
@@ -531,6 +535,9 @@ pub struct SlurmState {
     pub acct_ok: bool,
     /// Jobs sacct listed (asked by id, or ran on this node since a time).
     pub acct: BTreeMap<u32, SlurmJob>,
+    /// The runs that ended of the jobs asked for that slurmctld lists pending again (Slurm
+    /// requeued them; `sacct --duplicates`): when each earlier run ended.
+    pub ended_runs: BTreeMap<u32, Vec<SlurmJob>>,
     /// What failed, for the log.
     pub errors: Vec<String>,
 }
@@ -583,6 +590,23 @@ impl CommandSlurm {
     }
 }
 
+impl CommandSlurm {
+    /// Every run sacct has of `ids` (`--duplicates`), those that ended into `st.ended_runs`.
+    fn ended_runs(&self, ids: &str, st: &mut SlurmState) {
+        let args = ["-n", "-P", "-X", "-D", "-o", SACCT_FIELDS, "-j", ids];
+        match run_command_env(&self.sacct, &args, &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
+            Ok(out) => {
+                let (runs, errs) = parse_sacct_lines(&out);
+                st.errors.extend(errs.iter().map(ToString::to_string));
+                for run in runs.into_iter().filter(|r| r.start_us.is_some() && r.end_us.is_some()) {
+                    st.ended_runs.entry(run.job_id).or_default().push(run);
+                }
+            }
+            Err(e) => st.errors.push(format!("{e} (a requeued job's earlier run is closed at the last look that listed it running)")),
+        }
+    }
+}
+
 impl SlurmSource for CommandSlurm {
     fn query(&self, want: &[u32], since_us: Option<i64>) -> SlurmState {
         let mut st = SlurmState { taken_us: crate::util::now_us(), acct_ok: true, ..SlurmState::default() };
@@ -614,6 +638,14 @@ impl SlurmSource for CommandSlurm {
         for chunk in missing.chunks(SACCT_CHUNK) {
             let ids = chunk.join(",");
             self.sacct(&["-j", &ids], &mut st);
+        }
+        let pending: Vec<String> = want
+            .iter()
+            .filter(|id| st.ctld.get(id).is_some_and(|j| !is_live(&j.state) && !is_finished(&j.state)))
+            .map(u32::to_string)
+            .collect();
+        for chunk in pending.chunks(SACCT_CHUNK) {
+            self.ended_runs(&chunk.join(","), &mut st);
         }
         if let Some(since) = since_us {
             let ago = format!("now-{}", ((st.taken_us - since) / 1_000_000).max(1) + 60);

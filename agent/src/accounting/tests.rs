@@ -566,7 +566,8 @@ mod reconcile_story {
     }
 
     /// A job Slurm requeues runs again under its id: every run is billed, with its own GPUs,
-    /// whether its records arrive (41) or only Slurm shows it (42, no record of its second run).
+    /// whether its records arrive (41) or only Slurm shows it (42, no record of its second run;
+    /// 43, no record at all, as shipped: its first run ends at sacct's End of that run).
     async fn requeue_story(store: Store) {
         let spool = tempfile::tempdir().unwrap();
         let t0 = (crate::util::now_us() / S - 1000) * S;
@@ -582,6 +583,7 @@ mod reconcile_story {
             ctld: BTreeMap::from([
                 (41, indexed(sj(41, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[0], &[])),
                 (42, indexed(sj(42, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[1], &[])),
+                (43, indexed(sj(43, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[0], &[])),
             ]),
             ..SlurmState::default()
         };
@@ -602,11 +604,12 @@ mod reconcile_story {
         write(spool.path(), &end(t0 + 30 * S, &lab(42), vec![g(1, None)]));
         {
             let mut st = fake.0.lock().unwrap();
-            for id in [41, 42] {
+            for id in [41, 42, 43] {
                 let j = st.ctld.get_mut(&id).unwrap();
                 (j.state, j.node_list, j.start_us) = ("PENDING".into(), String::new(), None);
                 j.per_node.clear();
             }
+            st.ended_runs.insert(43, vec![sj(43, Source::Sacct, "REQUEUED", t0 + 10 * S, Some(t0 + 25 * S), 1, 0)]);
         }
         ing.tick(true).await;
         // Second runs, on the other GPU each: 41 with its records, 42 seen by Slurm only.
@@ -615,6 +618,8 @@ mod reconcile_story {
             let mut st = fake.0.lock().unwrap();
             st.ctld.insert(41, indexed(sj(41, Source::Slurmctld, "RUNNING", t0 + 100 * S, None, 1, 0), &[1], &[]));
             st.ctld.insert(42, indexed(sj(42, Source::Slurmctld, "RUNNING", t0 + 90 * S, None, 1, 0), &[0], &[]));
+            st.ctld.insert(43, indexed(sj(43, Source::Slurmctld, "RUNNING", t0 + 95 * S, None, 1, 0), &[0], &[]));
+            st.ended_runs.clear();
         }
         ing.tick(true).await;
         let pool = store.pool();
@@ -622,14 +627,14 @@ mod reconcile_story {
         write(spool.path(), &end(t0 + 160 * S, &lab(41), vec![g(1, None)]));
         {
             let mut st = fake.0.lock().unwrap();
-            for (id, end) in [(41, 160), (42, 190)] {
+            for (id, end) in [(41, 160), (42, 190), (43, 125)] {
                 let j = st.ctld.get_mut(&id).unwrap();
                 (j.state, j.end_us) = ("COMPLETED".into(), Some(t0 + end * S));
             }
         }
         ing.tick(true).await;
         let admin = caller(0, "root", true);
-        let runs = |v: Value| -> Vec<(i64, String, i64, i64, f64, Vec<i64>)> {
+        let runs = |v: Value| -> Vec<(i64, String, i64, i64, f64, Vec<i64>, Vec<String>)> {
             v["nodes"]
                 .as_array()
                 .unwrap()
@@ -642,17 +647,22 @@ mod reconcile_story {
                         (n["end_us"].as_i64().unwrap_or(t0) - t0) / S,
                         n["gpu_seconds"].as_f64().unwrap(),
                         n["gpus"].as_array().unwrap().iter().map(|g| g["index"].as_i64().unwrap()).collect(),
+                        kinds(n),
                     )
                 })
                 .collect()
         };
         let ended = || "ended".to_string();
         let v = job_json(pool, &admin, 41, 14).await.unwrap().unwrap();
-        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 40, 30.0, vec![0]), (1, ended(), 100, 160, 60.0, vec![1])], "{v:#}");
+        let ok = Vec::new;
+        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 40, 30.0, vec![0], ok()), (1, ended(), 100, 160, 60.0, vec![1], ok())], "{v:#}");
         let v = job_json(pool, &admin, 42, 14).await.unwrap().unwrap();
-        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 30, 20.0, vec![1]), (1, ended(), 90, 190, 100.0, vec![0])], "{v:#}");
+        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 30, 20.0, vec![1], ok()), (1, ended(), 90, 190, 100.0, vec![0], ok())], "{v:#}");
+        let v = job_json(pool, &admin, 43, 14).await.unwrap().unwrap();
+        assert_eq!(runs(v.clone()), vec![(0, ended(), 10, 25, 15.0, vec![0], ok()), (1, ended(), 95, 125, 30.0, vec![0], ok())], "{v:#}");
         let v = usage_json(pool, &admin, "30d", 30 * 86_400, UsageBy::User, 14).await.unwrap();
-        assert_eq!(row(&v, "gpuhublab")["gpu_seconds"].as_f64(), Some(30.0 + 60.0 + 20.0 + 100.0), "{v:#}");
+        assert_eq!(row(&v, "gpuhublab")["gpu_seconds"].as_f64(), Some(30.0 + 60.0 + 20.0 + 100.0 + 15.0 + 30.0), "{v:#}");
+        assert_eq!(row(&v, "gpuhublab")["jobs"], 6, "each run counts: {v:#}");
         assert!(store.job_ended(41, 1001).await.unwrap());
         // A pass that reads everything again changes nothing (no third run).
         ing.tick(true).await;
