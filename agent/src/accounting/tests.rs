@@ -634,7 +634,9 @@ mod reconcile_story {
         }
         ing.tick(true).await;
         let admin = caller(0, "root", true);
-        let runs = |v: Value| -> Vec<(i64, String, i64, i64, f64, Vec<i64>, Vec<String>)> {
+        /// Run, state, start and end (seconds after t0), GPU-seconds, GPU indices, anomalies.
+        type Run = (i64, String, i64, i64, f64, Vec<i64>, Vec<String>);
+        let runs = |v: Value| -> Vec<Run> {
             v["nodes"]
                 .as_array()
                 .unwrap()
