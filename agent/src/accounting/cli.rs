@@ -129,8 +129,10 @@ pub async fn job(socket: &Path, job_id: u32, json: bool) -> anyhow::Result<ExitC
     }
     for n in v["nodes"].as_array().into_iter().flatten() {
         let s = |k: &str| sanitize(n[k].as_str().unwrap_or("-"));
+        // A requeued job's later runs (the first is run 0).
+        let run = n["run"].as_i64().filter(|r| *r > 0).map(|r| format!(" (run {})", r + 1)).unwrap_or_default();
         output::line(&format!(
-            "job {} on {}: user {} (uid {}), account {}, partition {}, {}{}",
+            "job {}{run} on {}: user {} (uid {}), account {}, partition {}, {}{}",
             job_id,
             s("node"),
             s("user"),

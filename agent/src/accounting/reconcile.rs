@@ -117,7 +117,9 @@ pub fn verify(row: &mut JobRow, gpus: &mut Vec<JobGpuRow>, sj: &SlurmJob, alloc:
 
     let has_claims = !gpus.is_empty() || row.shards > 0;
     let (cg, cs) = claimed_billing(row, gpus);
-    if has_claims && row.verified.is_empty() {
+    // Claims are compared once, when Slurm's allocation first replaces them (also for a job
+    // marked `unverified` at a look that did not list it yet).
+    if has_claims && !row.is_verified() {
         if cg != i64::from(alloc.gpus) {
             d.push(dis("gpus", cg, alloc.gpus));
         }
@@ -354,7 +356,10 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
                 let alloc = j.alloc_on(&nodes_of(row)).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
                 out.push(Action::Verify { node: row.node.clone(), job_id: id, run: row.run, job: j.clone(), alloc });
             }
-            None if st.ctld_ok && st.acct_ok => out.push(Action::Unverified { node: row.node.clone(), job_id: id, run: row.run }),
+            // A job scontrol listed on a line not used is known to slurmctld: not unverified.
+            None if st.ctld_ok && st.acct_ok && !st.ctld_unsure.contains(&id) => {
+                out.push(Action::Unverified { node: row.node.clone(), job_id: id, run: row.run })
+            }
             None => {}
         }
     }

@@ -671,6 +671,49 @@ mod reconcile_story {
         assert_eq!(job_json(pool, &admin, 42, 14).await.unwrap().unwrap()["nodes"].as_array().unwrap().len(), 2);
     }
 
+    /// A job whose first look did not list it (marked `unverified`), then listed and ended:
+    /// billed as Slurm allocated it, and its records' claims still count as disagreements.
+    async fn late_listing_story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let t0 = (crate::util::now_us() / S - 1000) * S;
+        store.set_setting("accounting.slurm_watch_since_us", &(t0 - S).to_string()).await.unwrap();
+        let lab = JobIdentity { account: None, partition: None, ..ident(51, 1001, "gpuhublab") };
+        // SLURM_SHARDS_ON_NODE=1 pre-set on a gpu:2 job.
+        write(spool.path(), &step(t0 + 10 * S, &lab, vec![g(0, None), g(1, None)], Some(1)));
+        let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ..SlurmState::default() };
+        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
+        let link = SlurmLink {
+            source: fake.clone(),
+            node: "gpu01".into(),
+            interval: std::time::Duration::from_secs(1),
+            boundaries: JobBoundaries::Slurm,
+            job_map_dir: None,
+        };
+        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
+        ing.start_watching(None).await;
+        ing.tick(true).await;
+        let admin = caller(0, "root", true);
+        let n = job_json(store.pool(), &admin, 51, 14).await.unwrap().unwrap()["nodes"][0].clone();
+        assert_eq!(n["verified"], "unverified", "{n:#}");
+        let job = indexed(sj(51, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 2, 0), &[0, 1], &[]);
+        fake.0.lock().unwrap().ctld.insert(51, job.clone());
+        ing.tick(true).await;
+        fake.0.lock().unwrap().ctld.insert(51, SlurmJob { state: "COMPLETED".into(), end_us: Some(t0 + 40 * S), ..job });
+        ing.tick(true).await;
+        let n = job_json(store.pool(), &admin, 51, 14).await.unwrap().unwrap()["nodes"][0].clone();
+        assert_eq!((n["verified"].as_str(), n["gpu_seconds"].as_f64()), (Some("slurmctld"), Some(60.0)), "{n:#}");
+        let fields: Vec<&str> = n["anomalies"].as_array().unwrap().iter().filter_map(|a| a["field"].as_str()).collect();
+        assert_eq!(fields, vec!["gpus", "shards"], "the claims still disagree with Slurm: {n:#}");
+    }
+
+    #[tokio::test]
+    async fn a_job_slurm_lists_late_is_verified_with_its_claims_on_every_backend() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            late_listing_story(store).await;
+        }
+    }
+
     #[tokio::test]
     async fn a_requeued_job_is_billed_for_every_run_on_every_backend() {
         for (store, _dir) in crate::store::testing::stores().await {
