@@ -251,7 +251,11 @@ pub struct LatestRun {
 
 impl LatestRun {
     pub(crate) fn of(row: &JobRow) -> Self {
-        LatestRun { start_us: row.slurm_start_us.or(row.start_us).unwrap_or(row.first_seen_us), ended: row.end_us.is_some() }
+        Self::from_times(row.slurm_start_us, row.start_us, row.first_seen_us, row.end_us)
+    }
+
+    fn from_times(slurm_start_us: Option<i64>, start_us: Option<i64>, first_seen_us: i64, end_us: Option<i64>) -> Self {
+        LatestRun { start_us: slurm_start_us.or(start_us).unwrap_or(first_seen_us), ended: end_us.is_some() }
     }
 
     /// Slurm's job (started at `start_us`) is a later run than this one: Slurm requeued it
@@ -718,7 +722,7 @@ pub async fn known_ids(pool: &AnyPool, nodes: &BTreeSet<String>, ids: &BTreeSet<
             && nodes.contains(&node)
         {
             // Later runs come later: the last one stays.
-            out.insert(id, LatestRun { start_us: slurm_start.or(start).unwrap_or(first_seen), ended: end.is_some() });
+            out.insert(id, LatestRun::from_times(slurm_start, start, first_seen, end));
         }
     }
     Ok(out)
