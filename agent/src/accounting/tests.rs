@@ -565,6 +565,23 @@ mod reconcile_story {
         assert_eq!(kinds(&n), vec!["end_approximate"], "{n:#}");
     }
 
+    /// An ingestor of `spool` that reconciles with a fake Slurm in state `st` (returned, to
+    /// change), watching from now on.
+    async fn watching(store: &Store, spool: &Path, st: SlurmState) -> (Arc<FakeSlurm>, Ingestor) {
+        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
+        let link = SlurmLink {
+            source: fake.clone(),
+            node: "gpu01".into(),
+            interval: std::time::Duration::from_secs(1),
+            boundaries: JobBoundaries::Slurm,
+            job_map_dir: None,
+        };
+        let mut ing = Ingestor::new(store.clone(), spool, Arc::new(FakeGpus), metrics).with_slurm(link);
+        ing.start_watching(None).await;
+        (fake, ing)
+    }
+
     /// A job Slurm requeues runs again under its id: every run is billed, with its own GPUs,
     /// whether its records arrive (41) or only Slurm shows it (42, no record of its second run;
     /// 43, no record at all, as shipped: its first run ends at sacct's End of that run).
@@ -587,17 +604,7 @@ mod reconcile_story {
             ]),
             ..SlurmState::default()
         };
-        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
-        let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
-        let link = SlurmLink {
-            source: fake.clone(),
-            node: "gpu01".into(),
-            interval: std::time::Duration::from_secs(1),
-            boundaries: JobBoundaries::Slurm,
-            job_map_dir: None,
-        };
-        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
-        ing.start_watching(None).await;
+        let (fake, mut ing) = watching(&store, spool.path(), st).await;
         ing.tick(true).await;
         // `scontrol requeue`: the epilogs write the ends, Slurm holds both pending.
         write(spool.path(), &end(t0 + 40 * S, &lab(41), vec![g(0, None)]));
@@ -681,17 +688,7 @@ mod reconcile_story {
         // SLURM_SHARDS_ON_NODE=1 pre-set on a gpu:2 job.
         write(spool.path(), &step(t0 + 10 * S, &lab, vec![g(0, None), g(1, None)], Some(1)));
         let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ..SlurmState::default() };
-        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
-        let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
-        let link = SlurmLink {
-            source: fake.clone(),
-            node: "gpu01".into(),
-            interval: std::time::Duration::from_secs(1),
-            boundaries: JobBoundaries::Slurm,
-            job_map_dir: None,
-        };
-        let mut ing = Ingestor::new(store.clone(), spool.path(), Arc::new(FakeGpus), metrics).with_slurm(link);
-        ing.start_watching(None).await;
+        let (fake, mut ing) = watching(&store, spool.path(), st).await;
         ing.tick(true).await;
         let admin = caller(0, "root", true);
         let n = job_json(store.pool(), &admin, 51, 14).await.unwrap().unwrap()["nodes"][0].clone();
