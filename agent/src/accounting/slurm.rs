@@ -571,13 +571,21 @@ pub struct CommandSlurm {
 const SACCT_CHUNK: usize = 500;
 
 impl CommandSlurm {
-    fn sacct(&self, args: &[&str], st: &mut SlurmState) {
+    /// `sacct -n -P -X -o SACCT_FIELDS ARGS`, every line parsed (line errors go to `st`).
+    fn sacct_lines(&self, args: &[&str], st: &mut SlurmState) -> Result<Vec<SlurmJob>, String> {
         let mut all = vec!["-n", "-P", "-X", "-o", SACCT_FIELDS];
         all.extend_from_slice(args);
-        match run_command_env(&self.sacct, &all, &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
-            Ok(out) => {
-                let (jobs, errs) = parse_sacct(&out);
-                st.errors.extend(errs.iter().map(ToString::to_string));
+        let out = run_command_env(&self.sacct, &all, &[("SLURM_TIME_FORMAT", "%s")], self.timeout).map_err(|e| e.to_string())?;
+        let (lines, errs) = parse_sacct_lines(&out);
+        st.errors.extend(errs.iter().map(ToString::to_string));
+        Ok(lines)
+    }
+
+    fn sacct(&self, args: &[&str], st: &mut SlurmState) {
+        match self.sacct_lines(args, st) {
+            Ok(lines) => {
+                // A job listed twice (its runs) keeps its last line, as `parse_sacct` does.
+                let jobs: BTreeMap<u32, SlurmJob> = lines.into_iter().map(|j| (j.job_id, j)).collect();
                 for (id, j) in jobs {
                     st.acct.entry(id).or_insert(j);
                 }
@@ -593,11 +601,8 @@ impl CommandSlurm {
 impl CommandSlurm {
     /// Every run sacct has of `ids` (`--duplicates`), those that ended into `st.ended_runs`.
     fn ended_runs(&self, ids: &str, st: &mut SlurmState) {
-        let args = ["-n", "-P", "-X", "-D", "-o", SACCT_FIELDS, "-j", ids];
-        match run_command_env(&self.sacct, &args, &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
-            Ok(out) => {
-                let (runs, errs) = parse_sacct_lines(&out);
-                st.errors.extend(errs.iter().map(ToString::to_string));
+        match self.sacct_lines(&["-D", "-j", ids], st) {
+            Ok(runs) => {
                 for run in runs.into_iter().filter(|r| r.start_us.is_some() && r.end_us.is_some()) {
                     st.ended_runs.entry(run.job_id).or_default().push(run);
                 }
