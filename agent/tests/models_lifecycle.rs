@@ -292,9 +292,11 @@ async fn a_call_that_cannot_reach_its_only_worker_learns_at_once_whether_it_is_g
     // Killed between calls: gone, and the next lease is a new worker that answers.
     // SAFETY: test-only; kills the worker we started.
     unsafe { libc::kill(first.parse().unwrap(), libc::SIGKILL) };
-    // As a call finds it: its port closed (the process is gone).
+    // As a call finds it: its port closed. (Not "its pid is a zombie": a multi-threaded
+    // process shows Z while its other threads still exit, holding its sockets.)
+    let port = lease.base_url.rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
     let t = Instant::now();
-    while pid_alive(&first) && t.elapsed() < Duration::from_secs(5) {
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() && t.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     lease.upstream_failed();
@@ -639,23 +641,8 @@ async fn a_process_of_another_user_on_the_workers_port_is_never_marked_ready() {
         tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
     };
     // The worker is started but sleeps before it binds: a squatter (root here, not the worker
-    // account) takes its port and answers everything with 200. The worker's command line (its
-    // key file lies under this test's dir) says which port the agent gave it.
-    let t = Instant::now();
-    let marker = env.dir.path().display().to_string();
-    let port = 'found: loop {
-        for pid in std::fs::read_dir("/proc").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()) {
-            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.contains(&marker)
-                && let Some(p) = cmd.split("--port ").nth(1).and_then(|r| r.split_whitespace().next())
-            {
-                break 'found p.parse::<u16>().unwrap();
-            }
-        }
-        assert!(t.elapsed() < Duration::from_secs(5), "the worker did not start");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    // account) takes its port and answers everything with 200.
+    let port = started_worker_port(&env).await;
     let squatter = match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
         Ok(l) => l,
         Err(e) => {
@@ -693,6 +680,77 @@ async fn a_process_of_another_user_on_the_workers_port_is_never_marked_ready() {
     let st = m.status("a").unwrap();
     assert_eq!(st.state, "failed");
     squat.abort();
+}
+
+/// The port the agent gave the worker it started for this test, once the worker's process
+/// exists: its command line says so (its key file lies under this test's dir).
+async fn started_worker_port(env: &Env) -> u16 {
+    let t = Instant::now();
+    let marker = env.dir.path().display().to_string();
+    loop {
+        for pid in std::fs::read_dir("/proc").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()) {
+            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(&marker)
+                && let Some(p) = cmd.split("--port ").nth(1).and_then(|r| r.split_whitespace().next())
+            {
+                return p.parse::<u16>().unwrap();
+            }
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "the worker did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_workers_process_on_the_workers_port_is_never_taken_for_it() {
+    // Every worker runs as the worker account, so the port's owner cannot tell two workers
+    // apart. Another worker's server (the test worker, as the worker account, without this
+    // worker's marker) takes the port while this worker sleeps before binding; it answers
+    // /health with 200 to anyone.
+    let env = Env::new().await;
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--startup-delay-ms 1500", "")).await;
+    let m = Arc::new(m);
+    let call = {
+        let m = m.clone();
+        tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
+    };
+    let port = started_worker_port(&env).await;
+    let mut other = std::process::Command::new(gateway_support::worker_bin());
+    other
+        .args(["--model", "b", "--port", &port.to_string()])
+        .env_clear()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let user = gateway_support::worker_user();
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+        let gid: u32 = passwd.lines().find_map(|l| l.strip_prefix(&format!("{user}:x:"))?.split(':').nth(1)?.parse().ok()).unwrap();
+        std::os::unix::process::CommandExt::uid(std::os::unix::process::CommandExt::gid(&mut other, gid), uid_of(&user));
+    }
+    let mut other = other.spawn().unwrap();
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(5), "the other worker did not listen on {port}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let reason = match call.await.unwrap() {
+        Err(ModelError::Unavailable { reason, .. }) => reason,
+        other => panic!("another worker must never be taken for this one, got {other:?}"),
+    };
+    assert!(
+        reason.contains(&format!("taken by another worker's process (pid {})", other.id())) && reason.contains("on another port"),
+        "{reason}"
+    );
+    // Not the model's fault: no back-off. The next call starts it on another port, and it answers.
+    let lease = m.acquire("a").await.unwrap();
+    assert!(!lease.base_url.ends_with(&format!(":{port}")), "{} again", lease.base_url);
+    assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
+    drop(lease);
+    m.unload("a", "test over").await.unwrap();
+    other.kill().unwrap();
+    other.wait().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

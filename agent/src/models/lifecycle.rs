@@ -1156,6 +1156,9 @@ impl Shared {
         let mut next_poll = Instant::now();
         let mut last: Option<RunState> = None;
         let mut warned_remote = false;
+        // Another worker's process on the port (two workers picked one free port), when one was seen.
+        let mut holders = PortHolders::default();
+        let mut sibling: Option<u32> = None;
         loop {
             if rt.shutdown.is_cancelled() {
                 return Err(("the agent is shutting down".into(), false));
@@ -1187,6 +1190,15 @@ impl Shared {
                             }
                         }
                         RunState::Gone(how) => {
+                            if let (Some(pid), Some(base)) = (sibling, inst.base_url()) {
+                                // Not the model's fault: no back-off, the next call starts another.
+                                return Err((
+                                    format!(
+                                        "the worker ended before it was ready: {how}; its port ({base}) was taken by another worker's process (pid {pid}) of the worker account first; the next call starts it on another port"
+                                    ),
+                                    false,
+                                ));
+                            }
                             let squatter =
                                 inst.base_url().and_then(|u| squatter(u, inst.uid)).map(|s| format!("; {s}")).unwrap_or_default();
                             return Err((format!("the worker ended before it was ready: {how}{squatter}"), true));
@@ -1245,6 +1257,13 @@ impl Shared {
                         ));
                     }
                     Some(Ok(PortOwner::Nobody)) => {}
+                    // The worker account's socket, but another worker's: never this model's.
+                    Some(Ok(PortOwner::Worker)) if let Some(pid) = other_workers_port(inst, base, &mut holders) => {
+                        if sibling.is_none() {
+                            tracing::warn!(model = %m.name, worker = %inst.id, url = %base, pid, "another worker's process listens on this worker's port; waiting for this worker to bind it or end");
+                        }
+                        sibling = Some(pid);
+                    }
                     Some(Ok(PortOwner::Worker)) | None if listening => {
                         if owner.is_none() && !warned_remote {
                             tracing::warn!(model = %m.name, url = %base, "worker on another host: the owner of its port cannot be checked; trusting its key");
@@ -2078,6 +2097,42 @@ fn port_owner(base_url: &str, uid: u32) -> Option<std::io::Result<PortOwner>> {
     proof::is_this_node(&host).then(|| proof::owner(port, uid, proof::targets_of(&host).as_deref()))
 }
 
+/// The process of another worker that holds `base_url`'s port on this node, when the sockets
+/// there are the worker account's but none is held by `inst`'s own processes (its environment
+/// marks them: [`launcher::identity`]). `None` also where that cannot be seen (another node,
+/// descriptors this agent cannot read). `seen`: what earlier looks found for which sockets.
+fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -> Option<u32> {
+    let identity = launcher::identity(inst)?;
+    let (host, port) = proof::host_port(base_url)?;
+    if !proof::is_this_node(&host) {
+        return None;
+    }
+    let inodes: Vec<u64> = proof::reachable(port, proof::targets_of(&host).as_deref()).ok()?.iter().map(|l| l.inode).collect();
+    if inodes.iter().all(|i| seen.ours.contains(i)) {
+        return None;
+    }
+    if let Some((at, pid)) = &seen.other
+        && *at == inodes
+    {
+        return Some(*pid);
+    }
+    let holders = proof::holders(inst.uid, &inodes);
+    if holders.is_empty() || holders.iter().any(|pid| launcher::local::has_env(*pid, &identity)) {
+        seen.ours.extend(inodes);
+        return None;
+    }
+    seen.other = Some((inodes, holders[0]));
+    Some(holders[0])
+}
+
+/// The sockets on a starting worker's port found to be its own, and the last ones found to be
+/// another worker's process's ([`other_workers_port`]): each is looked up in `/proc` once.
+#[derive(Default)]
+struct PortHolders {
+    ours: Vec<u64>,
+    other: Option<(Vec<u64>, u32)>,
+}
+
 /// "port P is held by another user's process (uid N)", when it is.
 fn squatter(base_url: &str, uid: u32) -> Option<String> {
     match port_owner(base_url, uid)? {
@@ -2216,8 +2271,8 @@ pub fn launcher_name(k: LauncherKind) -> &'static str {
     }
 }
 
-/// Whether `inst` still holds its port (a connection accepted there, by the worker account
-/// where this host can tell), tried twice 100 ms apart so a momentary refusal is not a death.
+/// Whether `inst` still holds its port (a connection accepted there, by the worker account and
+/// by `inst`'s own processes where this host can tell), tried twice 100 ms apart so a momentary refusal is not a death.
 async fn still_holds_port(inst: &Instance) -> bool {
     let Some(url) = inst.base_url() else { return true };
     for i in 0..2 {
@@ -2225,7 +2280,9 @@ async fn still_holds_port(inst: &Instance) -> bool {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if crate::gateway::upstream::holds_port(url, Some(inst.uid), Duration::from_secs(2)).await {
-            return true;
+            // The worker account's socket, but maybe another worker's that took the port
+            // after this one's server died.
+            return other_workers_port(inst, url, &mut PortHolders::default()).is_none();
         }
     }
     false

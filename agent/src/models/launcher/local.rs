@@ -9,7 +9,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::{Instance, LaunchError, LaunchSpec, RunState, safe_name, secret};
+use super::{Instance, LaunchError, LaunchSpec, RunState, proof, safe_name, secret};
 use crate::config::LauncherKind;
 
 #[derive(Debug, Clone, Default)]
@@ -101,20 +101,21 @@ impl Local {
     /// from `/proc/PID/environ`, which only its owner and root can read), so a reused pid is
     /// never mistaken for it and the key is never looked for on a command line.
     pub fn adopt(pid: &str, api_key: &str, uid: u32) -> bool {
-        if !pid_alive(pid) || process_uid(pid) != Some(uid) {
-            return false;
-        }
-        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else { return false };
-        let marker = format!("{}={}", secret::TAG_ENV, secret::tag(api_key));
-        environ.split(|b| *b == 0).any(|v| v == marker.as_bytes())
+        let Ok(n) = pid.parse::<u32>() else { return false };
+        pid_alive(pid) && proof::process_euid(n) == Some(uid) && has_env(n, &marker(api_key))
     }
 }
 
-fn process_uid(pid: &str) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
-    // Uid: real effective saved fs; the effective uid is what the worker acts as.
-    line.split_whitespace().nth(2)?.parse().ok()
+/// `GPUHUB_WORKER_TAG=<tag of the key>`: in the environment of a local worker (and of what it
+/// starts), nowhere else.
+pub fn marker(api_key: &str) -> String {
+    format!("{}={}", secret::TAG_ENV, secret::tag(api_key))
+}
+
+/// Whether process `pid`'s environment holds the entry `entry` (`NAME=value`), read from
+/// `/proc/PID/environ` (only its owner and root can read it).
+pub fn has_env(pid: u32, entry: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|e| e.split(|b| *b == 0).any(|v| v == entry.as_bytes()))
 }
 
 fn signal_group(pid: i32, sig: i32) {

@@ -245,10 +245,30 @@ pub fn log_tail(path: &Path, n: usize, key: &str) -> Vec<String> {
     lines[lines.len().saturating_sub(n)..].iter().map(|l| crate::util::sanitize(&secret::redact(l, key))).collect()
 }
 
+/// The environment entry that marks `inst`'s own processes, and only them (every worker runs
+/// as the one worker account): `GPUHUB_WORKER_TAG=<tag of its key>` for a local worker,
+/// `SLURM_JOB_ID=<job>` (set by slurmstepd) for a Slurm one; `None` for a static URL.
+pub fn identity(inst: &Instance) -> Option<String> {
+    match inst.launcher {
+        LauncherKind::Local => Some(local::marker(&inst.api_key)),
+        LauncherKind::Slurm => Some(format!("SLURM_JOB_ID={}", inst.id)),
+        LauncherKind::Static => None,
+    }
+}
+
+/// How long a port [`pick_port`] handed out is not handed out again by this process: longer
+/// than a worker takes to bind it (a large model loads before its server listens).
+const PICKED_FOR: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Ports this process picked, and when.
+static PICKED: std::sync::Mutex<Vec<(u16, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
+
 /// A free TCP port on `host` (bound and released; the worker binds it right after). Taken
 /// below the kernel's ephemeral range when there is room (there only a listener can take it,
-/// not any outgoing connection's source port), else from `bind(0)`. A process that takes it
-/// between this pick and the worker's bind is caught by the readiness proof.
+/// not any outgoing connection's source port), else from `bind(0)`; never one this process
+/// picked in the last hour, so two workers an agent starts at once do not race for one port.
+/// A process that takes it between this pick and the worker's bind is caught by the readiness
+/// proof (another user's by its uid, another worker's by its environment).
 pub fn pick_port(host: &str) -> std::io::Result<u16> {
     use rand::Rng;
     let bind = if host == "0.0.0.0" || host == "::" { "127.0.0.1" } else { host };
@@ -256,17 +276,30 @@ pub fn pick_port(host: &str) -> std::io::Result<u16> {
         .ok()
         .and_then(|t| t.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
         .unwrap_or(32768);
+    let mut picked = PICKED.lock().unwrap_or_else(|p| p.into_inner());
+    picked.retain(|(_, at)| at.elapsed() < PICKED_FOR);
+    let fresh = |port: u16, picked: &[(u16, std::time::Instant)]| {
+        !picked.iter().any(|(p, _)| *p == port) && std::net::TcpListener::bind((bind, port)).is_ok()
+    };
+    let mut port = None;
     if low > 21_000 {
         let mut rng = rand::thread_rng();
-        for _ in 0..64 {
-            let port = rng.gen_range(20_000..low);
-            if std::net::TcpListener::bind((bind, port)).is_ok() {
-                return Ok(port);
+        port = (0..64).map(|_| rng.gen_range(20_000..low)).find(|p| fresh(*p, &picked));
+    }
+    if port.is_none() {
+        for _ in 0..16 {
+            let l = std::net::TcpListener::bind((bind, 0))?;
+            let p = l.local_addr()?.port();
+            if !picked.iter().any(|(q, _)| *q == p) {
+                port = Some(p);
+                break;
             }
         }
     }
-    let l = std::net::TcpListener::bind((bind, 0))?;
-    Ok(l.local_addr()?.port())
+    let port =
+        port.ok_or_else(|| std::io::Error::new(std::io::ErrorKind::AddrInUse, "every free port tried was picked for another worker"))?;
+    picked.push((port, std::time::Instant::now()));
+    Ok(port)
 }
 
 /// A fresh per-worker API key (256 bits, hex).
@@ -290,6 +323,10 @@ mod tests {
         if low > 21_000 {
             assert!((20_000..low).contains(&p), "{p} is in the ephemeral range");
         }
+        // Picks never repeat while the workers they were for may still be binding them.
+        let many: Vec<u16> = (0..300).map(|_| pick_port("127.0.0.1").unwrap()).collect();
+        let distinct: std::collections::BTreeSet<u16> = many.iter().copied().chain([p]).collect();
+        assert_eq!(distinct.len(), 301, "a port was handed out twice");
     }
 
     #[test]

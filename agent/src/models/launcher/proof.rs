@@ -40,6 +40,8 @@ pub struct Listener {
     pub addr: IpAddr,
     /// An IPv6 socket that takes no IPv4 connections (`IPV6_V6ONLY`); false where unknown.
     pub v6only: bool,
+    /// The socket's inode (`socket:[INODE]` in its holder's `/proc/PID/fd`).
+    pub inode: u64,
 }
 
 impl Listener {
@@ -170,7 +172,8 @@ fn parse_diag(mut data: &[u8], seq: u32, out: &mut Vec<Listener>) -> std::io::Re
                 _ => {
                     // inet_diag_msg (72 bytes): family, state, timer, retrans, then
                     // inet_diag_sockid (sport big-endian, dport, src address in 16 bytes, ...),
-                    // uid at byte 64; then attributes, INET_DIAG_SKV6ONLY among them for IPv6.
+                    // uid at byte 64, inode at 68; then attributes, INET_DIAG_SKV6ONLY among
+                    // them for IPv6.
                     let port = body.get(4..6).map(|p| u16::from_be_bytes([p[0], p[1]])).ok_or_else(bad)?;
                     let uid = u32_at(body, 64).ok_or_else(bad)?;
                     let src = body.get(8..24).ok_or_else(bad)?;
@@ -181,7 +184,8 @@ fn parse_diag(mut data: &[u8], seq: u32, out: &mut Vec<Listener>) -> std::io::Re
                     } else {
                         IpAddr::from([src[0], src[1], src[2], src[3]])
                     };
-                    out.push(Listener { port, uid, addr, v6only: v6only_attr(body.get(72..).unwrap_or_default()) });
+                    let inode = u64::from(u32_at(body, 68).ok_or_else(bad)?);
+                    out.push(Listener { port, uid, addr, v6only: v6only_attr(body.get(72..).unwrap_or_default()), inode });
                 }
             }
         }
@@ -231,9 +235,38 @@ pub fn proc_listeners(port: u16) -> std::io::Result<Vec<Listener>> {
 /// `targets` could reach (`None`: every socket on the port). A socket of another user on
 /// another address (`[::1]:P` beside a worker on `127.0.0.1:P`) never sees the worker's calls.
 pub fn owner(port: u16, uid: u32, targets: Option<&[IpAddr]>) -> std::io::Result<PortOwner> {
-    let uids: Vec<u32> =
-        listeners_on(port)?.into_iter().filter(|l| targets.is_none_or(|t| t.iter().any(|t| l.receives(*t)))).map(|l| l.uid).collect();
+    let uids: Vec<u32> = reachable(port, targets)?.iter().map(|l| l.uid).collect();
     Ok(classify(&uids, uid))
+}
+
+/// The sockets listening on `port` that a connection to one of `targets` could reach.
+pub fn reachable(port: u16, targets: Option<&[IpAddr]>) -> std::io::Result<Vec<Listener>> {
+    Ok(listeners_on(port)?.into_iter().filter(|l| targets.is_none_or(|t| t.iter().any(|t| l.receives(*t)))).collect())
+}
+
+/// The processes of `uid` that hold one of the sockets `inodes` (found in their
+/// `/proc/PID/fd`). Every worker runs as the one worker account, so the account alone cannot
+/// tell two workers apart: this names the process behind a port. Empty where the descriptors
+/// cannot be read (an agent without root).
+pub fn holders(uid: u32, inodes: &[u64]) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let wanted: Vec<String> = inodes.iter().filter(|i| **i != 0).map(|i| format!("socket:[{i}]")).collect();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let mut out = Vec::new();
+    for e in procs.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        // `/proc/PID` belongs to the process's effective uid: other accounts' processes are
+        // skipped without opening anything. (A process that made itself not dumpable shows
+        // as root's and is not found: the caller then cannot tell, and says so.)
+        if wanted.is_empty() || e.metadata().map(|m| m.uid()).ok() != Some(uid) {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(e.path().join("fd")) else { continue };
+        if fds.flatten().any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| wanted.iter().any(|w| l.as_os_str() == w.as_str()))) {
+            out.push(pid);
+        }
+    }
+    out
 }
 
 fn classify(uids: &[u32], uid: u32) -> PortOwner {
@@ -244,6 +277,13 @@ fn classify(uids: &[u32], uid: u32) -> PortOwner {
     } else {
         PortOwner::Worker
     }
+}
+
+/// The effective uid of process `pid` (what it acts as), from `/proc/PID/status`.
+pub fn process_euid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    // Uid: real effective saved fs.
+    status.lines().find(|l| l.starts_with("Uid:"))?.split_whitespace().nth(2)?.parse().ok()
 }
 
 /// `gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm worker job on its own node
@@ -300,7 +340,8 @@ pub fn parse_listeners(text: &str, port: u16) -> Vec<Listener> {
                 }
                 _ => return None,
             };
-            (*state == "0A" && p == port).then_some(Listener { port, uid, addr, v6only: false })
+            let inode = f.get(9).and_then(|i| i.parse::<u64>().ok()).unwrap_or(0);
+            (*state == "0A" && p == port).then_some(Listener { port, uid, addr, v6only: false, inode })
         })
         .collect()
 }
@@ -392,7 +433,7 @@ mod tests {
 
     #[test]
     fn only_sockets_a_call_could_reach_count() {
-        let at = |addr: &str, v6only: bool| Listener { port: 1, uid: 7, addr: addr.parse().unwrap(), v6only };
+        let at = |addr: &str, v6only: bool| Listener { port: 1, uid: 7, addr: addr.parse().unwrap(), v6only, inode: 0 };
         let lo: IpAddr = "127.0.0.1".parse().unwrap();
         let lo6: IpAddr = "::1".parse().unwrap();
         for (l, to_lo, to_lo6) in [
@@ -463,8 +504,17 @@ mod tests {
         let port = l.local_addr().unwrap().port();
         let via_netlink: Vec<Listener> = netlink_listeners().unwrap().into_iter().filter(|l| l.port == port).collect();
         let lo = IpAddr::from([127, 0, 0, 1]);
-        assert_eq!(via_netlink, vec![Listener { port, uid: me, addr: lo, v6only: false }]);
+        assert_eq!(via_netlink.len(), 1, "{via_netlink:?}");
+        assert_eq!((via_netlink[0].uid, via_netlink[0].addr, via_netlink[0].v6only), (me, lo, false));
         assert_eq!(proc_listeners(port).unwrap(), via_netlink);
+        // The socket names its process: this one, and nobody under another account.
+        let inode = via_netlink[0].inode;
+        assert_ne!(inode, 0);
+        assert_eq!(holders(me, &[inode]), vec![std::process::id()]);
+        assert_eq!(holders(me.wrapping_add(1), &[inode]), Vec::<u32>::new());
+        assert_eq!(holders(me, &[0]), Vec::<u32>::new(), "an unknown inode names nobody");
+        drop(l);
+        assert_eq!(holders(me, &[inode]), Vec::<u32>::new(), "a closed socket names nobody");
         let l6 = std::net::TcpListener::bind("[::1]:0");
         if let Ok(l6) = l6 {
             let p6 = l6.local_addr().unwrap().port();
