@@ -1280,7 +1280,10 @@ impl Shared {
                 }
             }
             if Instant::now() >= deadline {
-                let squatter = inst.base_url().and_then(|u| squatter(u, inst.uid)).map(|s| format!("; {s}")).unwrap_or_default();
+                let squatter = match sibling {
+                    Some(pid) => format!("; a process of the worker account that is not this worker's (pid {pid}) held its port"),
+                    None => inst.base_url().and_then(|u| squatter(u, inst.uid)).map(|s| format!("; {s}")).unwrap_or_default(),
+                };
                 return Err((
                     format!(
                         "the worker did not answer {} within {}s (load_timeout_s); it was stopped{squatter}",
@@ -2098,13 +2101,12 @@ fn port_owner(base_url: &str, uid: u32) -> Option<std::io::Result<PortOwner>> {
 }
 
 /// The process of another worker that holds `base_url`'s port on this node, when the sockets
-/// there are the worker account's but none is held by `inst`'s own processes (its environment
-/// marks them: [`launcher::identity`]). `None` also where that cannot be seen (another node,
-/// descriptors this agent cannot read). `seen`: what earlier looks found for which sockets.
+/// there are the worker account's but none is held by one of `inst`'s own processes
+/// ([`launcher::is_its_process`]). `None` also where that cannot be seen (another node, a
+/// static URL, descriptors this agent cannot read). `seen`: what earlier looks found.
 fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -> Option<u32> {
-    let identity = launcher::identity(inst)?;
     let (host, port) = proof::host_port(base_url)?;
-    if !proof::is_this_node(&host) {
+    if inst.launcher == LauncherKind::Static || !proof::is_this_node(&host) {
         return None;
     }
     let inodes: Vec<u64> = proof::reachable(port, proof::targets_of(&host).as_deref()).ok()?.iter().map(|l| l.inode).collect();
@@ -2117,7 +2119,7 @@ fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -
         return Some(*pid);
     }
     let holders = proof::holders(inst.uid, &inodes);
-    if holders.is_empty() || holders.iter().any(|pid| launcher::local::has_env(*pid, &identity)) {
+    if holders.is_empty() || holders.iter().any(|pid| launcher::is_its_process(inst, *pid)) {
         seen.ours.extend(inodes);
         return None;
     }

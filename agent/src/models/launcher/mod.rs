@@ -245,15 +245,33 @@ pub fn log_tail(path: &Path, n: usize, key: &str) -> Vec<String> {
     lines[lines.len().saturating_sub(n)..].iter().map(|l| crate::util::sanitize(&secret::redact(l, key))).collect()
 }
 
-/// The environment entry that marks `inst`'s own processes, and only them (every worker runs
-/// as the one worker account): `GPUHUB_WORKER_TAG=<tag of its key>` for a local worker,
-/// `SLURM_JOB_ID=<job>` (set by slurmstepd) for a Slurm one; `None` for a static URL.
-pub fn identity(inst: &Instance) -> Option<String> {
+/// Whether process `pid` is one of `inst`'s own (every worker runs as the one worker account,
+/// so the account cannot tell): its environment carries `GPUHUB_WORKER_TAG=<tag of its key>`
+/// (local) or `SLURM_JOB_ID=<job>` (set by slurmstepd); or, for a command that cleared its
+/// environment, it is in the local worker's process group or in its job's cgroup. Never true
+/// for a static URL (no process of ours).
+pub fn is_its_process(inst: &Instance, pid: u32) -> bool {
     match inst.launcher {
-        LauncherKind::Local => Some(local::marker(&inst.api_key)),
-        LauncherKind::Slurm => Some(format!("SLURM_JOB_ID={}", inst.id)),
-        LauncherKind::Static => None,
+        LauncherKind::Local => {
+            local::has_env(pid, &local::marker(&inst.api_key))
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .ok()
+                    .and_then(|st| st.rsplit_once(')')?.1.split_whitespace().nth(2)?.parse::<u32>().ok())
+                    .is_some_and(|pgrp| pgrp.to_string() == inst.id)
+        }
+        LauncherKind::Slurm => {
+            local::has_env(pid, &format!("SLURM_JOB_ID={}", inst.id))
+                || std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|cg| in_job_cgroup(&cg, &inst.id))
+        }
+        LauncherKind::Static => false,
     }
+}
+
+/// Whether a `/proc/PID/cgroup` text puts the process in Slurm job `job`'s cgroup
+/// (`.../job_<job>/...`, cgroup v1 or v2).
+fn in_job_cgroup(cgroup: &str, job: &str) -> bool {
+    let dir = format!("/job_{job}");
+    cgroup.lines().any(|l| l.match_indices(&dir).any(|(i, _)| l[i + dir.len()..].is_empty() || l[i + dir.len()..].starts_with('/')))
 }
 
 /// How long a port [`pick_port`] handed out is not handed out again by this process: longer
@@ -313,6 +331,35 @@ pub fn new_api_key() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_is_a_workers_by_its_marker_group_or_job_cgroup() {
+        use std::os::unix::process::CommandExt;
+        let v2 = "0::/system.slice/slurmstepd.scope/job_123/step_batch/user/task_0\n";
+        let v1 = "4:memory:/slurm/uid_990/job_123/step_batch\n1:cpu:/\n";
+        for text in [v2, v1] {
+            assert!(in_job_cgroup(text, "123"), "{text}");
+            assert!(!in_job_cgroup(text, "12") && !in_job_cgroup(text, "1234") && !in_job_cgroup(text, "23"), "{text}");
+        }
+        assert!(in_job_cgroup("0::/slurm/job_77\n", "77"));
+        // A local worker's command that cleared its environment is still in the worker's group.
+        let mut child = std::process::Command::new("sleep").arg("30").env_clear().process_group(0).spawn().unwrap();
+        let pid = child.id();
+        let mut inst = Instance::new(LauncherKind::Local, pid.to_string(), "k1".into(), 0, PathBuf::new());
+        assert!(is_its_process(&inst, pid), "the group leader");
+        assert!(!is_its_process(&inst, std::process::id()), "another process");
+        inst.id = "1".into();
+        assert!(!is_its_process(&inst, pid), "another group, no marker");
+        // Its marker, in any group.
+        let mut marked = std::process::Command::new("sleep").arg("30").env_clear().env(secret::TAG_ENV, secret::tag("k1")).spawn().unwrap();
+        assert!(is_its_process(&inst, marked.id()));
+        inst.api_key = "k2".into();
+        assert!(!is_its_process(&inst, marked.id()), "another worker's marker");
+        for c in [&mut child, &mut marked] {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
 
     #[test]
     fn pick_port_stays_below_the_ephemeral_range() {
