@@ -707,9 +707,27 @@ async fn another_workers_process_on_the_workers_port_is_never_taken_for_it() {
     // Every worker runs as the worker account, so the port's owner cannot tell two workers
     // apart. Another worker's server (the test worker, as the worker account, without this
     // worker's marker) takes the port while this worker sleeps before binding; it answers
-    // /health with 200 to anyone.
+    // /health with 200 to anyone. This worker then cannot bind, and ends.
+    let reason = taken_port(false).await;
+    assert!(reason.contains("was taken by another worker's process") && reason.contains("on another port"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_workers_process_sharing_the_port_by_so_reuseport_is_never_taken_for_it() {
+    // Both bind with SO_REUSEPORT (as vLLM's server does): the kernel lets one account's sockets
+    // share the port and spreads connections across them, so this worker listens too, but
+    // half its calls would reach the other model. It is never marked ready.
+    let reason = taken_port(true).await;
+    assert!(reason.contains("within 3s (load_timeout_s)") && reason.contains("not this worker's"), "{reason}");
+}
+
+/// Starts model `a`, and another worker's process on the port the agent gave it before it
+/// binds (with SO_REUSEPORT on both when `reuse_port`); the load fails naming that process,
+/// and the next call serves on another port. The reason the load failed.
+async fn taken_port(reuse_port: bool) -> String {
     let env = Env::new().await;
-    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--startup-delay-ms 1500", "")).await;
+    let flags = if reuse_port { "--startup-delay-ms 1500 --reuse-port" } else { "--startup-delay-ms 1500" };
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", flags, "load_timeout_s = 3")).await;
     let m = Arc::new(m);
     let call = {
         let m = m.clone();
@@ -722,6 +740,9 @@ async fn another_workers_process_on_the_workers_port_is_never_taken_for_it() {
         .env_clear()
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
+    if reuse_port {
+        other.arg("--reuse-port");
+    }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         let user = gateway_support::worker_user();
@@ -737,13 +758,22 @@ async fn another_workers_process_on_the_workers_port_is_never_taken_for_it() {
     }
     let reason = match call.await.unwrap() {
         Err(ModelError::Unavailable { reason, .. }) => reason,
+        // The caller's wait ends with the load timeout too; the load's reason is the model's detail.
+        Err(ModelError::LoadTimeout { .. }) => {
+            let t = Instant::now();
+            loop {
+                let detail = m.status("a").unwrap().detail.unwrap_or_default();
+                if detail.contains("(pid ") || t.elapsed() > Duration::from_secs(5) {
+                    break detail;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         other => panic!("another worker must never be taken for this one, got {other:?}"),
     };
-    assert!(
-        reason.contains(&format!("taken by another worker's process (pid {})", other.id())) && reason.contains("on another port"),
-        "{reason}"
-    );
-    // Not the model's fault: no back-off. The next call starts it on another port, and it answers.
+    assert!(reason.contains(&format!("(pid {})", other.id())), "the other worker's process is named: {reason}");
+    // Not the model's fault, so no back-off: the next call starts it on another port, and it
+    // answers.
     let lease = m.acquire("a").await.unwrap();
     assert!(!lease.base_url.ends_with(&format!(":{port}")), "{} again", lease.base_url);
     assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
@@ -751,6 +781,7 @@ async fn another_workers_process_on_the_workers_port_is_never_taken_for_it() {
     m.unload("a", "test over").await.unwrap();
     other.kill().unwrap();
     other.wait().unwrap();
+    reason
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1156,7 +1156,8 @@ impl Shared {
         let mut next_poll = Instant::now();
         let mut last: Option<RunState> = None;
         let mut warned_remote = false;
-        // Another worker's process on the port (two workers picked one free port), when one was seen.
+        // Whose processes hold the port's sockets, once looked up; `sibling`: another worker's
+        // process found there (two workers picked one free port).
         let mut holders = PortHolders::default();
         let mut sibling: Option<u32> = None;
         loop {
@@ -1289,7 +1290,8 @@ impl Shared {
                         "the worker did not answer {} within {}s (load_timeout_s); it was stopped{squatter}",
                         m.worker.health_path, m.load_timeout_s
                     ),
-                    true,
+                    // Another worker on its port is not the model's fault: no back-off.
+                    sibling.is_none(),
                 ));
             }
             tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
@@ -2100,9 +2102,8 @@ fn port_owner(base_url: &str, uid: u32) -> Option<std::io::Result<PortOwner>> {
     proof::is_this_node(&host).then(|| proof::owner(port, uid, proof::targets_of(&host).as_deref()))
 }
 
-/// The process of another worker that holds `base_url`'s port on this node, when the sockets
-/// there are the worker account's but none is held by one of `inst`'s own processes
-/// ([`launcher::is_its_process`]). `None` also where that cannot be seen (another node, a
+/// A process of the worker account that is not `inst`'s ([`launcher::is_its_process`]) and
+/// holds a socket listening on `base_url`'s port on this node: another worker's. `None` also where that cannot be seen (another node, a
 /// static URL, descriptors this agent cannot read). `seen`: what earlier looks found.
 fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -> Option<u32> {
     let (host, port) = proof::host_port(base_url)?;
@@ -2118,13 +2119,18 @@ fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -
     {
         return Some(*pid);
     }
-    let holders = proof::holders(inst.uid, &inodes);
-    if holders.is_empty() || holders.iter().any(|pid| launcher::is_its_process(inst, *pid)) {
-        seen.ours.extend(inodes);
-        return None;
+    // Every holder must be the worker's: servers that set SO_REUSEPORT (vLLM's does) share a
+    // port between sockets of one account, and the kernel spreads connections across them.
+    match proof::holders(inst.uid, &inodes).into_iter().find(|pid| !launcher::is_its_process(inst, *pid)) {
+        None => {
+            seen.ours.extend(inodes);
+            None
+        }
+        Some(other) => {
+            seen.other = Some((inodes, other));
+            Some(other)
+        }
     }
-    seen.other = Some((inodes, holders[0]));
-    Some(holders[0])
 }
 
 /// The sockets on a starting worker's port found to be its own, and the last ones found to be

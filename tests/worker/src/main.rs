@@ -81,6 +81,10 @@ struct Args {
     /// Sleep this long before binding (a server that loads weights before listening).
     #[arg(long, default_value_t = 0)]
     startup_delay_ms: u64,
+    /// Bind with SO_REUSEPORT, as vLLM's server does: another socket of the same account may
+    /// share the port, and the kernel spreads connections across them.
+    #[arg(long)]
+    reuse_port: bool,
     /// After binding, `/health` answers 503 for this long.
     #[arg(long, default_value_t = 0)]
     ready_delay_ms: u64,
@@ -155,7 +159,7 @@ async fn main() -> std::process::ExitCode {
         log(&format!("loading weights ({} ms)", args.startup_delay_ms));
         tokio::time::sleep(Duration::from_millis(args.startup_delay_ms)).await;
     }
-    let listener = match tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await {
+    let listener = match bind(&args.host, args.port, args.reuse_port).await {
         Ok(l) => l,
         Err(e) => {
             log(&format!("error: cannot bind {}:{}: {e}", args.host, args.port));
@@ -635,6 +639,22 @@ fn split_bytes<'a>(mut hay: &'a [u8], delim: &[u8]) -> Vec<&'a [u8]> {
     }
     out.push(hay);
     out
+}
+
+/// A listener on `host:port`, with SO_REUSEPORT when `reuse_port`.
+async fn bind(host: &str, port: u16, reuse_port: bool) -> std::io::Result<tokio::net::TcpListener> {
+    if !reuse_port {
+        return tokio::net::TcpListener::bind((host, port)).await;
+    }
+    let addr = tokio::net::lookup_host((host, port))
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{host} has no address")))?;
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
 }
 
 #[cfg(test)]

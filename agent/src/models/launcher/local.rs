@@ -9,7 +9,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::{Instance, LaunchError, LaunchSpec, RunState, proof, safe_name, secret};
+use super::{Instance, LaunchError, LaunchSpec, RunState, safe_name, secret};
 use crate::config::LauncherKind;
 
 #[derive(Debug, Clone, Default)]
@@ -102,8 +102,15 @@ impl Local {
     /// never mistaken for it and the key is never looked for on a command line.
     pub fn adopt(pid: &str, api_key: &str, uid: u32) -> bool {
         let Ok(n) = pid.parse::<u32>() else { return false };
-        pid_alive(pid) && proof::process_euid(n) == Some(uid) && has_env(n, &marker(api_key))
+        pid_alive(pid) && process_uid(pid) == Some(uid) && has_env(n, &marker(api_key))
     }
+}
+
+fn process_uid(pid: &str) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    // Uid: real effective saved fs; the effective uid is what the worker acts as.
+    line.split_whitespace().nth(2)?.parse().ok()
 }
 
 /// `GPUHUB_WORKER_TAG=<tag of the key>`: in the environment of a local worker (and of what it

@@ -286,7 +286,7 @@ static PICKED: std::sync::Mutex<Vec<(u16, std::time::Instant)>> = std::sync::Mut
 /// not any outgoing connection's source port), else from `bind(0)`; never one this process
 /// picked in the last hour, so two workers an agent starts at once do not race for one port.
 /// A process that takes it between this pick and the worker's bind is caught by the readiness
-/// proof (another user's by its uid, another worker's by its environment).
+/// proof (another user's by its uid, another worker's by its process: [`is_its_process`]).
 pub fn pick_port(host: &str) -> std::io::Result<u16> {
     use rand::Rng;
     let bind = if host == "0.0.0.0" || host == "::" { "127.0.0.1" } else { host };

@@ -279,13 +279,6 @@ fn classify(uids: &[u32], uid: u32) -> PortOwner {
     }
 }
 
-/// The effective uid of process `pid` (what it acts as), from `/proc/PID/status`.
-pub fn process_euid(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    // Uid: real effective saved fs.
-    status.lines().find(|l| l.starts_with("Uid:"))?.split_whitespace().nth(2)?.parse().ok()
-}
-
 /// `gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm worker job on its own node
 /// as the worker account: waits (at most `secs`) until something listens on `port`, then
 /// writes `JOBID PORT ok` to `file` when every listener there is this process's uid, `JOBID
