@@ -5,7 +5,9 @@
 //! then receives every caller's prompts). The kernel can: `/proc/net/tcp` and `tcp6` list each
 //! listening socket with the uid that owns it. A worker is ready only when every socket
 //! listening on its port belongs to the worker account; a socket of another uid there is a
-//! squatter, and the load fails with a message that says so.
+//! squatter, and the load fails with a message that says so. Every worker runs as that one
+//! account, so the lifecycle also asks which processes hold the sockets ([`holders`]) and
+//! whether each is the worker's own (`launcher::is_its_process`).
 //!
 //! The kernel is asked through `NETLINK_SOCK_DIAG` for listening TCP sockets only (what
 //! `ss -ltn` does): its cost does not grow with the node's connections. `/proc/net/tcp{,6}`
@@ -251,6 +253,9 @@ pub fn reachable(port: u16, targets: Option<&[IpAddr]>) -> std::io::Result<Vec<L
 pub fn holders(uid: u32, inodes: &[u64]) -> Vec<u32> {
     use std::os::unix::fs::MetadataExt;
     let wanted: Vec<String> = inodes.iter().filter(|i| **i != 0).map(|i| format!("socket:[{i}]")).collect();
+    if wanted.is_empty() {
+        return Vec::new();
+    }
     let Ok(procs) = std::fs::read_dir("/proc") else { return Vec::new() };
     let mut out = Vec::new();
     for e in procs.flatten() {
@@ -258,7 +263,7 @@ pub fn holders(uid: u32, inodes: &[u64]) -> Vec<u32> {
         // `/proc/PID` belongs to the process's effective uid: other accounts' processes are
         // skipped without opening anything. (A process that made itself not dumpable shows
         // as root's and is not found: the caller then cannot tell, and says so.)
-        if wanted.is_empty() || e.metadata().map(|m| m.uid()).ok() != Some(uid) {
+        if e.metadata().map(|m| m.uid()).ok() != Some(uid) {
             continue;
         }
         let Ok(fds) = std::fs::read_dir(e.path().join("fd")) else { continue };
