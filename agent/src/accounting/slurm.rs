@@ -482,7 +482,12 @@ pub const SACCT_FIELDS: &str = "JobIDRaw,AllocTRES,Account,Partition,NodeList,St
 /// runs, oldest first) keeps its last line.
 pub fn parse_sacct(text: &str) -> (BTreeMap<u32, SlurmJob>, Vec<LineError>) {
     let (lines, errors) = parse_sacct_lines(text);
-    (lines.into_iter().map(|j| (j.job_id, j)).collect(), errors)
+    (by_id(lines), errors)
+}
+
+/// sacct's lines by job id: a job listed twice (its runs, with `-D`) keeps its last line.
+fn by_id(lines: Vec<SlurmJob>) -> BTreeMap<u32, SlurmJob> {
+    lines.into_iter().map(|j| (j.job_id, j)).collect()
 }
 
 /// Every line of [`parse_sacct`]'s input, in order.
@@ -584,9 +589,7 @@ impl CommandSlurm {
     fn sacct(&self, args: &[&str], st: &mut SlurmState) {
         match self.sacct_lines(args, st) {
             Ok(lines) => {
-                // A job listed twice (its runs) keeps its last line, as `parse_sacct` does.
-                let jobs: BTreeMap<u32, SlurmJob> = lines.into_iter().map(|j| (j.job_id, j)).collect();
-                for (id, j) in jobs {
+                for (id, j) in by_id(lines) {
                     st.acct.entry(id).or_insert(j);
                 }
             }
