@@ -16,8 +16,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 fn uid_of(name: &str) -> u32 {
+    passwd_id(name, 0)
+}
+
+fn gid_of(name: &str) -> u32 {
+    passwd_id(name, 1)
+}
+
+/// Field `i` after `name:x:` in /etc/passwd (0: uid, 1: gid).
+fn passwd_id(name: &str, i: usize) -> u32 {
     let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
-    passwd.lines().find_map(|l| l.strip_prefix(&format!("{name}:x:"))?.split(':').next()?.parse().ok()).unwrap()
+    passwd.lines().find_map(|l| l.strip_prefix(&format!("{name}:x:"))?.split(':').nth(i)?.parse().ok()).unwrap()
 }
 
 struct Env {
@@ -746,9 +755,7 @@ async fn taken_port(reuse_port: bool) -> String {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         let user = gateway_support::worker_user();
-        let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
-        let gid: u32 = passwd.lines().find_map(|l| l.strip_prefix(&format!("{user}:x:"))?.split(':').nth(1)?.parse().ok()).unwrap();
-        std::os::unix::process::CommandExt::uid(std::os::unix::process::CommandExt::gid(&mut other, gid), uid_of(&user));
+        std::os::unix::process::CommandExt::uid(std::os::unix::process::CommandExt::gid(&mut other, gid_of(&user)), uid_of(&user));
     }
     let mut other = other.spawn().unwrap();
     let t = Instant::now();
