@@ -730,19 +730,9 @@ async fn another_workers_process_sharing_the_port_by_so_reuseport_is_never_taken
     assert!(reason.contains("within 3s (load_timeout_s)") && reason.contains("not this worker's"), "{reason}");
 }
 
-/// Starts model `a`, and another worker's process on the port the agent gave it before it
-/// binds (with SO_REUSEPORT on both when `reuse_port`); the load fails naming that process,
-/// and the next call serves on another port. The reason the load failed.
-async fn taken_port(reuse_port: bool) -> String {
-    let env = Env::new().await;
-    let flags = if reuse_port { "--startup-delay-ms 1500 --reuse-port" } else { "--startup-delay-ms 1500" };
-    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", flags, "load_timeout_s = 3")).await;
-    let m = Arc::new(m);
-    let call = {
-        let m = m.clone();
-        tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
-    };
-    let port = started_worker_port(&env).await;
+/// Another worker's server on `port`: the test worker as the worker account (when the test
+/// runs as root), with an environment of its own (no marker of any worker of this test).
+fn other_worker(port: u16, reuse_port: bool) -> std::process::Child {
     let mut other = std::process::Command::new(gateway_support::worker_bin());
     other
         .args(["--model", "b", "--port", &port.to_string()])
@@ -757,7 +747,70 @@ async fn taken_port(reuse_port: bool) -> String {
         let user = gateway_support::worker_user();
         std::os::unix::process::CommandExt::uid(std::os::unix::process::CommandExt::gid(&mut other, gid_of(&user)), uid_of(&user));
     }
-    let mut other = other.spawn().unwrap();
+    other.spawn().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_workers_process_that_starts_sharing_a_ready_workers_port_gets_no_call() {
+    use gpuhub_agent::gateway::upstream::{Client, Request, Target, UpstreamError};
+    // The worker is ready, its server bound with SO_REUSEPORT (as vLLM's is); then another
+    // worker's process of the worker account binds the same port the same way. The kernel
+    // would hand it some of the new connections, so some calls for `a` would reach model `b`:
+    // the gateway's client uses no new connection there, naming the process, and the worker
+    // is replaced on another port.
+    let env = Env::new().await;
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--reuse-port", "")).await;
+    let lease = m.acquire("a").await.unwrap();
+    let port: u16 = lease.base_url.rsplit(':').next().unwrap().parse().unwrap();
+    let mut other = other_worker(port, true);
+    let t = Instant::now();
+    while gpuhub_agent::models::launcher::proof::listeners_on(port).unwrap().len() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(5), "the other worker did not listen on {port} beside this one");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let auth = format!("Bearer {}", lease.api_key.as_deref().unwrap());
+    let headers = vec![
+        (http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json")),
+        (http::header::AUTHORIZATION, http::HeaderValue::from_str(&auth).unwrap()),
+    ];
+    let body = br#"{"model": "a", "messages": [{"role": "user", "content": "hi"}]}"#;
+    let req = Request { method: &http::Method::POST, path_and_query: "/v1/chat/completions", headers, body };
+    let client = Client::new(8, Duration::from_secs(60), Duration::from_secs(2));
+    match client.send(Target::parse(&lease.base_url).unwrap().owned_by(lease.worker()), &req).await {
+        Err(UpstreamError::NotTheWorker { what, .. }) => {
+            assert!(what.contains(&format!("another worker's process (pid {})", other.id())), "{what}");
+        }
+        Err(e) => panic!("expected the other worker's process named, got {e}"),
+        Ok(r) => panic!("a connection to a port another worker's process shares was used (HTTP {})", r.status),
+    }
+    // What the gateway does then: the worker's supervisor finds its port not its own alone
+    // and stops it; the next call serves on another port.
+    lease.upstream_failed();
+    assert!(m.worker_gone(&lease, Duration::from_secs(5)).await, "the worker sharing its port with another's is stopped");
+    drop(lease);
+    let lease = m.acquire("a").await.unwrap();
+    assert!(!lease.base_url.ends_with(&format!(":{port}")), "{} again", lease.base_url);
+    assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
+    drop(lease);
+    m.unload("a", "test over").await.unwrap();
+    other.kill().unwrap();
+    other.wait().unwrap();
+}
+
+/// Starts model `a`, and another worker's process on the port the agent gave it before it
+/// binds (with SO_REUSEPORT on both when `reuse_port`); the load fails naming that process,
+/// and the next call serves on another port. The reason the load failed.
+async fn taken_port(reuse_port: bool) -> String {
+    let env = Env::new().await;
+    let flags = if reuse_port { "--startup-delay-ms 1500 --reuse-port" } else { "--startup-delay-ms 1500" };
+    let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", flags, "load_timeout_s = 3")).await;
+    let m = Arc::new(m);
+    let call = {
+        let m = m.clone();
+        tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
+    };
+    let port = started_worker_port(&env).await;
+    let mut other = other_worker(port, reuse_port);
     let t = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(t.elapsed() < Duration::from_secs(5), "the other worker did not listen on {port}");

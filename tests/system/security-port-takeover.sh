@@ -66,7 +66,7 @@ done
 wait "${calls[@]}" || true
 for i in 1 2 3 4; do [ "$(cat "$MT_DIR/beside.$i")" = 200 ] || models_fail "call $i with a listener on [::1]:$port: $(cat "$MT_DIR/beside.$i")"; done
 [ "$(models_jobs tk-chat)" = "$job" ] || models_fail "a listener on another address stopped worker job $job (now: '$(models_jobs tk-chat)')"
-grep -F "is not held by the worker account" "$MT_DIR/agent.log" && models_fail "a listener on [::1]:$port was taken for a squatter on 127.0.0.1:$port"
+grep -F "is not held by that worker alone" "$MT_DIR/agent.log" && models_fail "a listener on [::1]:$port was taken for a squatter on 127.0.0.1:$port"
 [ -s "$MT_DIR/squat.log" ] && models_fail "the listener on [::1] received a request: $(cat "$MT_DIR/squat.log")"
 kill "$beside" 2>/dev/null || true
 wait "$beside" 2>/dev/null || true
@@ -96,7 +96,7 @@ echo "== 3. the next call gets nothing sent to the squatter, and is answered by 
 MC_TIMEOUT=60 models_call tk-chat "my secret prompt"
 grep -q 'secret' "$MT_DIR/squat.log" && models_fail "the squatter received the caller's prompt: $(cat "$MT_DIR/squat.log")"
 [ -s "$MT_DIR/squat.log" ] && models_fail "the squatter received a request: $(cat "$MT_DIR/squat.log")"
-grep -F "is not held by the worker account" "$MT_DIR/agent.log" | grep -q "uid $squatter_uid listens on port $port" ||
+grep -F "is not held by that worker alone" "$MT_DIR/agent.log" | grep -q "uid $squatter_uid listens on port $port" ||
     models_fail "the agent did not log the uid on the worker's port: $(grep -F 'not held by' "$MT_DIR/agent.log" | tail -n1)"
 [ "$MC_STATUS" = 200 ] || models_fail "the call with the port taken over: expected 200 from a new worker, got $MC_STATUS: $MC_BODY"
 stopped() { grep -F "its server stopped holding its port while the job ran" "$MT_DIR/agent.log" | grep -q 'to="unloaded"'; }

@@ -317,7 +317,7 @@ async fn attempt(
     request_id: &str,
 ) -> Result<Result<upstream::Response, upstream::UpstreamError>, GatewayError> {
     let target = match upstream::Target::parse(&lease.base_url) {
-        Ok(t) => t.owned_by(lease.owner_uid),
+        Ok(t) => t.owned_by(lease.worker()),
         Err(e) => return Ok(Err(e)),
     };
     let mut headers = Vec::with_capacity(4);
@@ -362,11 +362,11 @@ pub fn upstream_error(lease: &crate::models::Lease, e: upstream::UpstreamError) 
         return GatewayError::ResponseTooLarge { model: lease.model.clone(), limit, what: "" };
     }
     if let upstream::UpstreamError::NotTheWorker { what, .. } = &e {
-        tracing::error!(model = %lease.model, upstream = %lease.base_url, reason = %what, "a worker's port is not held by the worker account (its worker gone, another process on the port?); nothing was sent there");
+        tracing::error!(model = %lease.model, upstream = %lease.base_url, reason = %what, "a worker's port is not held by that worker alone (its worker gone, another process on the port?); nothing was sent there");
         lease.upstream_failed();
         return GatewayError::Upstream {
             model: lease.model.clone(),
-            what: "its worker's port is no longer held by the worker (the worker died or stopped); nothing was sent there; retry: the next call goes to another replica or restarts it".into(),
+            what: "its worker's port is no longer held by that worker alone (the worker died or stopped, or another process listens there); nothing was sent there; retry: the next call goes to another replica or restarts it".into(),
         };
     }
     let what = if e.is_connect() {

@@ -30,6 +30,8 @@ use http::{Method, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::models::launcher::Instance;
+
 /// Largest response head accepted (status line and headers).
 const MAX_HEAD: usize = 64 * 1024;
 /// Most response headers accepted.
@@ -48,9 +50,10 @@ pub enum UpstreamError {
     Connect { addr: String, source: io::Error },
     #[error("connecting to {addr} took longer than {seconds}s")]
     ConnectTimeout { addr: String, seconds: u64 },
-    /// The port is on this host, and what listens there is not the worker's account (its
-    /// worker died and another process took the port) or cannot be told: nothing was sent.
-    #[error("the port of {addr} is not held by the worker's account: {what}")]
+    /// The port is on this host, and what listens there is not the worker alone (its worker
+    /// died and another process took the port, or another worker's process shares it) or
+    /// cannot be told: nothing was sent.
+    #[error("the port of {addr} is not held by its worker alone: {what}")]
     NotTheWorker { addr: String, what: String },
     #[error("the connection broke off: {0}")]
     Io(#[from] io::Error),
@@ -78,15 +81,15 @@ impl UpstreamError {
 }
 
 /// Where a worker is: `http://AUTHORITY[/PREFIX]`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 pub struct Target<'a> {
     /// `host:port` (the `Host` header and the pool key).
     pub authority: &'a str,
     /// A path the worker is mounted under (`""` usually).
     pub prefix: &'a str,
-    /// The uid that must own the port's listening sockets (a worker gpuhub started); checked
-    /// on every new connection to a port on this host ([`Target::owned_by`]).
-    pub owner_uid: Option<u32>,
+    /// The worker gpuhub started there, whose port's listening sockets must all be its own;
+    /// checked on every new connection to a port on this host ([`Target::owned_by`]).
+    pub owner: Option<&'a Instance>,
 }
 
 impl<'a> Target<'a> {
@@ -98,15 +101,17 @@ impl<'a> Target<'a> {
         if authority.is_empty() || authority.contains('@') || authority.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control()) {
             return Err(bad());
         }
-        Ok(Target { authority, prefix: prefix.trim_end_matches('/'), owner_uid: None })
+        Ok(Target { authority, prefix: prefix.trim_end_matches('/'), owner: None })
     }
 
-    /// A worker whose port must be held by `uid`: a new connection to it on this host is used
-    /// only when every socket listening on that port is `uid`'s (the one-time proof at start
-    /// says nothing once the worker is gone and another user has bound its port: that process
-    /// would get the calls' prompts and the worker's key).
-    pub fn owned_by(self, uid: Option<u32>) -> Target<'a> {
-        Target { owner_uid: uid, ..self }
+    /// A worker gpuhub started: a new connection to its port on this host is used only when
+    /// every socket listening on that port is the worker account's and held by the worker's
+    /// own processes. The proof at start says nothing once the worker is gone and another user
+    /// has bound its port (that process would get the calls' prompts and the worker's key), or
+    /// once another worker's process shares the port by `SO_REUSEPORT` (the kernel would hand
+    /// it some of the connections, so calls for one model would reach another).
+    pub fn owned_by(self, worker: Option<&'a Instance>) -> Target<'a> {
+        Target { owner: worker, ..self }
     }
 
     /// The address to connect to (port 80 when the URL names none).
@@ -192,12 +197,13 @@ fn still_open(conn: &TcpStream) -> bool {
 pub struct Client {
     pool: Arc<Pool>,
     connect_timeout: Duration,
+    proved: Arc<Proved>,
 }
 
 impl Client {
     pub fn new(max_idle_per_host: usize, idle_timeout: Duration, connect_timeout: Duration) -> Client {
         let pool = Arc::new(Pool { idle: Mutex::default(), max_idle_per_host, idle_timeout });
-        Client { pool, connect_timeout }
+        Client { pool, connect_timeout, proved: Arc::default() }
     }
 
     /// Drops idle connections every `every` while the client lives (a worker that closed an
@@ -262,8 +268,8 @@ impl Client {
             Ok(Err(source)) => return Err(UpstreamError::Connect { addr, source }),
             Ok(Ok(c)) => c,
         };
-        if let Some(uid) = target.owner_uid {
-            check_owner(&conn, uid).map_err(|what| UpstreamError::NotTheWorker { addr, what })?;
+        if let Some(worker) = target.owner {
+            check_owner(&conn, worker, &self.proved).map_err(|what| UpstreamError::NotTheWorker { addr, what })?;
         }
         // Small SSE events must not wait for Nagle.
         conn.set_nodelay(true)?;
@@ -272,36 +278,66 @@ impl Client {
 }
 
 /// Whether a worker still holds its port, without sending it anything: a connection is
-/// accepted within `timeout` and, on this host, every listener there is `owner_uid`'s. For the
-/// lifecycle's check after a call could not reach the worker.
-pub async fn holds_port(base_url: &str, owner_uid: Option<u32>, timeout: Duration) -> bool {
+/// accepted within `timeout` and, on this host, every listener there is `worker`'s
+/// ([`Target::owned_by`]). For the lifecycle's check after a call could not reach the worker.
+pub async fn holds_port(base_url: &str, worker: Option<&Instance>, timeout: Duration) -> bool {
     let Ok(target) = Target::parse(base_url) else { return false };
     let conn = match tokio::time::timeout(timeout, TcpStream::connect(target.connect_addr())).await {
         Ok(Ok(c)) => c,
         _ => return false,
     };
-    owner_uid.is_none_or(|uid| check_owner(&conn, uid).is_ok())
+    worker.is_none_or(|w| check_owner(&conn, w, &Proved::default()).is_ok())
+}
+
+/// Listening sockets found to be held by a worker's own processes, by worker and port: each
+/// is looked up in `/proc` once (a scan of the worker account's processes), not on every new
+/// connection.
+#[derive(Default)]
+struct Proved(Mutex<HashMap<(String, u16), Vec<u64>>>);
+
+impl Proved {
+    /// Workers remembered at most; past that the memory starts again (a worker's sockets are
+    /// then looked up once more).
+    const MAX: usize = 256;
 }
 
 /// For a connection to a port on this host (its peer address is one of ours: loopback, or the
-/// node's address), that every socket listening on the port is `uid`'s. A worker on another
-/// node proved its port on that node at start (`launcher::proof`); this host cannot see it.
-fn check_owner(conn: &TcpStream, uid: u32) -> Result<(), String> {
-    use crate::models::launcher::proof::{self, PortOwner};
+/// node's address), that every socket listening on the port is the worker account's and held
+/// by `worker`'s own processes (`launcher::foreign_holder`). A worker on another node proved
+/// its port on that node at start (`launcher::proof`); this host cannot see it.
+fn check_owner(conn: &TcpStream, worker: &Instance, proved: &Proved) -> Result<(), String> {
+    use crate::models::launcher::{self, proof};
     let (Ok(local), Ok(peer)) = (conn.local_addr(), conn.peer_addr()) else {
         return Err("the connection has no addresses".into());
     };
     if local.ip() != peer.ip() && !peer.ip().is_loopback() {
         return Ok(());
     }
-    match proof::owner(peer.port(), uid, Some(&[peer.ip()])) {
-        Ok(PortOwner::Worker) => Ok(()),
-        Ok(PortOwner::Other { uid: other }) => {
-            Err(format!("uid {other} listens on port {} (the worker account is uid {uid})", peer.port()))
+    let port = peer.port();
+    let listeners =
+        proof::reachable(port, Some(&[peer.ip()])).map_err(|e| format!("cannot ask the kernel who listens on port {port}: {e}"))?;
+    let uids: Vec<u32> = listeners.iter().map(|l| l.uid).collect();
+    match proof::classify(&uids, worker.uid) {
+        proof::PortOwner::Worker => {}
+        proof::PortOwner::Other { uid } => {
+            return Err(format!("uid {uid} listens on port {port} (the worker account is uid {})", worker.uid));
         }
-        Ok(PortOwner::Nobody) => Err(format!("nothing listens on port {} any more", peer.port())),
-        Err(e) => Err(format!("cannot ask the kernel who listens on port {}: {e}", peer.port())),
+        proof::PortOwner::Nobody => return Err(format!("nothing listens on port {port} any more")),
     }
+    let inodes: Vec<u64> = listeners.iter().map(|l| l.inode).collect();
+    let key = (worker.id.clone(), port);
+    let mut ours = proved.0.lock().unwrap_or_else(PoisonError::into_inner).get(&key).cloned().unwrap_or_default();
+    if let Some(pid) = launcher::foreign_holder(worker, &inodes, &mut ours) {
+        return Err(format!(
+            "another worker's process (pid {pid}) of the worker account listens on port {port} too (SO_REUSEPORT), so the kernel could hand it this connection"
+        ));
+    }
+    let mut map = proved.0.lock().unwrap_or_else(PoisonError::into_inner);
+    if map.len() >= Proved::MAX {
+        map.clear();
+    }
+    map.insert(key, ours);
+    Ok(())
 }
 
 /// The request head: request line, `Host`, the caller's headers, `Content-Length` (with

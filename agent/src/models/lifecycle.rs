@@ -105,9 +105,6 @@ pub struct Lease {
     pub base_url: String,
     pub api_key: Option<String>,
     pub version: Option<String>,
-    /// The uid that must own the worker's port (a worker gpuhub started; `None` for a static
-    /// URL): the gateway checks it on each new connection ([`crate::gateway::upstream`]).
-    pub owner_uid: Option<u32>,
     /// Held for its `Drop`: ends the call (in-flight count, queue permit, idle timer).
     _guard: InFlightGuard,
 }
@@ -127,6 +124,13 @@ struct InFlightGuard {
 }
 
 impl Lease {
+    /// The worker gpuhub started that this call goes to (`None` for a static URL): the gateway
+    /// checks on each new connection that its port is held by it alone
+    /// ([`crate::gateway::upstream::Target::owned_by`]).
+    pub fn worker(&self) -> Option<&Instance> {
+        self._guard._instance.as_deref()
+    }
+
     /// The call could not reach its worker (refused, broken off): the replica gets no call
     /// until a health probe passes again, so the next call goes to another replica; and its
     /// supervisor checks now whether the worker still holds its port (a worker whose server
@@ -821,7 +825,6 @@ impl Shared {
                 base_url: m.url.clone().unwrap_or_default().trim_end_matches('/').to_string(),
                 api_key: m.api_key.clone(),
                 version: None,
-                owner_uid: None,
                 _guard: InFlightGuard { worker: w, _permit: permit, _instance: None, route: None, alive_before: AtomicU64::new(u64::MAX) },
             });
         }
@@ -906,7 +909,6 @@ impl Shared {
             base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
-            owner_uid: Some(instance.uid),
             _guard: InFlightGuard {
                 worker: w,
                 _permit: permit,
@@ -946,7 +948,6 @@ impl Shared {
             base_url: instance.base_url().unwrap_or_default().to_string(),
             api_key: Some(instance.api_key.clone()),
             version: instance.version.clone(),
-            owner_uid: Some(instance.uid),
             _guard: guard,
         })
     }
@@ -2111,26 +2112,14 @@ fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -
         return None;
     }
     let inodes: Vec<u64> = proof::reachable(port, proof::targets_of(&host).as_deref()).ok()?.iter().map(|l| l.inode).collect();
-    if inodes.iter().all(|i| seen.ours.contains(i)) {
-        return None;
-    }
     if let Some((at, pid)) = &seen.other
         && *at == inodes
     {
         return Some(*pid);
     }
-    // Every holder must be the worker's: servers that set SO_REUSEPORT (vLLM's does) share a
-    // port between sockets of one account, and the kernel spreads connections across them.
-    match proof::holders(inst.uid, &inodes).into_iter().find(|pid| !launcher::is_its_process(inst, *pid)) {
-        None => {
-            seen.ours.extend(inodes);
-            None
-        }
-        Some(other) => {
-            seen.other = Some((inodes, other));
-            Some(other)
-        }
-    }
+    let other = launcher::foreign_holder(inst, &inodes, &mut seen.ours)?;
+    seen.other = Some((inodes, other));
+    Some(other)
 }
 
 /// The sockets on a starting worker's port found to be its own, and the last ones found to be
@@ -2287,10 +2276,10 @@ async fn still_holds_port(inst: &Instance) -> bool {
         if i > 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if crate::gateway::upstream::holds_port(url, Some(inst.uid), Duration::from_secs(2)).await {
-            // The worker account's socket, but maybe another worker's that took the port
-            // after this one's server died.
-            return other_workers_port(inst, url, &mut PortHolders::default()).is_none();
+        // Every listener there the worker's own: not another worker's process that took the
+        // port after this one's server died, or shares it.
+        if crate::gateway::upstream::holds_port(url, Some(inst), Duration::from_secs(2)).await {
+            return true;
         }
     }
     false

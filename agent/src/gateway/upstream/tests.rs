@@ -195,22 +195,66 @@ async fn broken_answers_are_errors() {
     assert!(e.is_connect(), "{e:?}");
 }
 
+/// A local worker of account `uid` whose process group is `pgrp` (this test process is its
+/// process when `pgrp` is this process's group).
+fn worker(uid: u32, pgrp: u32) -> Instance {
+    Instance::new(crate::config::LauncherKind::Local, pgrp.to_string(), "k".repeat(32), uid, "/dev/null".into())
+}
+
+/// This process's effective uid and process group.
+fn me() -> (u32, u32) {
+    // SAFETY: plain syscalls.
+    let (uid, pgrp) = unsafe { (libc::geteuid(), libc::getpgrp()) };
+    (uid, u32::try_from(pgrp).unwrap())
+}
+
 /// A worker's port taken by another account (its worker gone): a new connection there is not
 /// used, and the request is not sent; the worker's own account is served.
 #[tokio::test]
 async fn a_port_held_by_another_account_gets_nothing() {
     let (url, mut seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]]).await;
-    // SAFETY: plain syscall.
-    let me = unsafe { libc::geteuid() };
+    let (me, pgrp) = me();
     let c = client();
-    let e = c.send(Target::parse(&url).unwrap().owned_by(Some(me.wrapping_add(1))), &post(b"{}")).await.unwrap_err();
+    let e = c.send(Target::parse(&url).unwrap().owned_by(Some(&worker(me.wrapping_add(1), pgrp))), &post(b"{}")).await.unwrap_err();
     assert!(matches!(&e, UpstreamError::NotTheWorker { what, .. } if what.contains(&format!("uid {me} listens"))), "{e:?}");
     assert!(e.is_connect(), "nothing was sent: a replica may take the call ({e:?})");
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(seen.try_recv().is_err(), "the request reached a process of another account");
-    let r = c.send(Target::parse(&url).unwrap().owned_by(Some(me)), &post(b"{}")).await.unwrap();
+    let r = c.send(Target::parse(&url).unwrap().owned_by(Some(&worker(me, pgrp))), &post(b"{}")).await.unwrap();
     assert_eq!(r.bytes().await.unwrap(), &b"ok"[..]);
     assert!(seen.try_recv().is_ok(), "the worker's own account is served");
+}
+
+/// A worker's port on which a process of the worker account that is not this worker's listens
+/// (another worker's: `SO_REUSEPORT` lets one account's sockets share a port, and the kernel
+/// spreads connections across them): a new connection there is not used, and the process is
+/// named; the worker whose process it is, is served.
+#[tokio::test]
+async fn a_port_another_workers_process_listens_on_gets_nothing() {
+    // The answer closes its connection, so each call below connects anew.
+    let (url, mut seen) = server(vec![vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", b""]]).await;
+    let (me, pgrp) = me();
+    let c = client();
+    let another = worker(me, pgrp.wrapping_add(1));
+    let e = c.send(Target::parse(&url).unwrap().owned_by(Some(&another)), &post(b"{}")).await.unwrap_err();
+    let pid = std::process::id();
+    assert!(
+        matches!(&e, UpstreamError::NotTheWorker { what, .. } if what.contains(&format!("another worker's process (pid {pid})"))),
+        "{e:?}"
+    );
+    assert!(e.is_connect(), "nothing was sent: a replica may take the call ({e:?})");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(seen.try_recv().is_err(), "the request reached another worker's process");
+    let own = worker(me, pgrp);
+    let r = c.send(Target::parse(&url).unwrap().owned_by(Some(&own)), &post(b"{}")).await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &b"ok"[..]);
+    assert!(seen.try_recv().is_ok(), "the worker's own process is served");
+    // Still refused for the other worker on a new connection, though the port's sockets were
+    // found to be `own`'s: what was found is kept per worker. (After the answer's connection
+    // is seen closed, so the call connects anew.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let again = c.send(Target::parse(&url).unwrap().owned_by(Some(&another)), &post(b"{}")).await;
+    assert!(matches!(again, Err(UpstreamError::NotTheWorker { .. })), "{:?}", again.err());
 }
 
 /// A worker whose host answers nothing (here its accept queue is full, so its SYNs are
@@ -263,8 +307,10 @@ async fn a_worker_that_died_after_reading_a_pooled_request_is_not_a_connect_fail
 
 #[test]
 fn targets() {
-    assert_eq!(Target::parse("http://127.0.0.1:8000").unwrap(), Target { authority: "127.0.0.1:8000", prefix: "", owner_uid: None });
-    assert_eq!(Target::parse("http://gpu01:8000/vllm/").unwrap(), Target { authority: "gpu01:8000", prefix: "/vllm", owner_uid: None });
+    let t = Target::parse("http://127.0.0.1:8000").unwrap();
+    assert_eq!((t.authority, t.prefix, t.owner.is_none()), ("127.0.0.1:8000", "", true));
+    let t = Target::parse("http://gpu01:8000/vllm/").unwrap();
+    assert_eq!((t.authority, t.prefix, t.owner.is_none()), ("gpu01:8000", "/vllm", true));
     assert_eq!(Target::parse("http://gpu01").unwrap().connect_addr(), "gpu01:80");
     assert_eq!(Target::parse("http://[::1]:9").unwrap().connect_addr(), "[::1]:9");
     assert_eq!(Target::parse("http://[::1]").unwrap().connect_addr(), "[::1]:80");

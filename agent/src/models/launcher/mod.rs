@@ -267,6 +267,30 @@ pub fn is_its_process(inst: &Instance, pid: u32) -> bool {
     }
 }
 
+/// A process of the worker account that holds one of the listening sockets `inodes` and is not
+/// `inst`'s own ([`is_its_process`]): another worker's. Every holder must be the worker's:
+/// servers that set `SO_REUSEPORT` (vLLM's does) share a port between sockets of one account,
+/// and the kernel spreads connections across them. `ours`: sockets already found to be
+/// `inst`'s (skipped, and extended with those found now), so each is looked up in `/proc` once.
+/// `None` also where the holders cannot be seen (descriptors this agent cannot read, a process
+/// that is not dumpable): that cannot be told, as before this check.
+pub fn foreign_holder(inst: &Instance, inodes: &[u64], ours: &mut Vec<u64>) -> Option<u32> {
+    if inodes.iter().all(|i| ours.contains(i)) {
+        return None;
+    }
+    match proof::holders(inst.uid, inodes).into_iter().find(|pid| !is_its_process(inst, *pid)) {
+        None => {
+            for i in inodes {
+                if !ours.contains(i) {
+                    ours.push(*i);
+                }
+            }
+            None
+        }
+        other => other,
+    }
+}
+
 /// Whether a `/proc/PID/cgroup` text puts the process in Slurm job `job`'s cgroup
 /// (`.../job_<job>/...`, cgroup v1 or v2).
 fn in_job_cgroup(cgroup: &str, job: &str) -> bool {

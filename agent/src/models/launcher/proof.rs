@@ -274,7 +274,8 @@ pub fn holders(uid: u32, inodes: &[u64]) -> Vec<u32> {
     out
 }
 
-fn classify(uids: &[u32], uid: u32) -> PortOwner {
+/// Who listens, from the uids of the sockets listening on a port, for a worker of account `uid`.
+pub fn classify(uids: &[u32], uid: u32) -> PortOwner {
     if let Some(other) = uids.iter().find(|u| **u != uid) {
         PortOwner::Other { uid: *other }
     } else if uids.is_empty() {
