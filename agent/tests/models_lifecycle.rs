@@ -787,6 +787,8 @@ async fn another_workers_process_that_starts_sharing_a_ready_workers_port_gets_n
     // and stops it; the next call serves on another port.
     lease.upstream_failed();
     assert!(m.worker_gone(&lease, Duration::from_secs(5)).await, "the worker sharing its port with another's is stopped");
+    let detail = m.status("a").unwrap().detail.unwrap_or_default();
+    assert!(detail.contains(&format!("another worker's process (pid {})", other.id())), "the model's state says why: {detail}");
     drop(lease);
     let lease = m.acquire("a").await.unwrap();
     assert!(!lease.base_url.ends_with(&format!(":{port}")), "{} again", lease.base_url);

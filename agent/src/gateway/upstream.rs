@@ -279,14 +279,17 @@ impl Client {
 
 /// Whether a worker still holds its port, without sending it anything: a connection is
 /// accepted within `timeout` and, on this host, every listener there is `worker`'s
-/// ([`Target::owned_by`]). For the lifecycle's check after a call could not reach the worker.
-pub async fn holds_port(base_url: &str, worker: Option<&Instance>, timeout: Duration) -> bool {
-    let Ok(target) = Target::parse(base_url) else { return false };
-    let conn = match tokio::time::timeout(timeout, TcpStream::connect(target.connect_addr())).await {
+/// ([`Target::owned_by`]); else what was found instead. For the lifecycle's check after a call
+/// could not reach the worker.
+pub async fn holds_port(base_url: &str, worker: Option<&Instance>, timeout: Duration) -> Result<(), String> {
+    let target = Target::parse(base_url).map_err(|e| e.to_string())?;
+    let addr = target.connect_addr();
+    let conn = match tokio::time::timeout(timeout, TcpStream::connect(&addr)).await {
         Ok(Ok(c)) => c,
-        _ => return false,
+        Ok(Err(e)) => return Err(format!("cannot connect to {addr}: {e}")),
+        Err(_) => return Err(format!("connecting to {addr} took longer than {}s", timeout.as_secs())),
     };
-    worker.is_none_or(|w| check_owner(&conn, w, &Proved::default()).is_ok())
+    worker.map_or(Ok(()), |w| check_owner(&conn, w, &Proved::default()))
 }
 
 /// Listening sockets found to be held by a worker's own processes, by worker and port: each
@@ -329,7 +332,7 @@ fn check_owner(conn: &TcpStream, worker: &Instance, proved: &Proved) -> Result<(
     let mut ours = proved.0.lock().unwrap_or_else(PoisonError::into_inner).get(&key).cloned().unwrap_or_default();
     if let Some(pid) = launcher::foreign_holder(worker, &inodes, &mut ours) {
         return Err(format!(
-            "another worker's process (pid {pid}) of the worker account listens on port {port} too (SO_REUSEPORT), so the kernel could hand it this connection"
+            "another worker's process (pid {pid}) of the worker account listens on port {port} too (SO_REUSEPORT: the kernel would hand it some of the connections)"
         ));
     }
     let mut map = proved.0.lock().unwrap_or_else(PoisonError::into_inner);

@@ -1325,22 +1325,25 @@ impl Shared {
                     return; // unloaded or draining by someone else; they stop the worker
                 }
             }
-            let gone = match rt.launchers.poll(&inst).await {
-                RunState::Gone(how) => Some(how),
-                // A call could not reach it: gone if its port is closed, or no longer its own,
-                // while its job runs on (a wrapper that outlives its server); the job is stopped.
-                _ if suspect && !still_holds_port(&inst).await => {
+            let run = rt.launchers.poll(&inst).await;
+            // A call could not reach it: gone if its port is closed, or no longer its own alone,
+            // while its job runs on (a wrapper that outlives its server); the job is stopped.
+            let lost = match &run {
+                RunState::Gone(_) => None,
+                _ if suspect => still_holds_port(&inst).await.err(),
+                _ => None,
+            };
+            let gone = match (run, lost) {
+                (RunState::Gone(how), _) => Some(how),
+                (_, Some(why)) => {
                     // Another agent's worker is its owner's to stop (`stop` leaves it alone):
                     // the owner is told, and checks it itself.
                     rt.launchers.stop(&inst).await;
                     single_flight::report_unreachable(rt.store.as_ref(), &inst).await;
-                    Some(
-                        match inst.borrowed_from {
-                            None => "its server stopped holding its port while the job ran; the job was stopped",
-                            Some(_) => "its server stopped holding its port while the job ran",
-                        }
-                        .to_string(),
-                    )
+                    Some(match inst.borrowed_from {
+                        None => format!("its server stopped holding its port while the job ran; the job was stopped ({why})"),
+                        Some(_) => format!("its server stopped holding its port while the job ran ({why})"),
+                    })
                 }
                 _ => {
                     if suspect {
@@ -2269,18 +2272,20 @@ pub fn launcher_name(k: LauncherKind) -> &'static str {
 }
 
 /// Whether `inst` still holds its port (a connection accepted there, by the worker account and
-/// by `inst`'s own processes where this host can tell), tried twice 100 ms apart so a momentary refusal is not a death.
-async fn still_holds_port(inst: &Instance) -> bool {
-    let Some(url) = inst.base_url() else { return true };
+/// by `inst`'s own processes where this host can tell: not another worker's process that took
+/// the port after this one's server died, or shares it), tried twice 100 ms apart so a
+/// momentary refusal is not a death; else what was found the second time.
+async fn still_holds_port(inst: &Instance) -> Result<(), String> {
+    let Some(url) = inst.base_url() else { return Ok(()) };
+    let mut found = String::new();
     for i in 0..2 {
         if i > 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        // Every listener there the worker's own: not another worker's process that took the
-        // port after this one's server died, or shares it.
-        if crate::gateway::upstream::holds_port(url, Some(inst), Duration::from_secs(2)).await {
-            return true;
+        match crate::gateway::upstream::holds_port(url, Some(inst), Duration::from_secs(2)).await {
+            Ok(()) => return Ok(()),
+            Err(why) => found = why,
         }
     }
-    false
+    Err(found)
 }
