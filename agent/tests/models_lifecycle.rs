@@ -762,7 +762,7 @@ async fn another_workers_process_that_starts_sharing_a_ready_workers_port_gets_n
     let (m, _reg, _t, _tasks) = env.manager("", &env.model("a", "--reuse-port", "")).await;
     let lease = m.acquire("a").await.unwrap();
     let port: u16 = lease.base_url.rsplit(':').next().unwrap().parse().unwrap();
-    let mut other = other_worker(port, true);
+    let other = other_worker(port, true);
     let t = Instant::now();
     while gpuhub_agent::models::launcher::proof::listeners_on(port).unwrap().len() < 2 {
         assert!(t.elapsed() < Duration::from_secs(5), "the other worker did not listen on {port} beside this one");
@@ -790,6 +790,12 @@ async fn another_workers_process_that_starts_sharing_a_ready_workers_port_gets_n
     let detail = m.status("a").unwrap().detail.unwrap_or_default();
     assert!(detail.contains(&format!("another worker's process (pid {})", other.id())), "the model's state says why: {detail}");
     drop(lease);
+    serves_on_another_port(&m, port, other).await;
+}
+
+/// The next call for model `a` is served by a worker on a port other than `port`; then `a` is
+/// unloaded and `other` (the worker that had that port) stopped.
+async fn serves_on_another_port(m: &ModelManager, port: u16, mut other: std::process::Child) {
     let lease = m.acquire("a").await.unwrap();
     assert!(!lease.base_url.ends_with(&format!(":{port}")), "{} again", lease.base_url);
     assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
@@ -812,7 +818,7 @@ async fn taken_port(reuse_port: bool) -> String {
         tokio::spawn(async move { m.acquire("a").await.map(|l| l.base_url.clone()) })
     };
     let port = started_worker_port(&env).await;
-    let mut other = other_worker(port, reuse_port);
+    let other = other_worker(port, reuse_port);
     let t = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(t.elapsed() < Duration::from_secs(5), "the other worker did not listen on {port}");
@@ -836,13 +842,7 @@ async fn taken_port(reuse_port: bool) -> String {
     assert!(reason.contains(&format!("(pid {})", other.id())), "the other worker's process is named: {reason}");
     // Not the model's fault, so no back-off: the next call starts it on another port, and it
     // answers.
-    let lease = m.acquire("a").await.unwrap();
-    assert!(!lease.base_url.ends_with(&format!(":{port}")), "{} again", lease.base_url);
-    assert_eq!(chat(&lease, lease.api_key.as_deref()).await.status(), 200);
-    drop(lease);
-    m.unload("a", "test over").await.unwrap();
-    other.kill().unwrap();
-    other.wait().unwrap();
+    serves_on_another_port(&m, port, other).await;
     reason
 }
 
