@@ -319,8 +319,7 @@ fn check_owner(conn: &TcpStream, worker: &Instance, proved: &Proved) -> Result<(
     let port = peer.port();
     let listeners =
         proof::reachable(port, Some(&[peer.ip()])).map_err(|e| format!("cannot ask the kernel who listens on port {port}: {e}"))?;
-    let uids: Vec<u32> = listeners.iter().map(|l| l.uid).collect();
-    match proof::classify(&uids, worker.uid) {
+    match proof::owner_of(&listeners, worker.uid) {
         proof::PortOwner::Worker => {}
         proof::PortOwner::Other { uid } => {
             return Err(format!("uid {uid} listens on port {port} (the worker account is uid {})", worker.uid));

@@ -237,8 +237,13 @@ pub fn proc_listeners(port: u16) -> std::io::Result<Vec<Listener>> {
 /// `targets` could reach (`None`: every socket on the port). A socket of another user on
 /// another address (`[::1]:P` beside a worker on `127.0.0.1:P`) never sees the worker's calls.
 pub fn owner(port: u16, uid: u32, targets: Option<&[IpAddr]>) -> std::io::Result<PortOwner> {
-    let uids: Vec<u32> = reachable(port, targets)?.iter().map(|l| l.uid).collect();
-    Ok(classify(&uids, uid))
+    Ok(owner_of(&reachable(port, targets)?, uid))
+}
+
+/// Who listens, from the sockets listening on a port ([`reachable`]), for a worker of account
+/// `uid`.
+pub fn owner_of(listeners: &[Listener], uid: u32) -> PortOwner {
+    classify(&listeners.iter().map(|l| l.uid).collect::<Vec<_>>(), uid)
 }
 
 /// The sockets listening on `port` that a connection to one of `targets` could reach.
@@ -274,8 +279,7 @@ pub fn holders(uid: u32, inodes: &[u64]) -> Vec<u32> {
     out
 }
 
-/// Who listens, from the uids of the sockets listening on a port, for a worker of account `uid`.
-pub fn classify(uids: &[u32], uid: u32) -> PortOwner {
+fn classify(uids: &[u32], uid: u32) -> PortOwner {
     if let Some(other) = uids.iter().find(|u| **u != uid) {
         PortOwner::Other { uid: *other }
     } else if uids.is_empty() {
