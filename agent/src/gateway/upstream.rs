@@ -54,7 +54,7 @@ pub enum UpstreamError {
     /// died and another process took the port, or another worker's process shares it) or
     /// cannot be told: nothing was sent.
     #[error("the port of {addr} is not held by its worker alone: {what}")]
-    NotTheWorker { addr: String, what: String },
+    NotTheWorker { addr: String, what: PortLost },
     #[error("the connection broke off: {0}")]
     Io(#[from] io::Error),
     #[error("the worker closed the connection before it answered")]
@@ -77,6 +77,32 @@ impl UpstreamError {
                 | UpstreamError::NotTheWorker { .. }
                 | UpstreamError::Url { .. }
         )
+    }
+}
+
+/// What was found on a worker's port instead of that worker alone, or why it cannot be told.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PortLost {
+    /// No connection (refused, timed out), or the kernel could not be asked.
+    #[error("{0}")]
+    Unreachable(String),
+    #[error("nothing listens on port {port} any more")]
+    Nobody { port: u16 },
+    #[error("uid {uid} listens on port {port} (the worker account is uid {worker_uid})")]
+    OtherUser { uid: u32, port: u16, worker_uid: u32 },
+    /// The worker still listens; another worker's process of the same account shares the port.
+    #[error(
+        "another worker's process (pid {pid}) of the worker account listens on port {port} too (SO_REUSEPORT: the kernel would hand it some of the connections)"
+    )]
+    Shared { pid: u32, port: u16 },
+}
+
+impl PortLost {
+    /// Whether the worker itself stopped serving (its server died or left the port): only
+    /// then does its stop count toward the model's back-off (`max_restarts`). Another worker's
+    /// process sharing its port is not the model's fault.
+    pub fn worker_failed(&self) -> bool {
+        !matches!(self, PortLost::Shared { .. })
     }
 }
 
@@ -281,13 +307,13 @@ impl Client {
 /// accepted within `timeout` and, on this host, every listener there is `worker`'s
 /// ([`Target::owned_by`]); else what was found instead. For the lifecycle's check after a call
 /// could not reach the worker.
-pub async fn holds_port(base_url: &str, worker: Option<&Instance>, timeout: Duration) -> Result<(), String> {
-    let target = Target::parse(base_url).map_err(|e| e.to_string())?;
+pub async fn holds_port(base_url: &str, worker: Option<&Instance>, timeout: Duration) -> Result<(), PortLost> {
+    let target = Target::parse(base_url).map_err(|e| PortLost::Unreachable(e.to_string()))?;
     let addr = target.connect_addr();
     let conn = match tokio::time::timeout(timeout, TcpStream::connect(&addr)).await {
         Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(format!("cannot connect to {addr}: {e}")),
-        Err(_) => return Err(format!("connecting to {addr} took longer than {}s", timeout.as_secs())),
+        Ok(Err(e)) => return Err(PortLost::Unreachable(format!("cannot connect to {addr}: {e}"))),
+        Err(_) => return Err(PortLost::Unreachable(format!("connecting to {addr} took longer than {}s", timeout.as_secs()))),
     };
     worker.map_or(Ok(()), |w| check_owner(&conn, w, &Proved::default()))
 }
@@ -308,31 +334,27 @@ impl Proved {
 /// node's address), that every socket listening on the port is the worker account's and held
 /// by `worker`'s own processes (`launcher::foreign_holder`). A worker on another node proved
 /// its port on that node at start (`launcher::proof`); this host cannot see it.
-fn check_owner(conn: &TcpStream, worker: &Instance, proved: &Proved) -> Result<(), String> {
+fn check_owner(conn: &TcpStream, worker: &Instance, proved: &Proved) -> Result<(), PortLost> {
     use crate::models::launcher::{self, proof};
     let (Ok(local), Ok(peer)) = (conn.local_addr(), conn.peer_addr()) else {
-        return Err("the connection has no addresses".into());
+        return Err(PortLost::Unreachable("the connection has no addresses".into()));
     };
     if local.ip() != peer.ip() && !peer.ip().is_loopback() {
         return Ok(());
     }
     let port = peer.port();
-    let listeners =
-        proof::reachable(port, Some(&[peer.ip()])).map_err(|e| format!("cannot ask the kernel who listens on port {port}: {e}"))?;
+    let listeners = proof::reachable(port, Some(&[peer.ip()]))
+        .map_err(|e| PortLost::Unreachable(format!("cannot ask the kernel who listens on port {port}: {e}")))?;
     match proof::owner_of(&listeners, worker.uid) {
         proof::PortOwner::Worker => {}
-        proof::PortOwner::Other { uid } => {
-            return Err(format!("uid {uid} listens on port {port} (the worker account is uid {})", worker.uid));
-        }
-        proof::PortOwner::Nobody => return Err(format!("nothing listens on port {port} any more")),
+        proof::PortOwner::Other { uid } => return Err(PortLost::OtherUser { uid, port, worker_uid: worker.uid }),
+        proof::PortOwner::Nobody => return Err(PortLost::Nobody { port }),
     }
     let inodes: Vec<u64> = listeners.iter().map(|l| l.inode).collect();
     let key = (worker.id.clone(), port);
     let mut ours = proved.0.lock().unwrap_or_else(PoisonError::into_inner).get(&key).cloned().unwrap_or_default();
     if let Some(pid) = launcher::foreign_holder(worker, &inodes, &mut ours) {
-        return Err(format!(
-            "another worker's process (pid {pid}) of the worker account listens on port {port} too (SO_REUSEPORT: the kernel would hand it some of the connections)"
-        ));
+        return Err(PortLost::Shared { pid, port });
     }
     let mut map = proved.0.lock().unwrap_or_else(PoisonError::into_inner);
     if map.len() >= Proved::MAX {

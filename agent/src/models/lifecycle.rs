@@ -40,6 +40,7 @@ use super::mlflow::Mlflow;
 use super::single_flight;
 use super::{Catalog, LiveCatalog};
 use crate::config::{Config, LauncherKind, ModelConfig, WorkersConfig};
+use crate::gateway::upstream::PortLost;
 use crate::store::{Store, WorkerRow};
 use crate::telemetry::{GpuInfo, GpuJob};
 
@@ -1333,6 +1334,8 @@ impl Shared {
                 _ if suspect => still_holds_port(&inst).await.err(),
                 _ => None,
             };
+            // A stop that is not the worker's own failure does not count toward the back-off.
+            let worker_failed = lost.as_ref().is_none_or(PortLost::worker_failed);
             let gone = match (run, lost) {
                 (RunState::Gone(how), _) => Some(how),
                 (_, Some(why)) => {
@@ -1388,10 +1391,15 @@ impl Shared {
                 if ready_at.elapsed() > stable_after {
                     s.failures = 0;
                 }
-                s.failures += 1;
                 s.instance = None;
                 s.weights = None;
                 s.log_tail = tail;
+                if !worker_failed {
+                    let detail = format!("worker stopped ({how}); not counted toward max_restarts; it restarts on the next call");
+                    self.transition(&w, &mut s, State::Unloaded, Some(detail));
+                    return;
+                }
+                s.failures += 1;
                 if s.failures >= rt.cfg.max_restarts.max(1) {
                     let backoff = rt.cfg.backoff_s.saturating_mul(1 << s.failures.saturating_sub(1).min(7)).min(600);
                     s.retry_at = Some(Instant::now() + Duration::from_secs(backoff));
@@ -2275,9 +2283,9 @@ pub fn launcher_name(k: LauncherKind) -> &'static str {
 /// by `inst`'s own processes where this host can tell: not another worker's process that took
 /// the port after this one's server died, or shares it), tried twice 100 ms apart so a
 /// momentary refusal is not a death; else what was found the second time.
-async fn still_holds_port(inst: &Instance) -> Result<(), String> {
+async fn still_holds_port(inst: &Instance) -> Result<(), PortLost> {
     let Some(url) = inst.base_url() else { return Ok(()) };
-    let mut found = String::new();
+    let mut found = PortLost::Unreachable(String::new());
     for i in 0..2 {
         if i > 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
