@@ -359,8 +359,8 @@ def gateway():
             (f"sum by (model) (increase(gpuhub_model_evictions_total{{{m}}}[$__range]))", "Evictions"),
         ], w=12, h=8, description="State per model (unloaded, pending in Slurm, starting, ready, draining, failed); `gpuhub models` shows the reasons."),
         timeseries(L, "Cold-start time (first call to ready)", [(f"histogram_quantile(0.5, sum by (le, model) (rate(gpuhub_model_load_duration_seconds_bucket{{{m}}}[1h])))", "p50 {{model}}")], unit="s"),
-        timeseries(L, "Usage log", [("sum(rate(gpuhub_gateway_usage_rows_spilled_total[5m]))", "rows spilled to disk/s"), ("sum(rate(gpuhub_gateway_usage_write_failures_total[5m]))", "write failures/s")],
-                   description="Every call gets a usage row; when the store is slow rows wait on disk and are replayed, never dropped."),
+        timeseries(L, "Usage log", [("sum(rate(gpuhub_gateway_usage_rows_spilled_total[5m]))", "rows spilled to disk/s"), ("sum(rate(gpuhub_gateway_usage_write_failures_total[5m]))", "write failures/s"), ("sum by (instance) (gpuhub_gateway_usage_rows_waiting)", "rows waiting for the store {{instance}}")],
+                   description="Every call gets a usage row; when the store is slow rows wait on disk and are replayed, never dropped. Rows waiting that keep growing: the store is down or slower than the calls (`gpuhub doctor`)."),
         table(L, "Calls in the range per model, name asked, user and app", [
             (f"sum by (model, requested, user, app) {events(f'gpuhub_gateway_requests_total{{{f}}}')}", "Calls"),
         ], w=12, h=8, sort="Calls"),

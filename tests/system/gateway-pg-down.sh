@@ -32,6 +32,13 @@ READY="$(curl -s -o /dev/null -w '%{http_code}' "$GW_URL/readyz" || true)"
 echo "while the database was down: $((DURING_END - DURING_START)) responses in 3 s; /readyz answered $READY"
 [ $((DURING_END - DURING_START)) -gt 20 ] || gw_fail "calls stopped while PostgreSQL was down (expected them to go on)"
 [ "$READY" = 503 ] || gw_fail "/readyz answered $READY with the store down (expected 503)"
+waiting() { curl -sf "http://127.0.0.1:$GW_METRICS_PORT/metrics" | awk '$1 == "gpuhub_gateway_usage_rows_waiting" {print $2}'; }
+WAITING="$(waiting)"
+echo "rows waiting for the store while it is down: $WAITING"
+[ "${WAITING:-0}" -gt 20 ] || gw_fail "gpuhub_gateway_usage_rows_waiting is '${WAITING}' with the store down during calls (expected the rows in the journal)"
+DOCTOR="$("$GW_BIN/gpuhub" --socket "$GW_SOCKET" doctor 2>&1 || true)"
+grep -q "the store has refused usage writes for .* row(s) wait in the journal" <<<"$DOCTOR" \
+    || gw_fail "gpuhub doctor does not say that usage rows wait for the store: $DOCTOR"
 echo "starting PostgreSQL again"
 pg start
 wait "$BURST" || true
@@ -52,6 +59,8 @@ echo "responses=$GOT rows=$ROWS rollup_calls=$ROLLED missing=$MISSING"
 [ "$MISSING" -eq 0 ] || gw_fail "$MISSING calls have no usage row 30 s after PostgreSQL came back (expected 0)"
 [ "$ROWS" -eq "$GOT" ] || gw_fail "$ROWS rows for $GOT responses (expected equal)"
 [ "$ROWS" -eq "$ROLLED" ] || gw_fail "rollups count $ROLLED calls for $ROWS rows"
+WAITING="$(waiting)"
+[ "$WAITING" = 0 ] || gw_fail "gpuhub_gateway_usage_rows_waiting is '$WAITING' after every row arrived (expected 0)"
 grep -q "the store refused a batch" "$GW_DIR/agent.log" || gw_fail "the agent never noticed the outage (expected a warning in its log)"
 gw_stop
 echo "PASS gateway-pg-down: $GOT calls, all answered, all $ROWS rows arrived after the outage"

@@ -140,8 +140,9 @@ async fn policy_check(state: &AppState) -> Option<Check> {
     })
 }
 
-/// The usage log: rows the store refused (the dead-letter file), and rows waiting in memory
-/// because the journal cannot be written (a full state disk).
+/// The usage log: rows the store refused (the dead-letter file), rows waiting in memory
+/// because the journal cannot be written (a full state disk), and rows waiting for a store
+/// that refuses the writer's batches.
 pub fn usage_log_check(h: &crate::gateway::usage_log::UsageHealth) -> Check {
     let dead = h.dead_letter_path.display();
     if h.journal_failing {
@@ -169,7 +170,20 @@ pub fn usage_log_check(h: &crate::gateway::usage_log::UsageHealth) -> Check {
             &format!("read the reason on each line of {dead}; once handled, move the file away (the agent appends to a new one)"),
         );
     }
-    check("usage-log", true, format!("journal writable, no refused rows ({dead} absent)"), "")
+    if let Some(since) = h.store_failing_since_us {
+        let for_s = (crate::util::now_us() - since).max(0) / 1_000_000;
+        return check(
+            "usage-log",
+            false,
+            format!(
+                "the store has refused usage writes for {for_s}s; {} row(s) wait in the journal in {} (nothing is lost)",
+                h.waiting,
+                h.journal_dir.display()
+            ),
+            "see the store check and the agent's log (`usage log: the store refused a batch`); the rows are written once the store takes them",
+        );
+    }
+    check("usage-log", true, format!("journal writable, {} row(s) waiting for the store, no refused rows ({dead} absent)", h.waiting), "")
 }
 
 #[derive(Debug, Deserialize)]

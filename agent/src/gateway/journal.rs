@@ -175,8 +175,25 @@ pub fn list(dir: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
 /// ends it; a torn line (the copy was cut off, so its call was never answered) is skipped and
 /// logged.
 pub fn read(path: &Path) -> std::io::Result<Vec<UsageRow>> {
-    let f = File::open(path)?;
     let mut rows = Vec::new();
+    each_line(path, |n, line| match serde_json::from_slice::<UsageRow>(line) {
+        Ok(r) => rows.push(r),
+        Err(e) => tracing::warn!(path = %path.display(), line = n, error = %e, "skipping an unreadable usage-journal line"),
+    })?;
+    Ok(rows)
+}
+
+/// A segment's lines, as [`read`] finds them, without reading the rows.
+pub fn count(path: &Path) -> std::io::Result<u64> {
+    let mut n = 0;
+    each_line(path, |_, _| n += 1)?;
+    Ok(n)
+}
+
+/// Calls `each` with every non-empty line of a segment (its number from 1, its bytes) up to
+/// the zeroed tail.
+fn each_line(path: &Path, mut each: impl FnMut(usize, &[u8])) -> std::io::Result<()> {
+    let f = File::open(path)?;
     for (i, line) in std::io::BufReader::new(f).split(b'\n').enumerate() {
         let line = line?;
         let line = match line.iter().position(|b| *b == 0) {
@@ -184,15 +201,11 @@ pub fn read(path: &Path) -> std::io::Result<Vec<UsageRow>> {
             Some(n) => &line[..n],
             None => &line[..],
         };
-        if line.is_empty() {
-            continue;
-        }
-        match serde_json::from_slice::<UsageRow>(line) {
-            Ok(r) => rows.push(r),
-            Err(e) => tracing::warn!(path = %path.display(), line = i + 1, error = %e, "skipping an unreadable usage-journal line"),
+        if !line.is_empty() {
+            each(i + 1, line);
         }
     }
-    Ok(rows)
+    Ok(())
 }
 
 /// A small filesystem to fill up in tests: a tmpfs with a `size=` limit on a fresh directory

@@ -34,7 +34,7 @@
 
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -172,7 +172,8 @@ struct Segment {
     seq: u64,
     file: Option<journal::Segment>,
     rows: u64,
-    spilled: bool,
+    /// Rows of this segment that found the writer's queue full: replayed from the file.
+    spilled: u64,
     opened: Instant,
 }
 
@@ -181,6 +182,11 @@ struct Inner {
     segment: Mutex<Segment>,
     spilled: Counter,
     write_failures: Counter,
+    /// Rows recorded and not yet stored (queued, spilled to the journal, in memory, or in
+    /// segments left by an earlier run).
+    waiting: Gauge,
+    /// Since when the store refuses the writer's batches (Unix µs; 0: it does not).
+    failing_since_us: AtomicI64,
     /// When shutdown asked the writer to stop (store retries end `CLOSE_DEADLINE` later).
     close_requested: Mutex<Option<Instant>>,
     /// Rows the journal could not take, until the writer takes them.
@@ -247,6 +253,10 @@ pub struct UsageHealth {
     /// The last append to the journal failed (a full disk).
     pub journal_failing: bool,
     pub journal_dir: PathBuf,
+    /// Rows recorded and not yet in the store.
+    pub waiting: i64,
+    /// Since when the store refuses the writer's batches (Unix µs), if it does.
+    pub store_failing_since_us: Option<i64>,
 }
 
 /// Handle to the usage log (cheap to share behind `Arc`).
@@ -304,12 +314,26 @@ impl UsageLog {
         let dir = state_dir.join("usage-journal");
         let jerr = |source| UsageLogError::Journal { path: dir.display().to_string(), source };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(jerr)?;
-        let old = journal::list(&dir).map_err(jerr)?;
-        let seq = old.iter().map(|(s, _)| *s).max().unwrap_or(0) + 1;
+        let listed = journal::list(&dir).map_err(jerr)?;
+        let seq = listed.iter().map(|(s, _)| *s).max().unwrap_or(0) + 1;
+        // Segments an earlier run left, with their rows (waiting until they are replayed).
+        let old: Vec<(PathBuf, u64)> = listed
+            .into_iter()
+            .map(|(_, path)| {
+                let n = journal::count(&path).unwrap_or(0);
+                (path, n)
+            })
+            .collect();
         let file = journal::Segment::create(&dir, seq, MIN_PREFAULT).map_err(jerr)?;
         let spilled = Counter::default();
         let write_failures = Counter::default();
         let (memory_gauge, journal_gauge, dead_counter) = (Gauge::default(), Gauge::default(), Counter::default());
+        let waiting = Gauge::default();
+        registry.register(
+            "gateway_usage_rows_waiting",
+            "Usage rows recorded and not yet in the store (queued, in the on-disk journal, or in memory); grows while the store is down or slower than the calls",
+            waiting.clone(),
+        );
         registry.register(
             "gateway_usage_rows_spilled",
             "Usage rows that found the writer queue full and wait in the on-disk journal",
@@ -336,6 +360,7 @@ impl UsageLog {
             dead_counter.clone(),
         );
         journal_gauge.set(1);
+        waiting.set(old.iter().map(|(_, n)| *n as i64).sum());
         let dead_path = state_dir.join(DEAD_LETTER_FILE);
         let found = count_lines(&dead_path);
         if found > 0 {
@@ -343,9 +368,11 @@ impl UsageLog {
         }
         let inner = Arc::new(Inner {
             dir,
-            segment: Mutex::new(Segment { seq, file: Some(file), rows: 0, spilled: false, opened: Instant::now() }),
+            segment: Mutex::new(Segment { seq, file: Some(file), rows: 0, spilled: 0, opened: Instant::now() }),
             spilled,
             write_failures,
+            waiting,
+            failing_since_us: AtomicI64::new(0),
             close_requested: Mutex::new(None),
             memory: Mutex::new(Vec::new()),
             memory_only: AtomicUsize::new(0),
@@ -376,6 +403,8 @@ impl UsageLog {
             memory_cap: self.inner.memory_cap,
             journal_failing: self.inner.journal_failing.load(Ordering::Relaxed),
             journal_dir: self.inner.dir.clone(),
+            waiting: self.inner.waiting.get(),
+            store_failing_since_us: Some(self.inner.failing_since_us.load(Ordering::Relaxed)).filter(|t| *t > 0),
         }
     }
 
@@ -408,6 +437,7 @@ impl UsageLog {
             }
             let n = inner.memory_only.fetch_add(1, Ordering::Relaxed) + 1;
             inner.memory_gauge.set(n as i64);
+            inner.waiting.inc();
             lock(&inner.memory).push(row);
             return;
         }
@@ -416,9 +446,10 @@ impl UsageLog {
             tracing::info!(dir = %inner.dir.display(), "the usage journal takes rows again");
         }
         seg.rows += 1;
+        inner.waiting.inc();
         if let Err(mpsc::error::TrySendError::Full(_) | mpsc::error::TrySendError::Closed(_)) = self.tx.try_send(Msg::Row(Box::new(row))) {
             // In the journal: replayed from there once the writer catches up.
-            seg.spilled = true;
+            seg.spilled += 1;
             inner.spilled.inc();
         }
     }
@@ -483,6 +514,7 @@ impl Writer {
                         Ok(stored) => {
                             self.unfolded |= stored > 0;
                             if let Some(since) = self.failing_since.take() {
+                                self.inner.failing_since_us.store(0, Ordering::Relaxed);
                                 tracing::info!(down_s = since.elapsed().as_secs(), "usage log: the store is back; writing queued rows");
                             }
                             break;
@@ -502,6 +534,7 @@ impl Writer {
                             self.inner.write_failures.inc();
                             if self.failing_since.is_none() {
                                 self.failing_since = Some(Instant::now());
+                                self.inner.failing_since_us.store(crate::util::now_us(), Ordering::Relaxed);
                                 tracing::warn!(error = %e, rows = part.len(), "usage log: the store refused a batch; rows wait in the journal and are retried");
                             }
                             let closing = *lock(&self.inner.close_requested);
@@ -535,6 +568,7 @@ impl Writer {
         }
         let left = self.inner.memory_only.fetch_sub(rows.len(), Ordering::Relaxed).saturating_sub(rows.len());
         self.inner.memory_gauge.set(left as i64);
+        self.inner.waiting.dec_by(rows.len() as i64);
     }
 
     /// Adds the rows stored since the last fold to the rollups once [`FOLD_EVERY`] has passed
@@ -587,7 +621,7 @@ impl Writer {
     }
 }
 
-async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, old: Vec<(u64, PathBuf)>) {
+async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, old: Vec<(PathBuf, u64)>) {
     let mut w = Writer {
         inner: inner.clone(),
         store,
@@ -599,9 +633,11 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
         fold_failing: false,
     };
     if !old.is_empty() {
-        tracing::info!(segments = old.len(), "usage log: replaying the journal left by the previous run");
-        for (_, path) in &old {
-            w.replay(path).await;
+        tracing::info!(segments = old.len(), rows = inner.waiting.get(), "usage log: replaying the journal left by the previous run");
+        for (path, n) in &old {
+            if w.replay(path).await {
+                inner.waiting.dec_by(*n as i64);
+            }
         }
     }
     let linger = linger(w.store.backend());
@@ -629,7 +665,9 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
             }
         }
         if !batch.is_empty() {
-            w.commit(&batch).await;
+            if w.commit(&batch).await {
+                inner.waiting.dec_by(batch.len() as i64);
+            }
             batch.clear();
         }
         w.commit_memory().await;
@@ -735,7 +773,7 @@ async fn rotate_segment(
             }
         }
     };
-    let old = std::mem::replace(&mut *lock(&inner.segment), Segment { seq, file: next, rows: 0, spilled: false, opened: Instant::now() });
+    let old = std::mem::replace(&mut *lock(&inner.segment), Segment { seq, file: next, rows: 0, spilled: 0, opened: Instant::now() });
     let (old_seq, spilled) = (old.seq, old.spilled);
     let finished = match old.file {
         Some(f) => crate::util::run_idle(JOURNAL_THREAD, move || f.finish()).await.and_then(|r| r),
@@ -750,12 +788,17 @@ async fn rotate_segment(
         take(m, &mut rest, waiters, closing);
     }
     let stored = w.commit(&rest).await;
+    if stored {
+        inner.waiting.dec_by(rest.len() as i64);
+    }
     let path = journal::path(&inner.dir, old_seq);
     if !stored || w.gave_up {
         return;
     }
-    if spilled {
-        w.replay(&path).await;
+    if spilled > 0 {
+        if w.replay(&path).await {
+            inner.waiting.dec_by(spilled as i64);
+        }
     } else if let Err(e) = std::fs::remove_file(&path) {
         tracing::warn!(path = %path.display(), error = %e, "cannot delete a written usage-journal segment (replaying it later is harmless)");
     }
@@ -787,6 +830,7 @@ mod tests {
             }
             log.flush().await;
             assert_eq!(store.usage_row_count().await.unwrap(), 100);
+            assert_eq!(log.health().waiting, 0, "every row, spilled ones included, is stored");
             log.close().await;
             assert_eq!(journal::list(&dir.path().join("usage-journal")).unwrap().len(), 0);
         }
@@ -808,9 +852,13 @@ mod tests {
             text.push_str("{\"request_id\":\"torn");
             std::fs::write(journal::path(&jdir, 7), text).unwrap();
             let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
+            // Before the writer runs (this test's runtime has one thread): the segment's 20 lines
+            // and the torn one wait.
+            assert_eq!(log.health().waiting, 21);
             log.record(row(20));
             log.flush().await;
             assert_eq!(store.usage_row_count().await.unwrap(), 21);
+            assert_eq!(log.health().waiting, 0);
             log.close().await;
             assert!(journal::list(&jdir).unwrap().is_empty());
         }
@@ -828,6 +876,11 @@ mod tests {
             log.record(row(i));
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
+        let health = log.health();
+        assert_eq!(health.waiting, 50);
+        assert!(health.store_failing_since_us.is_some());
+        let check = crate::control::status::usage_log_check(&health);
+        assert!(!check.ok && check.detail.contains("50 row(s) wait in the journal"), "{check:?}");
         log.close().await; // gives up after the deadline; rows stay in the journal
         let jdir = dir.path().join("usage-journal");
         let n: usize = journal::list(&jdir).unwrap().iter().map(|(_, p)| journal::read(p).unwrap().len()).sum();
@@ -835,9 +888,13 @@ mod tests {
         // Next start with a working store: everything arrives.
         let store = Store::open(&url, None).await.unwrap();
         let log = UsageLog::start(dir.path(), store.clone(), 4, &mut Registry::default()).unwrap();
+        assert_eq!(log.health().waiting, 50, "the rows left in the journal wait");
         log.record(row(50));
         log.flush().await;
         assert_eq!(store.usage_row_count().await.unwrap(), 51);
+        let health = log.health();
+        assert_eq!((health.waiting, health.store_failing_since_us), (0, None));
+        assert!(crate::control::status::usage_log_check(&health).ok);
         log.close().await;
     }
 
@@ -856,6 +913,7 @@ mod tests {
             }
             log.flush().await;
             assert_eq!(store.usage_row_count().await.unwrap(), 28, "{:?}: the other rows are stored", store.backend());
+            assert_eq!(log.health().waiting, 0, "refused rows wait in the dead-letter file, not for the store");
             let h = log.health();
             assert_eq!(h.dead_letters, 2);
             assert!(h.last_reason.as_deref().is_some_and(|r| r.contains("store query failed")), "{h:?}");
@@ -927,6 +985,7 @@ mod tests {
         }
         let h = log.health();
         assert!(h.journal_failing && h.memory_only >= cap, "{h:?}");
+        assert!(h.waiting >= h.memory_only as i64, "{h:?}");
         assert!(n > cap, "rows the journal had reserved room for were journaled first");
         // The disk stays full a while: the writer retries, other writers of the store fail too.
         for i in 0..10 {
@@ -944,6 +1003,7 @@ mod tests {
         log.flush().await;
         assert_eq!(store.usage_row_count().await.unwrap(), n as i64 + 1);
         assert!(log.accepting());
+        assert_eq!(log.health().waiting, 0);
         // No connection the full disk broke was put back in the pool holding the write lock:
         // every other writer of the store gets through too.
         for i in 0..8 {
