@@ -109,7 +109,7 @@ impl PortLost {
 /// Where a worker is: `http://AUTHORITY[/PREFIX]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Target<'a> {
-    /// `host:port` (the `Host` header and the pool key).
+    /// `host:port` (the `Host` header; with the worker, the pool key).
     pub authority: &'a str,
     /// A path the worker is mounted under (`""` usually).
     pub prefix: &'a str,
@@ -138,6 +138,21 @@ impl<'a> Target<'a> {
     /// it some of the connections, so calls for one model would reach another).
     pub fn owned_by(self, worker: Option<&'a Instance>) -> Target<'a> {
         Target { owner: worker, ..self }
+    }
+
+    /// Idle connections are kept per worker, not per address: a connection made for one
+    /// worker (to its own process, proved when it was made) never carries another worker's
+    /// call, even one given the same address later (a server that stopped listening but still
+    /// holds kept-alive connections while it drains).
+    fn pool_key(&self) -> String {
+        let id = self.owner.map_or("", |w| w.id.as_str());
+        let mut key = String::with_capacity(self.authority.len() + 1 + id.len());
+        key.push_str(self.authority);
+        if !id.is_empty() {
+            key.push(' ');
+            key.push_str(id);
+        }
+        key
     }
 
     /// The address to connect to (port 80 when the URL names none).
@@ -171,10 +186,10 @@ struct Pool {
 }
 
 impl Pool {
-    /// The most recently used live connection to `authority`, if any.
-    fn checkout(&self, authority: &str) -> Option<TcpStream> {
+    /// The most recently used live connection of `key` ([`Target::pool_key`]), if any.
+    fn checkout(&self, key: &str) -> Option<TcpStream> {
         loop {
-            let i = self.idle.lock().unwrap_or_else(PoisonError::into_inner).get_mut(authority)?.pop_back()?;
+            let i = self.idle.lock().unwrap_or_else(PoisonError::into_inner).get_mut(key)?.pop_back()?;
             // The peek is a system call: not under the lock.
             if i.since.elapsed() < self.idle_timeout && still_open(&i.conn) {
                 return Some(i.conn);
@@ -182,12 +197,12 @@ impl Pool {
         }
     }
 
-    fn checkin(&self, authority: &str, conn: TcpStream) {
+    fn checkin(&self, key: &str, conn: TcpStream) {
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let conns = match idle.get_mut(authority) {
+        let conns = match idle.get_mut(key) {
             Some(c) => c,
-            None => idle.entry(authority.to_string()).or_default(),
+            None => idle.entry(key.to_string()).or_default(),
         };
         while conns.front().is_some_and(|i| now.duration_since(i.since) >= self.idle_timeout) {
             conns.pop_front();
@@ -261,9 +276,10 @@ impl Client {
             req.body
         };
         let mut resent = false;
-        if let Some(conn) = self.pool.checkout(target.authority) {
+        let key = target.pool_key();
+        if let Some(conn) = self.pool.checkout(&key) {
             match exchange(conn, &head, rest, req.method).await {
-                Ok(r) => return Ok(self.response(target, r)),
+                Ok(r) => return Ok(self.response(key, r)),
                 // The worker closed this idle connection without reading the request.
                 Err(UpstreamError::Closed) => {
                     tracing::debug!(upstream = %target.authority, "a pooled connection was closed; reconnecting");
@@ -280,11 +296,11 @@ impl Client {
             Err(e) => return Err(e),
         };
         let r = exchange(conn, &head, rest, req.method).await?;
-        Ok(self.response(target, r))
+        Ok(self.response(key, r))
     }
 
-    fn response(&self, target: Target<'_>, (status, headers, body): (StatusCode, HeaderMap, Body)) -> Response {
-        Response { status, headers, body, pool: Some((self.pool.clone(), target.authority.to_string())) }
+    fn response(&self, pool_key: String, (status, headers, body): (StatusCode, HeaderMap, Body)) -> Response {
+        Response { status, headers, body, pool: Some((self.pool.clone(), pool_key)) }
     }
 
     async fn connect(&self, target: Target<'_>) -> Result<TcpStream, UpstreamError> {
@@ -727,8 +743,8 @@ impl Response {
         if !self.body.finished_reusable() {
             return;
         }
-        if let (Some((pool, authority)), Some(conn)) = (self.pool.take(), self.body.conn.take()) {
-            pool.checkin(&authority, conn);
+        if let (Some((pool, key)), Some(conn)) = (self.pool.take(), self.body.conn.take()) {
+            pool.checkin(&key, conn);
         }
     }
 }

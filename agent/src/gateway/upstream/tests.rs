@@ -256,6 +256,30 @@ async fn a_port_another_workers_process_listens_on_gets_nothing() {
     assert!(matches!(again, Err(UpstreamError::NotTheWorker { .. })), "{:?}", again.err());
 }
 
+/// A kept-alive connection made for one worker is not handed to another worker's call at the
+/// same address: that call connects anew, and the new connection is checked for its worker.
+#[tokio::test]
+async fn a_kept_alive_connection_of_one_worker_never_carries_anothers_call() {
+    let ok: &'static [u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+    let (url, mut seen) = server(vec![vec![ok], vec![ok]]).await;
+    let (me, pgrp) = me();
+    let c = client();
+    let own = worker(me, pgrp);
+    let r = c.send(Target::parse(&url).unwrap().owned_by(Some(&own)), &post(b"{}")).await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &b"ok"[..]);
+    assert_eq!(seen.recv().await.unwrap().0, 1);
+    // Another worker given the same address (this process is not its own).
+    let another = worker(me, pgrp.wrapping_add(1));
+    let e = c.send(Target::parse(&url).unwrap().owned_by(Some(&another)), &post(b"{}")).await.unwrap_err();
+    assert!(matches!(&e, UpstreamError::NotTheWorker { what: PortLost::Shared { .. }, .. }), "{e:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(seen.try_recv().is_err(), "the other worker's call went out on the first worker's connection");
+    // The first worker's own calls still use its kept-alive connection.
+    let r = c.send(Target::parse(&url).unwrap().owned_by(Some(&own)), &post(b"{}")).await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &b"ok"[..]);
+    assert_eq!(seen.recv().await.unwrap().0, 1, "the first worker's connection is kept for it");
+}
+
 /// A worker whose host answers nothing (here its accept queue is full, so its SYNs are
 /// dropped, as by a node that drops packets): the attempt ends at the client's connect
 /// timeout (`gateway.upstream_connect_timeout_s`), as a call never sent (a replica may take it).
