@@ -1232,7 +1232,13 @@ impl Shared {
                     }
                     None => true,
                 };
-                let mut owner = if listening { port_owner(base, inst.uid) } else { None };
+                // One look at the port's sockets serves both checks: whose they are, and whose
+                // processes hold them.
+                let (mut owner, listeners) = match if listening { port_listeners(base) } else { None } {
+                    Some(Ok(l)) => (Some(Ok(proof::owner_of(&l, inst.uid))), l),
+                    Some(Err(e)) => (Some(Err(e)), Vec::new()),
+                    None => (None, Vec::new()),
+                };
                 if listening && owner.is_none() && inst.launcher == LauncherKind::Slurm {
                     // On another node: the job's own proof of its port, from that node.
                     owner = match addr.as_ref().map(|(_, port)| rt.launchers.slurm.read_proof(&m.name, &inst.id, inst.uid, *port)) {
@@ -1261,7 +1267,7 @@ impl Shared {
                     }
                     Some(Ok(PortOwner::Nobody)) => {}
                     // The worker account's socket, but another worker's: never this model's.
-                    Some(Ok(PortOwner::Worker)) if let Some(pid) = other_workers_port(inst, base, &mut holders) => {
+                    Some(Ok(PortOwner::Worker)) if let Some(pid) = other_workers_port(inst, &listeners, &mut holders) => {
                         if sibling.is_none() {
                             tracing::warn!(model = %m.name, worker = %inst.id, url = %base, pid, "another worker's process listens on this worker's port; waiting for this worker to bind it or end");
                         }
@@ -2110,19 +2116,25 @@ fn remove_stale_keys(keys: &std::path::Path, kept: &[KeyFiles]) {
 /// Who listens on the port of `base_url`, against the worker's `uid` (`None`: the worker is
 /// on another host, where the owner cannot be seen).
 fn port_owner(base_url: &str, uid: u32) -> Option<std::io::Result<PortOwner>> {
+    port_listeners(base_url).map(|l| l.map(|l| proof::owner_of(&l, uid)))
+}
+
+/// The sockets listening on `base_url`'s port that a call to it could reach; `None` when the
+/// port is not on this node.
+fn port_listeners(base_url: &str) -> Option<std::io::Result<Vec<proof::Listener>>> {
     let (host, port) = proof::host_port(base_url)?;
-    proof::is_this_node(&host).then(|| proof::owner(port, uid, proof::targets_of(&host).as_deref()))
+    proof::is_this_node(&host).then(|| proof::reachable(port, proof::targets_of(&host).as_deref()))
 }
 
 /// A process of the worker account that is not `inst`'s ([`launcher::is_its_process`]) and
-/// holds a socket listening on `base_url`'s port on this node: another worker's. `None` also where that cannot be seen (another node, a
+/// holds one of `listeners` (the sockets on its port on this node, [`port_listeners`]):
+/// another worker's. `None` also where that cannot be seen (another node: no listeners, a
 /// static URL, descriptors this agent cannot read). `seen`: what earlier looks found.
-fn other_workers_port(inst: &Instance, base_url: &str, seen: &mut PortHolders) -> Option<u32> {
-    let (host, port) = proof::host_port(base_url)?;
-    if inst.launcher == LauncherKind::Static || !proof::is_this_node(&host) {
+fn other_workers_port(inst: &Instance, listeners: &[proof::Listener], seen: &mut PortHolders) -> Option<u32> {
+    if inst.launcher == LauncherKind::Static || listeners.is_empty() {
         return None;
     }
-    let inodes: Vec<u64> = proof::reachable(port, proof::targets_of(&host).as_deref()).ok()?.iter().map(|l| l.inode).collect();
+    let inodes: Vec<u64> = listeners.iter().map(|l| l.inode).collect();
     if let Some((at, pid)) = &seen.other
         && *at == inodes
     {
