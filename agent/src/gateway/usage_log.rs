@@ -314,16 +314,8 @@ impl UsageLog {
         let dir = state_dir.join("usage-journal");
         let jerr = |source| UsageLogError::Journal { path: dir.display().to_string(), source };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(jerr)?;
-        let listed = journal::list(&dir).map_err(jerr)?;
-        let seq = listed.iter().map(|(s, _)| *s).max().unwrap_or(0) + 1;
-        // Segments an earlier run left, with their rows (waiting until they are replayed).
-        let old: Vec<(PathBuf, u64)> = listed
-            .into_iter()
-            .map(|(_, path)| {
-                let n = journal::count(&path).unwrap_or(0);
-                (path, n)
-            })
-            .collect();
+        let old = journal::list(&dir).map_err(jerr)?;
+        let seq = old.iter().map(|(s, _)| *s).max().unwrap_or(0) + 1;
         let file = journal::Segment::create(&dir, seq, MIN_PREFAULT).map_err(jerr)?;
         let spilled = Counter::default();
         let write_failures = Counter::default();
@@ -360,7 +352,6 @@ impl UsageLog {
             dead_counter.clone(),
         );
         journal_gauge.set(1);
-        waiting.set(old.iter().map(|(_, n)| *n as i64).sum());
         let dead_path = state_dir.join(DEAD_LETTER_FILE);
         let found = count_lines(&dead_path);
         if found > 0 {
@@ -621,7 +612,7 @@ impl Writer {
     }
 }
 
-async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, old: Vec<(PathBuf, u64)>) {
+async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, old: Vec<(u64, PathBuf)>) {
     let mut w = Writer {
         inner: inner.clone(),
         store,
@@ -633,10 +624,24 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
         fold_failing: false,
     };
     if !old.is_empty() {
-        tracing::info!(segments = old.len(), rows = inner.waiting.get(), "usage log: replaying the journal left by the previous run");
-        for (path, n) in &old {
+        // Counted before the first is replayed (here, not at start: after a long outage they
+        // may be gigabytes), so the gauge shows them all while the store is still down.
+        let paths: Vec<PathBuf> = old.into_iter().map(|(_, path)| path).collect();
+        let (paths, rows) = tokio::task::spawn_blocking(move || {
+            let rows: Vec<u64> = paths.iter().map(|path| journal::count(path).unwrap_or(0)).collect();
+            (paths, rows)
+        })
+        .await
+        .unwrap_or_default();
+        inner.waiting.inc_by(rows.iter().sum::<u64>() as i64);
+        tracing::info!(
+            segments = paths.len(),
+            rows = rows.iter().sum::<u64>(),
+            "usage log: replaying the journal left by the previous run"
+        );
+        for (path, n) in paths.iter().zip(rows) {
             if w.replay(path).await {
-                inner.waiting.dec_by(*n as i64);
+                inner.waiting.dec_by(n as i64);
             }
         }
     }
@@ -852,13 +857,10 @@ mod tests {
             text.push_str("{\"request_id\":\"torn");
             std::fs::write(journal::path(&jdir, 7), text).unwrap();
             let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
-            // Before the writer runs (this test's runtime has one thread): the segment's 20 lines
-            // and the torn one wait.
-            assert_eq!(log.health().waiting, 21);
             log.record(row(20));
             log.flush().await;
             assert_eq!(store.usage_row_count().await.unwrap(), 21);
-            assert_eq!(log.health().waiting, 0);
+            assert_eq!(log.health().waiting, 0, "the segment's 20 lines and the torn one were counted, and uncounted once replayed");
             log.close().await;
             assert!(journal::list(&jdir).unwrap().is_empty());
         }
@@ -885,10 +887,25 @@ mod tests {
         let jdir = dir.path().join("usage-journal");
         let n: usize = journal::list(&jdir).unwrap().iter().map(|(_, p)| journal::read(p).unwrap().len()).sum();
         assert_eq!(n, 50);
+        // A start with the store still down (on a copy of the journal) shows those rows waiting.
+        {
+            let copy = tempfile::tempdir().unwrap();
+            std::fs::create_dir(copy.path().join("usage-journal")).unwrap();
+            for (_, p) in journal::list(&jdir).unwrap() {
+                std::fs::copy(&p, copy.path().join("usage-journal").join(p.file_name().unwrap())).unwrap();
+            }
+            let down = Store::open(&format!("sqlite://{}", copy.path().join("t.db").display()), None).await.unwrap();
+            down.close().await;
+            let log = UsageLog::start(copy.path(), down, 4, &mut Registry::default()).unwrap();
+            let t = Instant::now();
+            while log.health().waiting != 50 {
+                assert!(t.elapsed() < Duration::from_secs(5), "rows waiting at a start with the store down: {}", log.health().waiting);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         // Next start with a working store: everything arrives.
         let store = Store::open(&url, None).await.unwrap();
         let log = UsageLog::start(dir.path(), store.clone(), 4, &mut Registry::default()).unwrap();
-        assert_eq!(log.health().waiting, 50, "the rows left in the journal wait");
         log.record(row(50));
         log.flush().await;
         assert_eq!(store.usage_row_count().await.unwrap(), 51);
