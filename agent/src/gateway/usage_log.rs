@@ -185,7 +185,8 @@ struct Inner {
     /// Rows recorded and not yet stored (queued, spilled to the journal, in memory, or in
     /// segments left by an earlier run).
     waiting: Gauge,
-    /// Since when the store refuses the writer's batches (Unix µs; 0: it does not).
+    /// Since when the store refuses the writer's batches (Unix µs; 0: it does not). Only the
+    /// writer sets it.
     failing_since_us: AtomicI64,
     /// When shutdown asked the writer to stop (store retries end `CLOSE_DEADLINE` later).
     close_requested: Mutex<Option<Instant>>,
@@ -479,7 +480,6 @@ struct Writer {
     store: Store,
     /// Kept between batches (no pool round trips around each).
     conn: UsageConnection,
-    failing_since: Option<Instant>,
     /// A batch was given up at shutdown: no segment may be deleted after that.
     gave_up: bool,
     /// Rows were stored since the last fold into the rollups.
@@ -504,9 +504,10 @@ impl Writer {
                     match self.store.insert_usage_on(&mut self.conn, part).await {
                         Ok(stored) => {
                             self.unfolded |= stored > 0;
-                            if let Some(since) = self.failing_since.take() {
-                                self.inner.failing_since_us.store(0, Ordering::Relaxed);
-                                tracing::info!(down_s = since.elapsed().as_secs(), "usage log: the store is back; writing queued rows");
+                            let since = self.inner.failing_since_us.swap(0, Ordering::Relaxed);
+                            if since > 0 {
+                                let down_s = (crate::util::now_us() - since).max(0) / 1_000_000;
+                                tracing::info!(down_s, "usage log: the store is back; writing queued rows");
                             }
                             break;
                         }
@@ -523,8 +524,7 @@ impl Writer {
                         }
                         Err(e) => {
                             self.inner.write_failures.inc();
-                            if self.failing_since.is_none() {
-                                self.failing_since = Some(Instant::now());
+                            if self.inner.failing_since_us.load(Ordering::Relaxed) == 0 {
                                 self.inner.failing_since_us.store(crate::util::now_us(), Ordering::Relaxed);
                                 tracing::warn!(error = %e, rows = part.len(), "usage log: the store refused a batch; rows wait in the journal and are retried");
                             }
@@ -567,7 +567,7 @@ impl Writer {
     /// interval later; the rows wait in the store meanwhile, and readers fold them themselves.
     async fn fold_if_due(&mut self, closing: bool) {
         // At shutdown with the store down, the batches' deadline has passed already.
-        let due = if closing { self.failing_since.is_none() } else { self.folded_at.elapsed() >= FOLD_EVERY };
+        let due = if closing { self.inner.failing_since_us.load(Ordering::Relaxed) == 0 } else { self.folded_at.elapsed() >= FOLD_EVERY };
         if !self.unfolded || !due {
             return;
         }
@@ -617,7 +617,6 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
         inner: inner.clone(),
         store,
         conn: UsageConnection::default(),
-        failing_since: None,
         gave_up: false,
         unfolded: false,
         folded_at: Instant::now(),
