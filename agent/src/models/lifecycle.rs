@@ -2297,15 +2297,10 @@ pub fn launcher_name(k: LauncherKind) -> &'static str {
 /// momentary refusal is not a death; else what was found the second time.
 async fn still_holds_port(inst: &Instance) -> Result<(), PortLost> {
     let Some(url) = inst.base_url() else { return Ok(()) };
-    let mut found = PortLost::Unreachable(String::new());
-    for i in 0..2 {
-        if i > 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        match crate::gateway::upstream::holds_port(url, Some(inst), Duration::from_secs(2)).await {
-            Ok(()) => return Ok(()),
-            Err(why) => found = why,
-        }
+    let look = || crate::gateway::upstream::holds_port(url, Some(inst), Duration::from_secs(2));
+    if look().await.is_ok() {
+        return Ok(());
     }
-    Err(found)
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    look().await
 }
