@@ -1472,7 +1472,7 @@ impl Shared {
     async fn drain_and_stop(&self, w: &Arc<Worker>, draining: Draining, reason: &str) {
         let Some(rt) = &self.rt else { return };
         let Draining { inst, changed: mut rx } = draining;
-        single_flight::withdraw(rt.store.as_ref(), &rt.owner, &w.cfg.name, &inst).await;
+        let withdrawn = single_flight::withdraw(rt.store.as_ref(), &rt.owner, &w.cfg.name, &inst).await;
         let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
         while w.in_flight.load(Ordering::Acquire) > 0 {
             tokio::select! {
@@ -1483,7 +1483,7 @@ impl Shared {
                 }
             }
         }
-        single_flight::wait_for_borrowers(rt.store.as_ref(), &inst, deadline, &rt.shutdown).await;
+        single_flight::wait_for_borrowers(rt.store.as_ref(), &rt.owner, &inst, withdrawn, deadline, &rt.shutdown).await;
         rt.launchers.stop(&inst).await;
         self.forget(&w.cfg.name, &inst).await;
         if !w.rep.is_extra {

@@ -237,30 +237,55 @@ impl UseTracker {
 /// records a use, or notices that the worker's row is gone) plus a store round trip.
 pub const BORROWER_GRACE: Duration = Duration::from_secs(3);
 
+/// How long after its withdrawal a worker other gateways may use is waited for, at least: a
+/// borrowing gateway notices the withdrawal at its next supervisor period (1 s) and then
+/// records the calls it still has in flight there ([`hold_while_in_flight`]); one it sent in
+/// the second before is not in the store until then.
+pub const SEE_WITHDRAWAL: Duration = Duration::from_secs(2);
+
 /// The owner's first step in stopping its worker `inst` of `model`: its row leaves the store,
 /// so no gateway borrows it from now on and those that do stop sending it new calls (they see
-/// the row gone within a second). Then [`wait_for_borrowers`]; the stop's `forget` deletes the
-/// row again (harmless) with the worker's use.
-pub async fn withdraw(store: Option<&Store>, owner: &str, model: &str, inst: &Instance) {
+/// the row gone within a second). Then [`wait_for_borrowers`] with the instant this returns;
+/// the stop's `forget` deletes the row again (harmless) with the worker's use.
+pub async fn withdraw(store: Option<&Store>, owner: &str, model: &str, inst: &Instance) -> Instant {
     if let Some(store) = store
         && inst.borrowed_from.is_none()
         && let Err(e) = store.delete_worker(owner, model, &inst.id).await
     {
         tracing::warn!(model, worker = %inst.id, error = %e, "cannot withdraw a stopping worker from the store; other gateways notice when its job ends");
     }
+    Instant::now()
 }
 
 /// The owner's second step: waits (until `deadline`) while another gateway has used `inst`
 /// within [`BORROWER_GRACE`] (a borrower records `now` each second while a call of its own is
 /// in flight there, [`hold_while_in_flight`]), so a switch or an unload does not break the
-/// calls other gateways sent. Returns at once for a worker no other gateway used.
-pub async fn wait_for_borrowers(store: Option<&Store>, inst: &Instance, deadline: Instant, shutdown: &CancellationToken) {
+/// calls other gateways sent. While another gateway (`me` is this one) publishes its policy in
+/// the store, the answer "nobody used it" counts only from [`SEE_WITHDRAWAL`] after `withdrawn`
+/// (a call sent just before is recorded by then); with no other gateway it returns at once for
+/// a worker nobody else used.
+pub async fn wait_for_borrowers(
+    store: Option<&Store>,
+    me: &str,
+    inst: &Instance,
+    withdrawn: Instant,
+    deadline: Instant,
+    shutdown: &CancellationToken,
+) {
     let Some(store) = store else { return };
     if inst.borrowed_from.is_some() {
         return;
     }
     let launcher = launcher_name(inst.launcher);
     let grace = i64::try_from(BORROWER_GRACE.as_micros()).unwrap_or(i64::MAX);
+    let settled = match store.gateway_policies(crate::util::now_us() - crate::gateway::policy::FRESH_US).await {
+        Ok(rows) if rows.iter().all(|(gateway, _)| gateway == me) => withdrawn,
+        Ok(_) => withdrawn + SEE_WITHDRAWAL,
+        Err(e) => {
+            tracing::warn!(worker = %inst.id, error = %e, "cannot read which other gateways share the store; waiting for them to see the worker withdrawn");
+            withdrawn + SEE_WITHDRAWAL
+        }
+    };
     let mut logged = false;
     loop {
         let recent = match store.worker_last_used(launcher, &inst.id).await {
@@ -271,14 +296,16 @@ pub async fn wait_for_borrowers(store: Option<&Store>, inst: &Instance, deadline
                 false
             }
         };
-        if !recent {
+        if !recent && Instant::now() >= settled {
             return;
         }
         if Instant::now() >= deadline {
-            tracing::warn!(worker = %inst.id, "drain timeout; stopping the worker while another gateway may still call it");
+            if recent {
+                tracing::warn!(worker = %inst.id, "drain timeout; stopping the worker while another gateway may still call it");
+            }
             return;
         }
-        if !logged {
+        if recent && !logged {
             tracing::info!(worker = %inst.id, "another gateway used this worker within the last few seconds; waiting for its calls before stopping it");
             logged = true;
         }
@@ -608,7 +635,7 @@ mod tests {
 
             // Nobody else used it: the owner's wait ends at once.
             let t = Instant::now();
-            wait_for_borrowers(Some(&store), &own, far, &token).await;
+            wait_for_borrowers(Some(&store), "gpu02", &own, t, far, &token).await;
             assert!(t.elapsed() < Duration::from_secs(1), "{b:?}: waited {:?} for nobody", t.elapsed());
 
             assert!(still_offered(Some(&store), "gpu01", "m", "601").await, "{b:?}");
@@ -622,7 +649,7 @@ mod tests {
             let hold = tokio::spawn(hold_while_in_flight(Some(store.clone()), borrowed, far, token.clone()));
             let (s2, t2) = (store.clone(), token.clone());
             let t = Instant::now();
-            let owner = tokio::spawn(async move { wait_for_borrowers(Some(&s2), &own, far, &t2).await });
+            let owner = tokio::spawn(async move { wait_for_borrowers(Some(&s2), "gpu02", &own, t, far, &t2).await });
             tokio::time::sleep(Duration::from_secs(2)).await;
             assert!(!owner.is_finished(), "{b:?}: the owner stopped the worker under gpu01's call");
             drop(lease);
@@ -638,8 +665,61 @@ mod tests {
             store.touch_worker_use("slurm", "601", crate::util::now_us()).await.unwrap();
             let own = Instance::new(LauncherKind::Slurm, "601".into(), "k".into(), 0, "/tmp/l".into());
             let t = Instant::now();
-            wait_for_borrowers(Some(&store), &own, Instant::now() + Duration::from_millis(300), &token).await;
+            wait_for_borrowers(Some(&store), "gpu02", &own, t, Instant::now() + Duration::from_millis(300), &token).await;
             assert!(t.elapsed() < Duration::from_secs(2), "{b:?}: waited {:?} past its deadline", t.elapsed());
+        }
+    }
+
+    /// A call another gateway sent to the worker in the second before its owner withdrew it is
+    /// not in the store yet (that gateway records it when its supervisor notices the
+    /// withdrawal): while another gateway shares the store, the owner does not take "nobody
+    /// used it" for an answer before [`SEE_WITHDRAWAL`], so it does not stop the worker under
+    /// that call; a worker nobody used waits that long and no longer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_another_gateway_sent_just_before_the_withdrawal_is_waited_for() {
+        for (store, _dir) in testing::stores().await {
+            let b = store.backend();
+            let now = crate::util::now_us();
+            store.publish_gateway_policy("gpu01", "{}", now).await.unwrap();
+            store.publish_gateway_policy("gpu02", "{}", now).await.unwrap();
+            let own = Instance::new(LauncherKind::Slurm, "701".into(), "k".into(), 0, "/tmp/l".into());
+            let mut borrowed = Instance::new(LauncherKind::Slurm, "701".into(), "k".into(), 0, "/tmp/l".into());
+            borrowed.borrowed_from = Some("gpu02".into());
+            let borrowed = std::sync::Arc::new(borrowed);
+            let token = CancellationToken::new();
+            let far = Instant::now() + Duration::from_secs(30);
+
+            // gpu01 sent a call just before gpu02 withdrew the worker (nothing recorded yet);
+            // its supervisor notices the withdrawal 0.9 s later and records the call, which
+            // ends 1.5 s after that.
+            let lease = borrowed.clone();
+            let withdrawn = Instant::now();
+            let (s2, t2) = (store.clone(), token.clone());
+            let borrower = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                let hold = tokio::spawn(hold_while_in_flight(Some(s2), borrowed, far, t2));
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                drop(lease);
+                hold.await.unwrap();
+            });
+            let (s3, t3) = (store.clone(), token.clone());
+            let owner = tokio::spawn(async move { wait_for_borrowers(Some(&s3), "gpu02", &own, withdrawn, far, &t3).await });
+            tokio::time::sleep(Duration::from_millis(2200)).await;
+            assert!(!owner.is_finished(), "{b:?}: the owner stopped the worker under the call gpu01 sent before the withdrawal");
+            borrower.await.unwrap();
+            owner.await.unwrap();
+            let waited = withdrawn.elapsed();
+            assert!(waited >= Duration::from_millis(2400), "{b:?}: the owner waited {waited:?} (the call ended after 2.4 s)");
+
+            // Nobody used it: "nobody" counts from SEE_WITHDRAWAL after the withdrawal.
+            let quiet = Instance::new(LauncherKind::Slurm, "702".into(), "k".into(), 0, "/tmp/l".into());
+            let withdrawn = Instant::now();
+            wait_for_borrowers(Some(&store), "gpu02", &quiet, withdrawn, far, &token).await;
+            let waited = withdrawn.elapsed();
+            assert!(
+                waited >= SEE_WITHDRAWAL && waited < SEE_WITHDRAWAL + Duration::from_secs(1),
+                "{b:?}: waited {waited:?} for a worker nobody used, with another gateway on the store"
+            );
         }
     }
 }

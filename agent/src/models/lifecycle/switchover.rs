@@ -184,7 +184,7 @@ impl Shared {
     /// Waits until no lease holds `old` (at most `workers.drain_timeout_s`), then ends it.
     async fn drain_replaced(&self, name: &str, shadow: Arc<Worker>, old: Arc<Instance>) {
         let Some(rt) = &self.rt else { return };
-        single_flight::withdraw(rt.store.as_ref(), &rt.owner, name, &old).await;
+        let withdrawn = single_flight::withdraw(rt.store.as_ref(), &rt.owner, name, &old).await;
         let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
         // Left: this task's reference, and the old supervisor's until its next tick.
         while Arc::strong_count(&old) > 1 {
@@ -197,7 +197,7 @@ impl Shared {
                 () = tokio::time::sleep(Duration::from_millis(20)) => {}
             }
         }
-        single_flight::wait_for_borrowers(rt.store.as_ref(), &old, deadline, &rt.shutdown).await;
+        single_flight::wait_for_borrowers(rt.store.as_ref(), &rt.owner, &old, withdrawn, deadline, &rt.shutdown).await;
         rt.launchers.stop(&old).await;
         self.forget(name, &old).await;
         {
