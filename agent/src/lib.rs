@@ -322,6 +322,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
                 sacct: bin("sacct"),
                 timeout: std::time::Duration::from_millis(tcfg.slurm_timeout_ms.clamp(100, 600_000)),
                 node: node.clone(),
+                last_look: state.telemetry.last_look(),
             }),
             node,
             interval: std::time::Duration::from_millis(

@@ -204,9 +204,19 @@ impl Ingestor {
         n
     }
 
-    async fn look(&mut self, want: Vec<u32>, since: Option<i64>) -> Option<SlurmState> {
-        let source = self.slurm.as_ref()?.source.clone();
-        let st = match tokio::task::spawn_blocking(move || source.query(&want, since)).await {
+    /// Asks Slurm about `want`. `reuse`: a reconciliation, which takes a look at slurmctld
+    /// younger than its interval (the telemetry sampler's) if there is one; a new job's
+    /// verification looks anew (its job may have started after the last look).
+    async fn look(&mut self, want: Vec<u32>, since: Option<i64>, reuse: bool) -> Option<SlurmState> {
+        let link = self.slurm.as_ref()?;
+        let (source, age) = (link.source.clone(), link.interval);
+        let st = match tokio::task::spawn_blocking(
+            move || {
+                if reuse { source.query_reusing(&want, since, age) } else { source.query(&want, since) }
+            },
+        )
+        .await
+        {
             Ok(st) => st,
             Err(e) => {
                 tracing::error!("accounting: the Slurm look failed: {e}");
@@ -253,7 +263,7 @@ impl Ingestor {
                 (Ok(open), Ok(unverified)) => {
                     let want: BTreeSet<u32> = open.iter().chain(unverified.iter()).filter_map(|j| u32::try_from(j.job_id).ok()).collect();
                     let since = self.memo.backfill_since_us;
-                    if let Some(st) = self.look(want.into_iter().collect(), since).await {
+                    if let Some(st) = self.look(want.into_iter().collect(), since, true).await {
                         if st.acct_ok {
                             self.memo.backfill_since_us = None;
                         }
@@ -275,7 +285,7 @@ impl Ingestor {
                 if touched.is_empty() || self.memo.failed_at.is_some_and(|t| t.elapsed() < backoff) {
                     return report;
                 }
-                match self.look(touched.iter().copied().collect(), None).await {
+                match self.look(touched.iter().copied().collect(), None, false).await {
                     Some(st) => (st, Vec::new()),
                     None => return report,
                 }

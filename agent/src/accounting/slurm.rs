@@ -19,12 +19,18 @@
 //! unquoted in the same line; a line in which a field the agent reads occurs twice, or a
 //! per-node section lies outside its place, is refused as ambiguous and the job is looked up
 //! in `sacct` (whose `-P` fields here are all Slurm's own) instead.
+//!
+//! The telemetry sampler runs the same `scontrol show job` and `squeue --json` every
+//! `telemetry.slurm_interval_ms`; each look is kept ([`LastLook`]) and a reconciliation reuses
+//! one younger than its interval instead of asking slurmctld again, so a node asks slurmctld
+//! for every job once per interval, not twice. A new job's verification always looks anew.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use crate::telemetry::slurm::run_command_env;
+use crate::telemetry::slurm::{CommandError, run_command_env};
 
 /// Where an allocation came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -344,6 +350,42 @@ pub fn read_squeue(squeue: &std::path::Path, timeout: Duration) -> Result<Squeue
     run_command_env(squeue, &["--json", "-t", "all"], &[], timeout).map_err(|e| e.to_string()).and_then(|text| parse_squeue_json(&text))
 }
 
+/// One look at slurmctld's jobs: what `scontrol show job -d -o` printed and what the `squeue
+/// --json` taken with it says ([`vouch`]).
+#[derive(Debug)]
+pub struct JobLook {
+    pub at: Instant,
+    /// When it was taken (Unix microseconds, before scontrol ran).
+    pub taken_us: i64,
+    /// The binaries that printed it: a look is reused only by a reader of the same ones.
+    pub scontrol: PathBuf,
+    pub squeue: PathBuf,
+    pub text: String,
+    pub squeue_ids: Result<SqueueIds, String>,
+}
+
+/// A node's latest [`JobLook`], shared by the telemetry sampler and the accounting ingest.
+#[derive(Debug, Clone, Default)]
+pub struct LastLook(Arc<Mutex<Option<Arc<JobLook>>>>);
+
+impl LastLook {
+    /// Keeps `look` unless a later one is kept already (a slow command finished last).
+    pub fn put(&self, look: JobLook) -> Arc<JobLook> {
+        let look = Arc::new(look);
+        let mut last = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.as_ref().is_none_or(|l| l.taken_us <= look.taken_us) {
+            *last = Some(Arc::clone(&look));
+        }
+        look
+    }
+
+    /// The latest look, if taken less than `age` ago by `scontrol` and `squeue`.
+    pub fn within(&self, age: Duration, scontrol: &Path, squeue: &Path) -> Option<Arc<JobLook>> {
+        let last = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        last.as_ref().filter(|l| l.at.elapsed() < age && l.scontrol == scontrol && l.squeue == squeue).cloned()
+    }
+}
+
 /// Keeps in `jobs` (parsed from `scontrol show job -o`, whose lines carried the ids `listed`)
 /// only what squeue vouches for: a line for a job id slurmctld does not have is free text (a job
 /// name with a line break that imitates a line) and is dropped; a job with a line break in its
@@ -559,6 +601,13 @@ pub trait SlurmSource: Send + Sync {
     /// slurmctld's jobs, and sacct's for the ids of `want` slurmctld does not list; with
     /// `since_us`, also every job sacct saw on `node` since then.
     fn query(&self, want: &[u32], since_us: Option<i64>) -> SlurmState;
+
+    /// As [`SlurmSource::query`], from a look at slurmctld taken less than `age` ago if there
+    /// is one (a reconciliation: its `taken_us` is then that look's).
+    fn query_reusing(&self, want: &[u32], since_us: Option<i64>, age: Duration) -> SlurmState {
+        let _ = age;
+        self.query(want, since_us)
+    }
 }
 
 /// The commands.
@@ -571,6 +620,8 @@ pub struct CommandSlurm {
     pub timeout: Duration,
     /// The Slurm node name (`telemetry.slurm_node_name`), for `sacct -N`.
     pub node: String,
+    /// The node's latest look at slurmctld's jobs, the telemetry sampler's or this source's.
+    pub last_look: LastLook,
 }
 
 const SACCT_CHUNK: usize = 500;
@@ -615,18 +666,32 @@ impl CommandSlurm {
     }
 }
 
-impl SlurmSource for CommandSlurm {
-    fn query(&self, want: &[u32], since_us: Option<i64>) -> SlurmState {
+/// Takes a [`JobLook`] with `scontrol` and `squeue` and keeps it in `last`; `Err` when
+/// scontrol fails (slurmctld down).
+pub fn take_job_look(scontrol: &Path, squeue: &Path, timeout: Duration, last: &LastLook) -> Result<Arc<JobLook>, CommandError> {
+    let (at, taken_us) = (Instant::now(), crate::util::now_us());
+    let text = run_command_env(scontrol, &["show", "job", "-d", "-o"], &[("SLURM_TIME_FORMAT", "%s")], timeout)?;
+    let squeue_ids = read_squeue(squeue, timeout);
+    Ok(last.put(JobLook { at, taken_us, scontrol: scontrol.to_path_buf(), squeue: squeue.to_path_buf(), text, squeue_ids }))
+}
+
+impl CommandSlurm {
+    fn answer(&self, want: &[u32], since_us: Option<i64>, reuse: Option<Duration>) -> SlurmState {
         let mut st = SlurmState { taken_us: crate::util::now_us(), acct_ok: true, ..SlurmState::default() };
-        match run_command_env(&self.scontrol, &["show", "job", "-d", "-o"], &[("SLURM_TIME_FORMAT", "%s")], self.timeout) {
-            Ok(out) => {
-                let (mut jobs, errs) = parse_scontrol(&out);
+        let look = match reuse.and_then(|age| self.last_look.within(age, &self.scontrol, &self.squeue)) {
+            Some(look) => Ok(look),
+            None => take_job_look(&self.scontrol, &self.squeue, self.timeout, &self.last_look),
+        };
+        match look {
+            Ok(look) => {
+                st.taken_us = look.taken_us;
+                let (mut jobs, errs) = parse_scontrol(&look.text);
                 st.ctld_ok = true;
                 st.errors.extend(errs.iter().map(ToString::to_string));
-                let listed = listed_ids(&out);
-                match read_squeue(&self.squeue, self.timeout) {
+                let listed = listed_ids(&look.text);
+                match &look.squeue_ids {
                     Ok(sq) => {
-                        let (unsure, problems) = vouch(&mut jobs, &listed, &sq);
+                        let (unsure, problems) = vouch(&mut jobs, &listed, sq);
                         st.ctld_unsure = unsure;
                         st.errors.extend(problems);
                     }
@@ -661,6 +726,16 @@ impl SlurmSource for CommandSlurm {
             self.sacct(&["-a", "-N", &node, "-S", &ago, "-E", "now", "-s", "R,CD,CA,F,TO,NF,PR,OOM,DL,BF,RQ,S"], &mut st);
         }
         st
+    }
+}
+
+impl SlurmSource for CommandSlurm {
+    fn query(&self, want: &[u32], since_us: Option<i64>) -> SlurmState {
+        self.answer(want, since_us, None)
+    }
+
+    fn query_reusing(&self, want: &[u32], since_us: Option<i64>, age: Duration) -> SlurmState {
+        self.answer(want, since_us, Some(age))
     }
 }
 
@@ -893,5 +968,67 @@ short|line
     fn live_and_finished_states() {
         assert!(is_live("RUNNING") && is_live("COMPLETING") && !is_live("PENDING") && !is_live("COMPLETED"));
         assert!(is_finished("CANCELLED") && is_finished("TIMEOUT") && !is_finished("RUNNING"));
+    }
+
+    /// A reconciliation reuses a look at slurmctld younger than its interval (the telemetry
+    /// sampler's, kept in [`LastLook`]) with that look's time; a verification, an older look or
+    /// one printed by other binaries asks slurmctld again; a slow look that finishes after a
+    /// newer one does not replace it.
+    #[test]
+    fn a_reconciliation_reuses_a_recent_look_and_a_verification_looks_anew() {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = tempfile::tempdir().unwrap();
+        let dir = bin.path().display().to_string();
+        std::fs::write(bin.path().join("jobs.txt"), format!("{RUNNING_GPU2}\n")).unwrap();
+        let json = r#"{"jobs": [{"job_id": 77, "name": "acct-gpu2", "job_state": ["RUNNING"]}]}"#;
+        std::fs::write(bin.path().join("squeue.json"), json).unwrap();
+        for (name, body) in [
+            ("scontrol", format!("echo scontrol >> {dir}/calls\ncat {dir}/jobs.txt")),
+            ("squeue", format!("echo squeue >> {dir}/calls\ncat {dir}/squeue.json")),
+            ("sacct", format!("echo sacct >> {dir}/calls")),
+        ] {
+            let path = bin.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let calls = || std::fs::read_to_string(bin.path().join("calls")).unwrap_or_default().lines().filter(|l| *l == "scontrol").count();
+        let src = CommandSlurm {
+            scontrol: bin.path().join("scontrol"),
+            squeue: bin.path().join("squeue"),
+            sacct: bin.path().join("sacct"),
+            timeout: Duration::from_secs(10),
+            node: "gpu01".into(),
+            last_look: LastLook::default(),
+        };
+        let first = src.query_reusing(&[77], None, Duration::from_secs(60));
+        assert!(first.ctld_ok && first.ctld.contains_key(&77), "{:?}", first.errors);
+        assert_eq!(calls(), 1, "nothing to reuse yet");
+        std::thread::sleep(Duration::from_millis(20));
+        let again = src.query_reusing(&[77], None, Duration::from_secs(60));
+        assert_eq!(calls(), 1, "a look 20 ms old is reused");
+        assert!(again.ctld.contains_key(&77) && again.ctld_unsure.is_empty(), "{:?}", again.errors);
+        assert_eq!(again.taken_us, first.taken_us, "a reused look keeps its own time");
+        let fresh = src.query(&[77], None);
+        assert_eq!(calls(), 2, "a verification looks anew");
+        assert!(fresh.taken_us > first.taken_us);
+        src.query_reusing(&[77], None, Duration::from_millis(1));
+        assert_eq!(calls(), 3, "a look older than the reconciliation interval is not reused");
+        // The look another sampler kept with other binaries is not this source's.
+        let other = CommandSlurm { scontrol: "/nonexistent/scontrol".into(), last_look: src.last_look.clone(), ..src.clone() };
+        let st = other.query_reusing(&[], None, Duration::from_secs(60));
+        assert!(!st.ctld_ok, "reused a look printed by another scontrol");
+        // A slow look taken before the kept one finishes last: the newer one stays.
+        let kept = src.last_look.within(Duration::from_secs(60), &src.scontrol, &src.squeue).unwrap();
+        let stale = JobLook {
+            at: Instant::now(),
+            taken_us: kept.taken_us - 1,
+            scontrol: src.scontrol.clone(),
+            squeue: src.squeue.clone(),
+            text: String::new(),
+            squeue_ids: Err("x".into()),
+        };
+        src.last_look.put(stale);
+        let now = src.last_look.within(Duration::from_secs(60), &src.scontrol, &src.squeue).unwrap();
+        assert_eq!(now.taken_us, kept.taken_us);
     }
 }

@@ -286,6 +286,7 @@ pub struct Telemetry {
     stop: Arc<Stop>,
     threads: Vec<JoinHandle<()>>,
     dcgm: Arc<dcgm::DcgmExposition>,
+    last_look: crate::accounting::slurm::LastLook,
 }
 
 impl Telemetry {
@@ -314,8 +315,9 @@ impl Telemetry {
             Err(e) => tracing::error!("telemetry: cannot start the GPU sampler thread: {e}; GPU series stay at their first sample"),
         }
 
+        let last_look = crate::accounting::slurm::LastLook::default();
         if cfg.enable_slurm {
-            let slurm_sampler = slurm::SlurmSampler::new(cfg, own, Arc::clone(&published));
+            let slurm_sampler = slurm::SlurmSampler::new(cfg, own, Arc::clone(&published), last_look.clone());
             let interval = Duration::from_millis(cfg.slurm_interval_ms.clamp(1_000, 3_600_000));
             let stop_slurm = Arc::clone(&stop);
             match std::thread::Builder::new().name("gpuhub-slurm".into()).spawn(move || slurm_sampler.run(interval, &stop_slurm)) {
@@ -325,7 +327,12 @@ impl Telemetry {
         } else {
             own.slurm_up.set(0);
         }
-        Telemetry { published, stats, stop, threads, dcgm: dcgm_out }
+        Telemetry { published, stats, stop, threads, dcgm: dcgm_out, last_look }
+    }
+
+    /// The Slurm sampler's latest look at slurmctld's jobs, for the accounting ingest.
+    pub fn last_look(&self) -> crate::accounting::slurm::LastLook {
+        self.last_look.clone()
     }
 
     /// The DCGM block of `/metrics`, for [`exposition::Exposition`].

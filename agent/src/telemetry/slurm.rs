@@ -36,7 +36,7 @@ use super::metrics::{
 };
 use super::{Published, Stop, TelemetryConfig, lock, unix_now};
 use crate::accounting::slurm::{
-    LineError, SlurmJob, is_finished, is_live, listed_ids, parse_scontrol, parse_slurm_size, read_squeue, vouch,
+    LastLook, LineError, SlurmJob, is_finished, is_live, listed_ids, parse_scontrol, parse_slurm_size, take_job_look, vouch,
 };
 
 /// Output beyond this is refused (a runaway command must not eat the agent's memory).
@@ -294,6 +294,8 @@ pub struct SlurmSampler {
     /// `squeue --json`: which of scontrol's job lines are slurmctld's own.
     squeue: PathBuf,
     warned_squeue: bool,
+    /// Each job look is kept here for the accounting ingest ([`LastLook`]).
+    last_look: LastLook,
     /// The job lines skipped at the last snapshot, as logged.
     last_job_errors: Vec<String>,
     timeout: Duration,
@@ -313,7 +315,7 @@ const JOB_CMD: &str = "scontrol show job";
 const NODE_CMD: &str = "scontrol show node";
 
 impl SlurmSampler {
-    pub(crate) fn new(cfg: &TelemetryConfig, own: GpuhubMetrics, published: Arc<Mutex<Published>>) -> Self {
+    pub(crate) fn new(cfg: &TelemetryConfig, own: GpuhubMetrics, published: Arc<Mutex<Published>>, last_look: LastLook) -> Self {
         Self {
             scontrol: match &cfg.slurm_bin_dir {
                 Some(dir) => dir.join("scontrol"),
@@ -324,6 +326,7 @@ impl SlurmSampler {
                 None => PathBuf::from("squeue"),
             },
             warned_squeue: false,
+            last_look,
             last_job_errors: Vec::new(),
             timeout: Duration::from_millis(cfg.slurm_timeout_ms.clamp(100, 600_000)),
             node: cfg.effective_node_name(),
@@ -386,16 +389,16 @@ impl SlurmSampler {
             own.slurm_command_errors.get_or_create(&CommandLabels { command: command.into() }).inc();
         };
         let env = [("SLURM_TIME_FORMAT", "%s")];
-        let jobs_text =
-            run_command_env(&self.scontrol, &["show", "job", "-d", "-o"], &env, self.timeout).inspect_err(|_| fail(&self.own, JOB_CMD))?;
+        // Kept for the accounting ingest's next reconciliation, which then asks slurmctld nothing.
+        let look = take_job_look(&self.scontrol, &self.squeue, self.timeout, &self.last_look).inspect_err(|_| fail(&self.own, JOB_CMD))?;
         let nodes_text = run_command_env(&self.scontrol, &["-d", "show", "node", "-o"], &env, self.timeout)
             .inspect_err(|_| fail(&self.own, NODE_CMD))?;
-        let (mut jobs, mut job_errors) = parse_scontrol(&jobs_text);
+        let (mut jobs, mut job_errors) = parse_scontrol(&look.text);
         // A job name with a line break can print lines that imitate other jobs' (a user's GPUs
         // shown as another's): only the lines squeue's JSON vouches for are used.
-        match read_squeue(&self.squeue, self.timeout) {
+        match &look.squeue_ids {
             Ok(sq) => {
-                let (_, problems) = vouch(&mut jobs, &listed_ids(&jobs_text), &sq);
+                let (_, problems) = vouch(&mut jobs, &listed_ids(&look.text), sq);
                 job_errors.extend(problems.into_iter().map(|problem| LineError { command: "squeue --json", line: 0, problem }));
                 self.warned_squeue = false;
             }

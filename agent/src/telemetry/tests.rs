@@ -539,6 +539,9 @@ fn slurm_snapshot_counts_gpus_and_shards_whatever_the_request_syntax() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let text = render(&registry, &t);
+    // Each look at the jobs is kept for the accounting ingest's reconciliation.
+    let look = t.last_look().within(Duration::from_secs(60), &bin.path().join("scontrol"), &bin.path().join("squeue"));
+    assert!(look.is_some_and(|l| l.text.contains("JobId=15 ")), "the sampler's look is not kept for the accounting ingest");
     let v = |p: &str| value(&text, p).unwrap_or_else(|| panic!("no {p} in\n{text}"));
     let job = |id: u32, user: &str, account: &str| format!("{{jobid=\"{id}\",user=\"{user}\",account=\"{account}\",partition=\"gpu\"}}");
     assert_eq!(v("gpuhub_slurm_up "), 1.0);
