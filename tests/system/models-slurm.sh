@@ -47,7 +47,9 @@ models_call mt-chat "first call"
 echo "$MC_BODY" | grep -q 'Hello from mt-chat' || models_fail "first call: the worker's answer is missing: $MC_BODY"
 job="$(models_field mt-chat worker_id)"
 [ "$(models_jobs mt-chat)" = "$job" ] || models_fail "expected Slurm job $job named gpuhub-worker-mt-chat, squeue shows '$(models_jobs mt-chat)'"
-echo "   ok: answered by Slurm job $job"
+scontrol show job "$job" | grep -q 'Requeue=0' || models_fail "worker job $job may be requeued: $(scontrol show job "$job" | grep -o 'Requeue=[0-9]*')"
+if out="$(scontrol requeue "$job" 2>&1)"; then models_fail "scontrol requeue $job was accepted: a worker job must never run twice under one id"; fi
+echo "   ok: answered by Slurm job $job (never requeued: $out)"
 
 echo "== 2. 50 concurrent first calls -> one Slurm job"
 pids=()

@@ -179,7 +179,9 @@ impl Slurm {
         s.push_str(&format!("#SBATCH --job-name={}\n", shell_quote(&job_name(&spec.model))));
         s.push_str(&format!("#SBATCH --output={}\n", spec.dir.join(format!("{safe}.%j.log")).display()));
         s.push_str(&format!("#SBATCH --comment={}\n", shell_quote(&self.comment())));
-        s.push_str("#SBATCH --nodes=1 --ntasks=1\n#SBATCH --export=NONE\n");
+        // Never requeued (a node failure, a preemption, `scontrol requeue`): the agent starts a
+        // new worker when one is needed, and a worker job's one run is what its callers are billed.
+        s.push_str("#SBATCH --nodes=1 --ntasks=1\n#SBATCH --export=NONE\n#SBATCH --no-requeue\n");
         if spec.resources.gpus > 0 {
             s.push_str(&format!("#SBATCH --gres=gpu:{}\n", spec.resources.gpus));
         } else if spec.resources.shards > 0 {
@@ -667,6 +669,7 @@ mod tests {
         assert!(!s.contains(&sp.api_key), "the key is in the job script:\n{s}");
         for want in [
             "#SBATCH --export=NONE\n",
+            "#SBATCH --no-requeue\n",
             "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n",
             "export HOME=/var/lib/gpuhub-worker\n",
             "export HF_HOME=/models/hf\n",
