@@ -145,7 +145,13 @@ else
     install_conf "$HERE/gres.conf" /etc/slurm/gres.conf 644
 fi
 install_conf "$HERE/cgroup.conf" /etc/slurm/cgroup.conf 644
-if [ "$ACCOUNTING" = 1 ]; then
+if [ "$ACCOUNTING" = 1 ] && [ "$NODES" = 2 ]; then
+    # Each node's sacct runs in that node's namespace, where localhost is its own: slurmdbd
+    # (listening on every address) is reached at the host's bridge address.
+    sed "s/^AccountingStorageHost=localhost\$/AccountingStorageHost=$NODES_HOST_IP/" "$HERE/accounting-slurmdbd.conf" > "$STATE_DIR/lab-accounting.conf"
+    install_conf "$STATE_DIR/lab-accounting.conf" /etc/slurm/lab-accounting.conf 644
+    install_conf "$HERE/slurmdbd.conf" /etc/slurm/slurmdbd.conf 600
+elif [ "$ACCOUNTING" = 1 ]; then
     install_conf "$HERE/accounting-slurmdbd.conf" /etc/slurm/lab-accounting.conf 644
     install_conf "$HERE/slurmdbd.conf" /etc/slurm/slurmdbd.conf 600
 else

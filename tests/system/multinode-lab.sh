@@ -15,9 +15,11 @@
 #  3b. gpu01's worker on gpu02 killed between calls: the next call through gpu01 is answered by a
 #     new worker (not a 502);
 #  4. a shard job on each node: the shard-seconds the store holds for them (read through gpu01's
-#     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum.
+#     agent: `gpuhub job` shows every node) equal sacct's, per job and in sum;
+#  5. a job requeued from gpu01 that runs again on gpu02 while gpu01's agent is down: gpu01's
+#     agent closes its run there at sacct's End of that run (`--duplicates`), not approximately.
 # Restores the one-node lab at exit. About 100 s (two lab re-ups of ~30 s each).
-# timeout: 300
+# timeout: 360
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 . "$REPO/tests/lib/lab.sh"
@@ -178,5 +180,35 @@ for b in bad: print("MISMATCH:", b)
 sys.exit(1 if bad else 0)
 PY
 
+echo "== 5. a job requeued from gpu01 runs again on gpu02 while gpu01's agent is down: its run on gpu01 ends at sacct's End of that run"
+rq="$(cd /tmp && runuser -u "$LAB_USER" -- sbatch --parsable --requeue -x gpu02 -t 2 --gres=shard:1 -J multinode-requeue -o /dev/null --wrap 'sleep 12')"
+lab_cleanup_add "scancel $rq 2>/dev/null"
+on() { squeue -h -j "$rq" -o '%T %N' 2>/dev/null; }
+for _ in $(seq 100); do [ "$(on)" = "RUNNING gpu01" ] && break; sleep 0.2; done
+[ "$(on)" = "RUNNING gpu01" ] || fail "job $rq does not run on gpu01: '$(on)'"
+gj() { nodes_exec gpu01 "$REPO/target/release/gpuhub" job "$rq" --json 2>/dev/null; }
+for _ in $(seq 100); do [ "$(gj | jq '[.nodes[] | select(.node == "gpu01")] | length')" = 1 ] && break; sleep 0.2; done
+[ "$(gj | jq '[.nodes[] | select(.node == "gpu01")] | length')" = 1 ] || fail "gpu01's agent did not record job $rq: $(gj)"
+"$NODES_SH" agent-stop gpu01
+runuser -u "$LAB_USER" -- scontrol requeue "$rq" || fail "its owner could not requeue job $rq"
+for _ in $(seq 100); do [ "$(on)" = "PENDING " ] && break; sleep 0.2; done
+scontrol update JobId="$rq" ExcNodeList=gpu01 StartTime=now || fail "cannot move job $rq to gpu02"
+for _ in $(seq 150); do [ "$(on)" = "RUNNING gpu02" ] && break; sleep 0.2; done
+[ "$(on)" = "RUNNING gpu02" ] || fail "requeued job $rq does not run on gpu02: '$(on)'"
+"$NODES_SH" agent-start gpu01 60 || fail "gpu01's agent did not come back"
+for _ in $(seq 150); do [ "$(gj | jq '.nodes[] | select(.node == "gpu01") | .end_us // null')" != null ] && break; sleep 0.2; done
+first_end="$(SLURM_TIME_FORMAT=%s sacct -n -X -P -D -j "$rq" -o NodeList,End 2>/dev/null | awk -F'|' '$1 == "gpu01" {print $2; exit}')"
+[[ "$first_end" =~ ^[0-9]+$ ]] || fail "sacct --duplicates has no ended run of job $rq on gpu01: $(sacct -n -X -P -D -j "$rq" -o JobID,NodeList,Start,End,State 2>&1)"
+gj | python3 -c '
+import json, sys
+first_end = int(sys.argv[1])
+runs = [n for n in json.load(sys.stdin)["nodes"] if n.get("node") == "gpu01"]
+kinds = [a.get("kind") if isinstance(a, dict) else a for n in runs for a in n.get("anomalies", [])]
+end = (runs[0].get("end_us") or 0) / 1e6 if runs else 0
+print(f"   gpu01 run: end {end:.0f}, sacct --duplicates End {first_end}; anomalies {kinds}")
+sys.exit(0 if len(runs) == 1 and abs(end - first_end) <= 2 and "end_approximate" not in kinds else 1)
+' "$first_end" || fail "job $rq: its run on gpu01 is not closed at sacct's End of that run: $(gj)"
+lab_cancel "$rq"
+
 nodes_test_restore || exit 1
-echo "PASS: jobs on gpu02 reach gpu01's gateway and are attributed; workers on gpu02 serve gpu01's gateway; each agent keeps to its own workers; usage over both nodes equals sacct"
+echo "PASS: jobs on gpu02 reach gpu01's gateway and are attributed; workers on gpu02 serve gpu01's gateway; each agent keeps to its own workers; usage over both nodes equals sacct; a job requeued to the other node is closed at its real end"

@@ -308,17 +308,20 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             }
             let nodes = nodes_of(row);
             let ctld = st.ctld.get(&id);
-            let acct_end = st.acct.get(&id).filter(|j| is_finished(&j.state)).and_then(|j| j.end_us);
+            // A finished job's EndTime is this run's only if that run is this one (requeued, the
+            // job may have run again, here or on another node).
+            let ended_here = |j: &&SlurmJob| is_finished(&j.state) && is_this_run(j, row, &nodes);
+            let acct_end = st.acct.get(&id).filter(ended_here).and_then(|j| j.end_us);
             // Listed on a line not used (a job name or comment that imitates scontrol's fields):
             // slurmctld still knows the job, and only sacct can say it ended.
             if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) || (st.ctld_unsure.contains(&id) && acct_end.is_none()) {
                 continue;
             }
-            let (end, how, exact) = if let Some(e) = ctld.filter(|j| is_finished(&j.state)).and_then(|j| j.end_us) {
+            let (end, how, exact) = if let Some(e) = ctld.filter(ended_here).and_then(|j| j.end_us) {
                 (e, "slurmctld's EndTime", true)
             } else if let Some(e) = acct_end {
                 (e, "sacct's End", true)
-            } else if let Some(e) = ended_run(st, id, row) {
+            } else if let Some(e) = ended_run(st, id, row, &nodes).and_then(|r| r.end_us) {
                 (e, "sacct's End of this run (Slurm requeued the job)", true)
             } else if let Some(t) = inp.last_listed.get(&id) {
                 (*t, "the last Slurm snapshot that listed it", false)
@@ -329,7 +332,8 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             } else {
                 (st.taken_us, "the first Slurm snapshot without it (the agent never saw it running)", false)
             };
-            let job = st.job(id).and_then(|j| j.alloc_on(&nodes).map(|a| (j.clone(), a)));
+            let record = st.job(id).filter(|j| is_this_run(j, row, &nodes)).or_else(|| ended_run(st, id, row, &nodes));
+            let job = record.and_then(|j| j.alloc_on(&nodes).map(|a| (j.clone(), a)));
             handled.insert(id);
             out.push(Action::Close {
                 node: row.node.clone(),
@@ -357,7 +361,11 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             // Slurm describes a later run of a requeued job: nothing to verify this run by.
             Some(j) if j.start_us.is_some_and(|s| LatestRun::of(row).is_before(s)) => {}
             Some(j) => {
-                let alloc = j.alloc_on(&nodes_of(row)).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
+                // Slurm describes another run (requeued: running or ended on another node):
+                // this run is verified by its own line of sacct --duplicates when it has one.
+                let nodes = nodes_of(row);
+                let j = if is_this_run(j, row, &nodes) { j } else { ended_run(st, id, row, &nodes).unwrap_or(j) };
+                let alloc = j.alloc_on(&nodes).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
                 out.push(Action::Verify { node: row.node.clone(), job_id: id, run: row.run, job: j.clone(), alloc });
             }
             // A job scontrol listed on a line not used is known to slurmctld: not unverified.
@@ -401,10 +409,27 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
     out
 }
 
-/// When the run `row` is of a job Slurm requeued ended: sacct's run that started when it did.
-fn ended_run(st: &SlurmState, id: u32, row: &JobRow) -> Option<i64> {
-    let start = row.slurm_start_us.or(row.start_us)?;
-    st.ended_runs.get(&id)?.iter().find(|r| r.start_us.is_some_and(|s| (s - start).abs() <= TIME_TOLERANCE_US))?.end_us
+/// When the run `row` started: Slurm's start once verified, else its records' (which follow
+/// Slurm's), else its first sighting.
+fn run_start(row: &JobRow) -> i64 {
+    row.slurm_start_us.or(row.start_us).unwrap_or(row.first_seen_us)
+}
+
+/// Slurm's record `j` is of the run `row` on `nodes`: it ran there and did not start after
+/// that run did (a requeued job's later run has its own, later StartTime).
+fn is_this_run(j: &SlurmJob, row: &JobRow, nodes: &BTreeSet<String>) -> bool {
+    j.on_any(nodes) && j.start_us.is_none_or(|s| s <= run_start(row) + TIME_TOLERANCE_US)
+}
+
+/// The run `row` of a job Slurm requeued, as sacct --duplicates lists it ended: the latest
+/// ended run on `nodes` that started by the time `row` did.
+fn ended_run<'a>(st: &'a SlurmState, id: u32, row: &JobRow, nodes: &BTreeSet<String>) -> Option<&'a SlurmJob> {
+    let start = run_start(row);
+    st.ended_runs
+        .get(&id)?
+        .iter()
+        .filter(|r| r.on_any(nodes) && r.start_us.is_some_and(|s| s <= start + TIME_TOLERANCE_US))
+        .max_by_key(|r| r.start_us)
 }
 
 /// Job ids slurmctld lists live on `nodes` (for `last_listed`), and those it lists on lines

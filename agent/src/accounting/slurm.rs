@@ -582,8 +582,8 @@ pub struct SlurmState {
     pub acct_ok: bool,
     /// Jobs sacct listed (asked by id, or ran on this node since a time).
     pub acct: BTreeMap<u32, SlurmJob>,
-    /// The runs that ended of the jobs asked for that slurmctld lists pending again (Slurm
-    /// requeued them; `sacct --duplicates`): when each earlier run ended.
+    /// The runs that ended of the jobs asked for that slurmctld lists pending again, or running
+    /// or ended on another node (Slurm requeued them; `sacct --duplicates`): each earlier run.
     pub ended_runs: BTreeMap<u32, Vec<SlurmJob>>,
     /// What failed, for the log.
     pub errors: Vec<String>,
@@ -712,12 +712,15 @@ impl CommandSlurm {
             let ids = chunk.join(",");
             self.sacct(&["-j", &ids], &mut st);
         }
-        let pending: Vec<String> = want
+        // Requeued: pending again, or running or ended on another node (then its run here
+        // ended before, and sacct knows when).
+        let here = BTreeSet::from([self.node.clone()]);
+        let rerun: Vec<String> = want
             .iter()
-            .filter(|id| st.ctld.get(id).is_some_and(|j| !is_live(&j.state) && !is_finished(&j.state)))
+            .filter(|id| st.ctld.get(id).is_some_and(|j| !j.on_any(&here) || !(is_live(&j.state) || is_finished(&j.state))))
             .map(u32::to_string)
             .collect();
-        for chunk in pending.chunks(SACCT_CHUNK) {
+        for chunk in rerun.chunks(SACCT_CHUNK) {
             self.ended_runs(&chunk.join(","), &mut st);
         }
         if let Some(since) = since_us {
@@ -974,8 +977,9 @@ short|line
     /// sampler's, kept in [`LastLook`]) with that look's time; a verification, an older look or
     /// one printed by other binaries asks slurmctld again; a slow look that finishes after a
     /// newer one does not replace it.
-    #[test]
-    fn a_reconciliation_reuses_a_recent_look_and_a_verification_looks_anew() {
+    /// Scripts that print job 77 running on gpu01 (scontrol, squeue) and nothing (sacct), each
+    /// call logged with its arguments in `calls`; a [`CommandSlurm`] of them for `node`.
+    fn fake_slurm(node: &str) -> (tempfile::TempDir, CommandSlurm) {
         use std::os::unix::fs::PermissionsExt;
         let bin = tempfile::tempdir().unwrap();
         let dir = bin.path().display().to_string();
@@ -983,23 +987,35 @@ short|line
         let json = r#"{"jobs": [{"job_id": 77, "name": "acct-gpu2", "job_state": ["RUNNING"]}]}"#;
         std::fs::write(bin.path().join("squeue.json"), json).unwrap();
         for (name, body) in [
-            ("scontrol", format!("echo scontrol >> {dir}/calls\ncat {dir}/jobs.txt")),
-            ("squeue", format!("echo squeue >> {dir}/calls\ncat {dir}/squeue.json")),
-            ("sacct", format!("echo sacct >> {dir}/calls")),
+            ("scontrol", format!("echo scontrol \"$*\" >> {dir}/calls\ncat {dir}/jobs.txt")),
+            ("squeue", format!("echo squeue \"$*\" >> {dir}/calls\ncat {dir}/squeue.json")),
+            ("sacct", format!("echo sacct \"$*\" >> {dir}/calls")),
         ] {
             let path = bin.path().join(name);
             std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
-        let calls = || std::fs::read_to_string(bin.path().join("calls")).unwrap_or_default().lines().filter(|l| *l == "scontrol").count();
         let src = CommandSlurm {
             scontrol: bin.path().join("scontrol"),
             squeue: bin.path().join("squeue"),
             sacct: bin.path().join("sacct"),
             timeout: Duration::from_secs(10),
-            node: "gpu01".into(),
+            node: node.into(),
             last_look: LastLook::default(),
         };
+        (bin, src)
+    }
+
+    /// The calls to `command` the fake Slurm logged, with their arguments.
+    fn fake_calls(bin: &tempfile::TempDir, command: &str) -> Vec<String> {
+        let log = std::fs::read_to_string(bin.path().join("calls")).unwrap_or_default();
+        log.lines().filter_map(|l| l.strip_prefix(command)?.strip_prefix(' ').map(str::to_string)).collect()
+    }
+
+    #[test]
+    fn a_reconciliation_reuses_a_recent_look_and_a_verification_looks_anew() {
+        let (bin, src) = fake_slurm("gpu01");
+        let calls = || fake_calls(&bin, "scontrol").len();
         let first = src.query_reusing(&[77], None, Duration::from_secs(60));
         assert!(first.ctld_ok && first.ctld.contains_key(&77), "{:?}", first.errors);
         assert_eq!(calls(), 1, "nothing to reuse yet");
@@ -1030,5 +1046,19 @@ short|line
         src.last_look.put(stale);
         let now = src.last_look.within(Duration::from_secs(60), &src.scontrol, &src.squeue).unwrap();
         assert_eq!(now.taken_us, kept.taken_us);
+    }
+
+    /// A job asked about that slurmctld lists running on another node was requeued from this
+    /// one: its runs that ended are asked of sacct (`--duplicates`), so its run here closes at
+    /// its real end; a job running here asks nothing more.
+    #[test]
+    fn a_job_running_again_on_another_node_asks_sacct_for_its_ended_runs() {
+        let (bin, elsewhere) = fake_slurm("gpu02");
+        let st = elsewhere.query(&[77], None);
+        assert!(st.ctld.contains_key(&77), "{:?}", st.errors);
+        assert_eq!(fake_calls(&bin, "sacct"), [format!("-n -P -X -o {SACCT_FIELDS} -D -j 77")]);
+        let (bin, here) = fake_slurm("gpu01");
+        here.query(&[77], None);
+        assert!(fake_calls(&bin, "sacct").is_empty(), "job 77 runs here: {:?}", fake_calls(&bin, "sacct"));
     }
 }

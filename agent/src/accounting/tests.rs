@@ -678,6 +678,59 @@ mod reconcile_story {
         assert_eq!(job_json(pool, &admin, 42, 14).await.unwrap().unwrap()["nodes"].as_array().unwrap().len(), 2);
     }
 
+    /// A job requeued from this node (gpu01 crashed, or its agent was down) that Slurm lists
+    /// running (45) or ended (44) on gpu02 at the agent's next look, with no end record here: its run here
+    /// ends at sacct's End of that run (`--duplicates`), exactly, and keeps its own start (45:
+    /// its record's, within that run's bounds) and GPUs, whether it was verified before (44) or
+    /// not (45): slurmctld's line describes the run on gpu02.
+    async fn requeued_to_another_node_story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let t0 = (crate::util::now_us() / S - 1000) * S;
+        store.set_setting("accounting.slurm_watch_since_us", &(t0 - S).to_string()).await.unwrap();
+        let lab = |job: u32| JobIdentity { account: None, partition: None, ..ident(job, 1001, "gpuhublab") };
+        write(spool.path(), &start(t0 + 10 * S, &lab(44), vec![g(0, None)]));
+        let here = indexed(sj(44, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[0], &[]);
+        let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ctld: BTreeMap::from([(44, here)]), ..SlurmState::default() };
+        let (fake, mut ing) = watching(&store, spool.path(), st).await;
+        ing.tick(true).await;
+        write(spool.path(), &start(t0 + 12 * S, &lab(45), vec![g(1, None)]));
+        {
+            let mut st = fake.0.lock().unwrap();
+            // 44's second run has ended on gpu02 too: its EndTime is not this run's.
+            for (id, gpu, start, end) in [(44, 1, 30, Some(t0 + 40 * S)), (45, 0, 31, None)] {
+                let state = if end.is_some() { "COMPLETED" } else { "RUNNING" };
+                let mut elsewhere = sj(id, Source::Slurmctld, state, t0 + start * S, end, 1, 0);
+                elsewhere.node_list = "gpu02".into();
+                elsewhere.per_node.insert("gpu02".into(), NodeAlloc { gpus: [gpu].into_iter().collect(), shards: BTreeMap::new() });
+                st.ctld.insert(id, elsewhere);
+                st.ended_runs.insert(id, vec![sj(id, Source::Sacct, "NODE_FAIL", t0 + (10 + id as i64 - 44) * S, Some(t0 + 25 * S), 1, 0)]);
+            }
+        }
+        // The first pass stores 45's record (and verifies it), the second closes it.
+        ing.tick(true).await;
+        ing.tick(true).await;
+        let admin = caller(0, "root", true);
+        for (id, start) in [(44, 10), (45, 12)] {
+            let n = job_json(store.pool(), &admin, id, 14).await.unwrap().unwrap()["nodes"][0].clone();
+            let got = (
+                n["node"].as_str(),
+                n["state"].as_str(),
+                (n["start_us"].as_i64().unwrap_or(0) - t0) / S,
+                (n["end_us"].as_i64().unwrap_or(0) - t0) / S,
+                n["gpu_seconds"].as_f64(),
+                kinds(&n),
+            );
+            assert_eq!(got, (Some("gpu01"), Some("ended"), start, 25, Some((25 - start) as f64), Vec::<String>::new()), "job {id}: {n:#}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_run_requeued_to_another_node_ends_at_its_own_end_on_every_backend() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            requeued_to_another_node_story(store).await;
+        }
+    }
+
     /// A job whose first look did not list it (marked `unverified`), then listed and ended:
     /// billed as Slurm allocated it, and its records' claims still count as disagreements.
     async fn late_listing_story(store: Store) {
