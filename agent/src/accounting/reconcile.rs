@@ -419,7 +419,7 @@ fn run_start(row: &JobRow) -> i64 {
 /// Slurm's own start to compare with (the node's clock is not slurmctld's), did not start
 /// after it (a requeued job's later run has its own, later StartTime).
 fn is_this_run(j: &SlurmJob, row: &JobRow, nodes: &BTreeSet<String>) -> bool {
-    j.on_any(nodes) && !row.slurm_start_us.zip(j.start_us).is_some_and(|(run, s)| s > run + TIME_TOLERANCE_US)
+    j.on_any(nodes) && row.slurm_start_us.zip(j.start_us).is_none_or(|(run, s)| s <= run + TIME_TOLERANCE_US)
 }
 
 /// The run `row` of a job Slurm requeued, as sacct --duplicates lists it ended: the latest
