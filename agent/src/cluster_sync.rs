@@ -25,18 +25,53 @@ use crate::store::{Backend, StoreError};
 /// How long another agent's change takes to apply here, at most (plus one store read).
 pub const INTERVAL: Duration = Duration::from_secs(2);
 
-/// Follows the store until `stop` (a no-op on SQLite).
-pub async fn run(state: AppState, stop: CancellationToken) {
+/// How long [`announce`] waits for the store before the gateway serves without it.
+const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Publishes this gateway's policy once, before its listener serves (PostgreSQL, a gateway
+/// node; else nothing): from its first call on, the other gateways count it as one of them.
+/// The owner of a worker it borrows waits for its calls before a stop only while it is
+/// ([`crate::models::single_flight::wait_for_borrowers`]); a gateway that published only at its
+/// first pass, 2 s after its start, could have a call cut by a stop in those 2 s. A store that
+/// does not answer within [`ANNOUNCE_TIMEOUT`] leaves the publication to the first pass (one
+/// line says so). Returns the policy published, for [`run`].
+pub async fn announce(state: &AppState) -> Option<policy::Policy> {
+    let me = state.config.file.telemetry.effective_node_name();
+    if state.store.backend() != Backend::Postgres || !state.config.file.cluster.is_gateway(&me) {
+        return None;
+    }
+    let mine = policy::current(state);
+    let json = mine.to_json();
+    let publish = state.store.publish_gateway_policy(&me, &json, crate::util::now_us());
+    match tokio::time::timeout(ANNOUNCE_TIMEOUT, publish).await {
+        Ok(Ok(())) => Some(mine),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "gateway policy: cannot publish this gateway's policy before serving; the first cluster sync pass does (until then another gateway may stop a worker under this one's calls)");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                timeout_s = ANNOUNCE_TIMEOUT.as_secs(),
+                "gateway policy: the store did not take this gateway's policy before serving; the first cluster sync pass publishes it (until then another gateway may stop a worker under this one's calls)"
+            );
+            None
+        }
+    }
+}
+
+/// Follows the store until `stop` (a no-op on SQLite). `announced`: the policy [`announce`]
+/// published at the start, if it did.
+pub async fn run(state: AppState, stop: CancellationToken, announced: Option<policy::Policy>) {
     if state.store.backend() != Backend::Postgres {
         return;
     }
     let me = state.config.file.telemetry.effective_node_name();
     let gateway = state.config.file.cluster.is_gateway(&me);
     let mut failing = false;
-    // Passes until this gateway's policy is published again (the first pass publishes, and so
-    // does the pass after a reload changed it).
-    let mut policy_in: u64 = 0;
-    let mut published: Option<policy::Policy> = None;
+    // Passes until this gateway's policy is published again (the first pass publishes unless
+    // `announce` did, and so does the pass after a reload changed it).
+    let mut policy_in: u64 = if announced.is_some() { policy::PUBLISH_EVERY } else { 0 };
+    let mut published: Option<policy::Policy> = announced;
     // What differs from the other gateways' policies, as last logged.
     let mut differs = Vec::new();
     // A node without the gateway role removes a row it published before this start, once.
@@ -202,4 +237,59 @@ async fn promotions(state: &AppState) -> Result<(), StoreError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::store::Store;
+
+    /// A gateway on a shared store is one of the gateways from its first call on: its policy
+    /// row is in the store when its listener first answers (the owner of a worker it borrows
+    /// reads these rows before a stop, `single_flight::wait_for_borrowers`). Without
+    /// `announce` the row came with the first sync pass, 2 s after the start.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gateway_publishes_its_policy_before_it_answers_its_first_call() {
+        let Some(base) = crate::store::testing::pg_url("a_gateway_publishes_its_policy_before_it_answers_its_first_call") else {
+            return;
+        };
+        let url = crate::store::testing::fresh_pg_url(&base).await;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let text = format!(
+            "[paths]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\nspool_dir = \"{d}/spool\"\n\
+             [store]\nurl = \"{url}\"\n[telemetry]\nenable_nvml = false\nenable_slurm = false\nslurm_node_name = \"gpu07\"\n\
+             [cluster]\ngateway_nodes = [\"gpu07\"]\n"
+        );
+        let config = crate::config::Config::from_toml(&text).unwrap();
+        let listeners = crate::Listeners {
+            gateway: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+            metrics: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            control: crate::control::server::bind(&dir.path().join("agent.sock")).unwrap(),
+        };
+        let gateway = listeners.gateway.as_ref().unwrap().local_addr().unwrap();
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(crate::run(config, listeners, async move {
+            let _ = rx.await;
+        }));
+        // The listener is bound before the agent starts: the first request waits for it to serve.
+        let http = reqwest::Client::new();
+        let t = Instant::now();
+        while http.get(format!("http://{gateway}/healthz")).send().await.is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "the agent did not start");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let store = Store::open(&url, Some(1)).await.unwrap();
+        let rows = store.gateway_policies(0).await.unwrap();
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+        assert_eq!(
+            rows.iter().map(|(g, _)| g.as_str()).collect::<Vec<_>>(),
+            vec!["gpu07"],
+            "the gateway answered its first call {:?} after its start without its policy in the store",
+            t.elapsed()
+        );
+    }
 }

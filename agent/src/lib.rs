@@ -226,6 +226,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         })?),
         None => None,
     };
+    // Before the first call: other gateways count this one from it on.
+    let announced = cluster_sync::announce(&state).await;
     let gateway = {
         let app = gateway::router(state.clone());
         let (token, conns) = (token.clone(), state.gateway.connections.clone());
@@ -362,7 +364,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         }
         _ => None,
     };
-    let sync_task = tokio::spawn(cluster_sync::run(state.clone(), token.clone()));
+    let sync_task = tokio::spawn(cluster_sync::run(state.clone(), token.clone(), announced));
     let quota_task = tokio::spawn(quota::Quotas::run(
         state.clone(),
         std::time::Duration::from_millis(config.file.accounting.quota_interval_ms),

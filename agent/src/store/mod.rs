@@ -242,8 +242,15 @@ pub(crate) mod testing {
         out
     }
 
-    #[allow(clippy::unwrap_used, clippy::expect_used)]
+    #[allow(clippy::unwrap_used)]
     async fn fresh_pg(base: &str) -> Store {
+        Store::open(&fresh_pg_url(base).await, Some(4)).await.unwrap()
+    }
+
+    /// The URL of a new, empty database on the server at `base` (for a test that opens its
+    /// store through the agent's config).
+    #[allow(clippy::unwrap_used, clippy::expect_used)]
+    pub async fn fresh_pg_url(base: &str) -> String {
         use std::sync::atomic::{AtomicU32, Ordering};
         static N: AtomicU32 = AtomicU32::new(0);
         sqlx::any::install_default_drivers();
@@ -252,7 +259,7 @@ pub(crate) mod testing {
         sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
         admin.close().await;
         let (prefix, _) = base.rsplit_once('/').unwrap();
-        Store::open(&format!("{prefix}/{name}"), Some(4)).await.unwrap()
+        format!("{prefix}/{name}")
     }
 
     /// Makes the store refuse usage rows whose user agent is `value`, the way a site's own
