@@ -217,6 +217,9 @@ struct WState {
     log_tail: Vec<String>,
     /// The MLflow version's weights the current instance runs on (kept from eviction).
     weights: Option<Weights>,
+    /// The Slurm job (local pid) of a load or adoption under way, while pending or starting
+    /// (shown among the replicas before it is ready).
+    loading_job: Option<String>,
 }
 
 impl WState {
@@ -241,6 +244,10 @@ pub(crate) struct Worker {
     permits: Arc<FairQueue>,
     /// Left the catalog (or was replaced by a changed entry): draining out, no metrics.
     leaving: AtomicBool,
+    /// Why this worker is no longer wanted (its model left the catalog or its entry changed;
+    /// an extra replica taken off its model's list), once it is: its load is not waited for
+    /// ([`Shared::wait_ready`]).
+    given_up: std::sync::OnceLock<String>,
     /// Further replicas, routing and health ([`scale`]).
     rep: scale::Replicas,
     /// A call could not reach this worker: its supervisor checks its port now, not at its
@@ -282,12 +289,21 @@ impl Worker {
                 detail: None,
                 log_tail: Vec::new(),
                 weights: None,
+                loading_job: None,
             }),
             changed: watch::channel(0).0,
             in_flight: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
             leaving: AtomicBool::new(false),
+            given_up: std::sync::OnceLock::new(),
         }
+    }
+
+    /// This worker is no longer wanted, for `why`: a Slurm job of its that still waits in the
+    /// queue (an extra replica's, also one that runs but is not ready) is cancelled at the
+    /// next look instead of being waited for, only to be stopped once ready.
+    fn give_up(&self, why: &str) {
+        let _ = self.given_up.set(why.to_string());
     }
 
     fn lock(&self) -> MutexGuard<'_, WState> {
@@ -674,6 +690,7 @@ impl ModelManager {
             sh.leaving.lock().unwrap_or_else(|p| p.into_inner()).push(w.clone());
             let removed = change.removed.contains(&w.cfg.name);
             let why = if removed { "its model left the catalog" } else { "its catalog entry changed" };
+            w.give_up(why);
             let me = sh.clone();
             let task = async move {
                 me.retire(&w, why).await;
@@ -736,7 +753,7 @@ impl Shared {
                 State::Unloaded | State::Failed => {
                     // Its further replicas may still run (started while it served, or starting
                     // when it died): out of the list, a ready one is stopped here and one still
-                    // starting stops once ready (its supervisor finds it unlisted).
+                    // starting is given up (its job cancelled at the next look).
                     self.stop_replicas(w, why).await;
                     return;
                 }
@@ -785,6 +802,9 @@ impl Shared {
         let from = s.state;
         s.state = to;
         s.detail = detail;
+        if !matches!(to, State::Pending | State::Starting) {
+            s.loading_job = None;
+        }
         if from != to {
             match to {
                 State::Failed => {
@@ -1018,6 +1038,10 @@ impl Shared {
 
     async fn load_inner(&self, rt: &Runtime, w: &Arc<Worker>) -> Result<(Instance, Option<Weights>), LoadFailure> {
         let m = &w.cfg;
+        if let Some(why) = w.given_up.get() {
+            let message = format!("{why} before its worker was started; nothing was started");
+            return Err(LoadFailure { message, tail: Vec::new(), counts: false, instance: None });
+        }
         let user = rt.user.clone().map_err(|e| LoadFailure::new(format!("workers.user: {e}")))?;
         let evicted =
             self.place(rt, w).await.map_err(|message| LoadFailure { message, tail: Vec::new(), counts: false, instance: None })?;
@@ -1129,6 +1153,7 @@ impl Shared {
             let to = if m.launcher == LauncherKind::Slurm { State::Pending } else { State::Starting };
             let detail = detail.or_else(|| (to == State::Pending).then(|| format!("Slurm job {} submitted", inst.id)));
             self.transition(w, &mut s, to, detail);
+            s.loading_job = Some(inst.id.clone());
         }
         match self.wait_ready(rt, w, &inst, Instant::now() + Duration::from_secs(m.load_timeout_s)).await {
             Ok(()) => {
@@ -1165,6 +1190,18 @@ impl Shared {
         loop {
             if rt.shutdown.is_cancelled() {
                 return Err(("the agent is shutting down".into(), false));
+            }
+            // Given up while it waits (checked against the last look at the job): a queued job
+            // would hold its place in the queue (and later a GPU) only to be stopped once
+            // ready; an extra replica nobody routes to is not waited for while it loads either.
+            // A primary that runs already finishes its load for the calls that wait for it.
+            if let Some(why) = w.given_up.get() {
+                let queued = matches!(last, Some(RunState::Pending(_)));
+                if queued || (w.rep.is_extra && last == Some(RunState::Running)) {
+                    let what = if w.rep.is_extra { format!("the replica was not needed any more ({why})") } else { why.clone() };
+                    let how = if queued { "still queued" } else { "still starting" };
+                    return Err((format!("{what} while its Slurm job {} was {how}; the job is cancelled", inst.id), false));
+                }
             }
             if Instant::now() >= next_poll {
                 next_poll = Instant::now() + Duration::from_millis(250);
@@ -1471,6 +1508,10 @@ impl Shared {
     /// The second half of [`Shared::unload`]: waits for the calls in flight, then stops.
     async fn drain_and_stop(&self, w: &Arc<Worker>, draining: Draining, reason: &str) {
         let Some(rt) = &self.rt else { return };
+        if !w.rep.is_extra {
+            // Before this worker frees its GPU: Slurm would give it to a queued replica.
+            self.give_up_loading_replicas(w, reason).await;
+        }
         let Draining { inst, changed: mut rx } = draining;
         let withdrawn = single_flight::withdraw(rt.store.as_ref(), &rt.owner, &w.cfg.name, &inst).await;
         let deadline = Instant::now() + Duration::from_secs(rt.cfg.drain_timeout_s);
@@ -1973,6 +2014,7 @@ impl Shared {
                 let mut s = w.lock();
                 s.attempt += 1;
                 self.transition(&w, &mut s, State::Starting, Some(format!("adopting worker {} after an agent restart", inst.id)));
+                s.loading_job = Some(inst.id.clone());
             }
             let (me, attempt) = (self.clone(), w.lock().attempt);
             rt.tasks.spawn(async move { me.finish_adoption(w, inst, attempt).await });

@@ -20,6 +20,10 @@ use crate::config::{LauncherKind, ModelConfig};
 use crate::models::launcher::Instance;
 use crate::models::replicas::{self, Health, Policy, Probe, Scaler};
 
+/// How long a stopping first replica waits for the replicas it gave up to cancel their jobs
+/// ([`Shared::give_up_loading_replicas`]; a load looks at least every 100 ms).
+const GIVE_UP_WAIT: Duration = Duration::from_secs(5);
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -79,7 +83,7 @@ impl Replicas {
 pub struct ReplicaStatus {
     /// `pending`, `starting`, `ready`, `draining`.
     pub state: &'static str,
-    /// `ready` or `unhealthy` (probes; see `unhealthy_after`).
+    /// `ready` or `unhealthy` (probes; see `unhealthy_after`); `starting` while it loads.
     pub health: &'static str,
     pub node: Option<String>,
     /// The model version it serves (MLflow-driven models; replicas of one model serve one).
@@ -184,7 +188,19 @@ impl Shared {
     pub(super) fn replica_statuses(&self, w: &Worker) -> Vec<ReplicaStatus> {
         let one = |r: &Worker| -> Option<ReplicaStatus> {
             let s = r.lock();
-            let inst = s.instance.as_ref()?;
+            let Some(inst) = s.instance.as_ref() else {
+                // Loading: its job, before anything else about it is known.
+                let job = s.loading_job.clone().filter(|_| matches!(s.state, State::Pending | State::Starting))?;
+                return Some(ReplicaStatus {
+                    state: s.state.as_str(),
+                    health: "starting",
+                    node: None,
+                    version: None,
+                    base_url: None,
+                    in_flight: 0,
+                    job_id: Some(job),
+                });
+            };
             Some(ReplicaStatus {
                 state: s.state.as_str(),
                 health: lock(&r.rep.probe).health.as_str(),
@@ -238,6 +254,25 @@ impl Shared {
     }
 
     /// Stops every further replica of `w` (the model unloads).
+    /// Gives up `w`'s further replicas that are still queued or starting, and waits (at most
+    /// [`GIVE_UP_WAIT`]) until their loads have cancelled their jobs. Called before `w` itself
+    /// stops: its GPU, once free, would go to a queued replica, which would load only to be
+    /// stopped.
+    pub(super) async fn give_up_loading_replicas(&self, w: &Arc<Worker>, reason: &str) {
+        let loading = |e: &Worker| matches!(e.lock().state, State::Pending | State::Starting);
+        let deadline = Instant::now() + GIVE_UP_WAIT;
+        for e in w.rep.extras().into_iter().filter(|e| loading(e)) {
+            let mut rx = e.changed.subscribe();
+            e.give_up(reason);
+            while loading(&e) {
+                if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                    tracing::warn!(model = %w.cfg.name, "a replica given up is still loading; stopping the first replica anyway");
+                    return;
+                }
+            }
+        }
+    }
+
     pub(super) async fn stop_replicas(&self, w: &Arc<Worker>, reason: &str) {
         let extras: Vec<Arc<Worker>> = std::mem::take(&mut *lock(&w.rep.extras));
         if let Some(rt) = &self.rt
@@ -246,7 +281,8 @@ impl Shared {
             rt.metrics.replicas(&w.cfg.name, 0, 0, 0);
         }
         for e in extras {
-            // A replica still starting stops once ready (its supervisor sees it is not listed).
+            // A replica still queued or starting is given up: its load cancels its job.
+            e.give_up(reason);
             self.unload(&e, reason).await;
         }
     }
@@ -422,6 +458,7 @@ impl Shared {
             let mut s = e.lock();
             s.attempt += 1;
             self.transition(&e, &mut s, State::Starting, Some(format!("adopting replica {} after an agent restart", inst.id)));
+            s.loading_job = Some(inst.id.clone());
         }
         lock(&w.rep.extras).push(e.clone());
         let me = self.clone();
