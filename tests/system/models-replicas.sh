@@ -5,7 +5,8 @@
 # engine died). `mt-rh`: min_replicas = max_replicas = 2, probe_interval_s = 1,
 # unhealthy_after = 2, calls of ~1 s (--token-delay-ms). Proves:
 #  1. min_replicas: two replicas (two Slurm jobs) load and are ready and healthy;
-#  2. an agent killed with -9 and started again adopts both: the same jobs, ready, no new job;
+#  2. an agent killed with -9 and started again adopts both: the same jobs, ready, no new job,
+#     and each made non-requeueable (made requeueable meanwhile, as an older agent left them);
 #  3. a replica whose health check fails turns `unhealthy` after unhealthy_after probes
 #     (`gpuhub models --json`, gpuhub_model_replicas{state="unhealthy"}) and gets no call while
 #     it is: concurrent calls all go to the other replica, and none fails;
@@ -99,6 +100,11 @@ echo "   ok: replicas $jobs_before"
 
 echo "== 2. the agent killed (-9) and started again adopts both replicas"
 models_agent_kill9
+# As an agent from before --no-requeue left them: requeueable. The adopting agent makes them
+# non-requeueable (scontrol update Requeue=0).
+for j in $jobs_before; do scontrol update JobId="$j" Requeue=1; done
+requeue_flags() { for j in $jobs_before; do scontrol show job "$j" | grep -o 'Requeue=[0-9]'; done | sort -u | paste -sd' '; }
+[ "$(requeue_flags)" = "Requeue=1" ] || models_fail "the test could not make the worker jobs requeueable: $(requeue_flags)"
 models_agent_start
 wait_replicas "length == 2 and all(.[]; .state == \"ready\") and ([.[].job_id] | sort | join(\" \")) == \"$jobs_before\"" 60 ||
     models_fail "after a restart the replicas should be the same jobs ($jobs_before), ready: $(replicas)"
@@ -106,7 +112,8 @@ wait_replicas "length == 2 and all(.[]; .state == \"ready\") and ([.[].job_id] |
     models_fail "after a restart the worker jobs are $(models_jobs "$MODEL" | paste -sd' '), not only $jobs_before (a new one started?)"
 models_call "$MODEL" "hello again"
 [ "$MC_STATUS" = 200 ] || models_fail "a call after the restart got $MC_STATUS: $MC_BODY"
-echo "   ok: adopted $jobs_before, no new job"
+[ "$(requeue_flags)" = "Requeue=0" ] || models_fail "the adopted worker jobs should be non-requeueable: $(requeue_flags)"
+echo "   ok: adopted $jobs_before, no new job, both non-requeueable again"
 
 read -r sick sick_url < <(replicas | jq -r '.[0] | "\(.job_id) \(.base_url)"')
 well="$(replicas | jq -r --arg j "$sick" '.[] | select(.job_id != $j) | .job_id')"

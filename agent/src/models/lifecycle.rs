@@ -1997,6 +1997,10 @@ impl Shared {
                 continue;
             }
             tracing::info!(model = %row.model, worker = %row.instance_id, "adopting a worker started before the agent restarted");
+            if kind == LauncherKind::Slurm {
+                // Submitted by an agent before --no-requeue, perhaps: one run per worker job.
+                rt.launchers.slurm.no_requeue(&inst.id).await;
+            }
             if inst.launcher == LauncherKind::Slurm {
                 out.jobs.push(inst.id.clone());
             }

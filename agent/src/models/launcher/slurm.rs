@@ -436,6 +436,15 @@ impl Slurm {
         tracing::warn!(job = %inst.id, "worker job still listed 30 s after scancel");
     }
 
+    /// Makes worker job `id` one that Slurm never requeues (what `--no-requeue` does at
+    /// submission; a job submitted before that flag existed, adopted after an upgrade). A
+    /// failure is logged: the job runs on as it is.
+    pub async fn no_requeue(&self, id: &str) {
+        if let Err(e) = self.run("scontrol", &["update".into(), format!("JobId={id}"), "Requeue=0".into()]).await {
+            tracing::warn!(job = %id, error = %e, "cannot mark an adopted worker job non-requeueable (scontrol update Requeue=0); a requeue would run it again under the same id");
+        }
+    }
+
     pub async fn cancel(&self, id: &str) {
         if let Err(e) = self.run("scancel", &[id.to_string()]).await {
             tracing::error!(job = %id, error = %e, "scancel failed; the worker job may still hold its GPU; cancelled again every 30 s until Slurm takes it");
