@@ -253,7 +253,6 @@ impl Shared {
         Some((inst, node))
     }
 
-    /// Stops every further replica of `w` (the model unloads).
     /// Gives up `w`'s further replicas that are still queued or starting, and waits (at most
     /// [`GIVE_UP_WAIT`]) until their loads have cancelled their jobs. Called before `w` itself
     /// stops: its GPU, once free, would go to a queued replica, which would load only to be
@@ -273,6 +272,7 @@ impl Shared {
         }
     }
 
+    /// Stops every further replica of `w` (the model unloads).
     pub(super) async fn stop_replicas(&self, w: &Arc<Worker>, reason: &str) {
         let extras: Vec<Arc<Worker>> = std::mem::take(&mut *lock(&w.rep.extras));
         if let Some(rt) = &self.rt
