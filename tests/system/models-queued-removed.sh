@@ -67,6 +67,9 @@ models_agent_start
 until_ready one_ready_one_queued 60 || models_fail "after a restart mt-two should have one ready replica and one queued: $(replicas)"
 [ "$READY $QUEUED" = "$first_ready $first_queued" ] || models_fail "after a restart the replicas are $READY (ready) and $QUEUED (queued), not the adopted $first_ready and $first_queued"
 grep -q "adopting replica $QUEUED" "$MT_DIR/agent.log" || models_fail "the agent did not log adopting the queued replica $QUEUED"
+"${CLI[@]}" models list >"$MT_DIR/list.txt"
+grep -qx "  worker $QUEUED: pending, its Slurm job waits in the queue" "$MT_DIR/list.txt" ||
+    models_fail "gpuhub models list should show the queued replica $QUEUED: $(cat "$MT_DIR/list.txt")"
 
 echo "== a call to mt-q waits for its worker, whose job is queued"
 body='{"model":"mt-q","messages":[{"role":"user","content":"wait for it"}]}'

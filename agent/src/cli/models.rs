@@ -196,6 +196,12 @@ async fn list(socket: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
     for m in models.iter().filter(|m| m["replicas"].as_array().is_some_and(|r| r.len() > 1)) {
         output::line(&format!("\n{} replicas:", s(&m["name"])));
         for r in m["replicas"].as_array().into_iter().flatten() {
+            if r["base_url"].is_null() && r["node"].is_null() {
+                // Loading: only its job is known yet.
+                let how = if r["state"] == "pending" { "its Slurm job waits in the queue" } else { "loading" };
+                output::line(&format!("  worker {}: {}, {how}", s(&r["job_id"]), s(&r["state"])));
+                continue;
+            }
             let version = if r["version"].is_string() { format!(", version {}", s(&r["version"])) } else { String::new() };
             output::line(&format!(
                 "  worker {} on {} ({}): {}, {}, {} in flight{version}",
