@@ -572,7 +572,7 @@ pub async fn apply(
 ) -> Result<Applied, sqlx::Error> {
     let from_slurm = boundaries == JobBoundaries::Slurm;
     let mut out = Applied::default();
-    let mut tx = pool.begin().await?;
+    let mut tx = crate::store::begin_write(pool).await?;
     match action {
         Action::Verify { node, job_id, run, job, alloc } => {
             let Some((mut row, mut gpus)) = load(&mut tx, node, i64::from(*job_id), Some(*run)).await? else { return Ok(out) };

@@ -75,6 +75,15 @@ fn explain_migrate(e: &sqlx::migrate::MigrateError) -> String {
     }
 }
 
+/// Begins a transaction that reads and then writes. On SQLite it takes the write lock at once
+/// (`BEGIN IMMEDIATE`, waiting up to the busy timeout for another writer): a plain `BEGIN` reads
+/// a snapshot first, and when another connection commits before the first write the upgrade
+/// fails at once with SQLITE_BUSY_SNAPSHOT ("(code: 517) database is locked"), which the busy
+/// timeout does not retry.
+pub async fn begin_write(pool: &AnyPool) -> Result<sqlx::Transaction<'static, sqlx::Any>, sqlx::Error> {
+    if pool.connect_options().database_url.scheme() == "sqlite" { pool.begin_with("BEGIN IMMEDIATE").await } else { pool.begin().await }
+}
+
 /// How long a query waits for a connection (from the pool, or a new one of its own).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -289,6 +298,31 @@ mod tests {
             store.set_setting("x", "1").await.unwrap();
             store.set_setting("x", "2").await.unwrap();
             assert_eq!(store.get_setting("x").await.unwrap().as_deref(), Some("2"), "{:?}", store.backend());
+        }
+    }
+
+    /// A transaction that reads, then writes, while another connection commits a write in
+    /// between: with a plain `BEGIN` on SQLite its write failed at once with "(code: 517)
+    /// database is locked" (a reconciliation that closed an ended job was lost until the next
+    /// interval); `begin_write` holds the write lock from its start, so the other writer waits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_then_write_transaction_outlasts_a_writer_in_between_on_every_backend() {
+        for (store, _dir) in testing::stores().await {
+            let mut tx = begin_write(store.pool()).await.unwrap();
+            let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM settings").fetch_one(&mut *tx).await.unwrap();
+            let other = {
+                let store = store.clone();
+                tokio::spawn(async move { store.set_setting("other", "1").await })
+            };
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let wrote = sqlx::query("INSERT INTO settings (key, value, updated_us) VALUES ('mine', $1, 0)")
+                .bind(n.to_string())
+                .execute(&mut *tx)
+                .await;
+            assert!(wrote.is_ok(), "{:?}: the write after another connection's commit failed: {:?}", store.backend(), wrote.err());
+            tx.commit().await.unwrap();
+            other.await.unwrap().unwrap();
+            assert_eq!(store.get_setting("other").await.unwrap().as_deref(), Some("1"));
         }
     }
 
