@@ -108,7 +108,7 @@ pub async fn ingest_record(
     stats: &[JobGpuStats],
     now_us: i64,
 ) -> Result<Option<Folded>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut tx = crate::store::begin_write(pool).await?;
     let job = rec.job();
     let inserted = sqlx::query(
         "INSERT INTO acct_records (record_id, kind, node, job_id, time_us, body, ingested_us) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (record_id) DO NOTHING",
@@ -374,7 +374,7 @@ pub async fn close_jobs_lost_in_reboot(
             row.end_us = Some(end.max(row.last_seen_us));
             row.end_reason = Some("closed_after_reboot".into());
             add_anomaly(&mut row.anomalies, Anomaly::NeverEnded.as_str());
-            let mut tx = pool.begin().await?;
+            let mut tx = crate::store::begin_write(pool).await?;
             upsert_job(&mut tx, &row).await?;
             tx.commit().await?;
             closed.push((row.node.clone(), row.job_id));

@@ -319,7 +319,7 @@ pub async fn store_split(
     shares: &[Share],
     now_us: i64,
 ) -> Result<bool, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut tx = crate::store::begin_write(pool).await?;
     let busy: i64 = shares.iter().map(|s| s.busy_us).sum();
     let calls: i64 = shares.iter().map(|s| s.calls).sum();
     let n = sqlx::query(

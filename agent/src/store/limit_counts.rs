@@ -23,7 +23,7 @@ impl Store {
     /// Writes `gateway`'s counts of the day `day_us` (the rows given replace that gateway's
     /// rows of the same subjects) and drops its rows of earlier days.
     pub async fn publish_limit_counts(&self, gateway: &str, day_us: i64, rows: &[LimitCount], now_us: i64) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = super::begin_write(self.pool()).await?;
         sqlx::query("DELETE FROM gateway_limit_counts WHERE gateway = $1 AND day_us < $2")
             .bind(gateway)
             .bind(day_us)

@@ -269,7 +269,7 @@ impl Store {
     /// Applies registry changes and appends their history in one transaction.
     pub async fn apply_name_changes(&self, ops: &[NameOp], history: &[NewHistory]) -> Result<(), StoreError> {
         let now = crate::util::now_us();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = super::begin_write(self.pool()).await?;
         for op in ops {
             match op {
                 NameOp::Put(r) => {
@@ -381,7 +381,7 @@ impl Store {
 
     /// Adds counts to the rollup in a transaction of its own (tests, tools).
     pub async fn add_name_callers(&self, rows: &[(CallerKey, CallerCounts)]) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = super::begin_write(self.pool()).await?;
         upsert_callers(&mut tx, rows).await?;
         tx.commit().await?;
         Ok(())
@@ -418,7 +418,7 @@ impl Store {
             }
             return Ok(rebuilt?);
         }
-        let mut tx = self.pool().begin().await?;
+        let mut tx = super::begin_write(self.pool()).await?;
         sqlx::query("DELETE FROM name_callers").execute(&mut *tx).await?;
         sqlx::query("DELETE FROM name_totals").execute(&mut *tx).await?;
         sqlx::query(&callers_rollup_sql("usage_log")).execute(&mut *tx).await?;
