@@ -27,6 +27,11 @@ const SETTING_NODES: &str = "accounting.local_nodes";
 const SETTING_WATCH_SINCE: &str = "accounting.slurm_watch_since_us";
 /// Unverified jobs that ended longer ago than this are not looked up any more.
 const VERIFY_WINDOW_US: i64 = 7 * 86_400 * 1_000_000;
+/// For this long after one of its steps ended, each ingest pass asks Slurm whether an open job
+/// has ended (its last step may have been its last), so that the store, and the gateway that
+/// refuses an ended job's token, learn of its end about a second after Slurm; later, the
+/// reconciliation ticks.
+const STEP_END_WATCH: Duration = Duration::from_secs(10);
 
 /// How the ingest talks to Slurm ([`super::reconcile`]).
 pub struct SlurmLink {
@@ -51,6 +56,8 @@ struct SlurmMemo {
     backfill_since_us: Option<i64>,
     /// Jobs whose records this pass folded before they were verified.
     touched: BTreeSet<u32>,
+    /// Jobs a step of which ended, and when its record was ingested ([`STEP_END_WATCH`]).
+    step_ended: BTreeMap<u32, tokio::time::Instant>,
     failed_at: Option<tokio::time::Instant>,
     last_error: Option<String>,
     last_reconcile: Option<tokio::time::Instant>,
@@ -282,11 +289,16 @@ impl Ingestor {
             Some(b) => b,
             None => {
                 let backoff = self.slurm.as_ref().map_or(Duration::ZERO, |l| l.interval);
-                if touched.is_empty() || self.memo.failed_at.is_some_and(|t| t.elapsed() < backoff) {
+                if self.memo.failed_at.is_some_and(|t| t.elapsed() < backoff) {
                     return report;
                 }
-                match self.look(touched.iter().copied().collect(), None, false).await {
-                    Some(st) => (st, Vec::new()),
+                let open = self.step_ended_open(&pool, &node_list).await;
+                if touched.is_empty() && open.is_empty() {
+                    return report;
+                }
+                let want = touched.iter().copied().chain(open.iter().filter_map(|r| u32::try_from(r.job_id).ok())).collect();
+                match self.look(want, None, false).await {
+                    Some(st) => (st, open),
                     None => return report,
                 }
             }
@@ -310,6 +322,7 @@ impl Ingestor {
         } else {
             BTreeMap::new()
         };
+        let boundaries = self.slurm.as_ref().map_or(JobBoundaries::Slurm, |l| l.boundaries);
         let grace =
             i64::try_from(self.slurm.as_ref().map_or(Duration::ZERO, |l| l.interval).as_micros()).unwrap_or(i64::MAX).max(5_000_000);
         let actions = reconcile::plan(
@@ -323,6 +336,7 @@ impl Ingestor {
                 last_listed: &self.memo.last_listed,
                 reconcile,
                 grace_us: grace,
+                close_ended: boundaries == JobBoundaries::Slurm,
             },
             &st,
         );
@@ -337,7 +351,6 @@ impl Ingestor {
             self.memo.last_listed.retain(|_, t| *t > st.taken_us - 86_400 * 1_000_000);
             self.write_job_map(&st, &nodes).await;
         }
-        let boundaries = self.slurm.as_ref().map_or(JobBoundaries::Slurm, |l| l.boundaries);
         for action in &actions {
             let stats = match action {
                 Action::Close { job_id, .. } => self.gpus.job_gpu_stats(*job_id),
@@ -354,6 +367,26 @@ impl Ingestor {
             }
         }
         report
+    }
+
+    /// The open jobs of [`SlurmMemo::step_ended`] still watched; the others are forgotten
+    /// (watched long enough, or closed: by a reconciliation, a JobEnd record).
+    async fn step_ended_open(&mut self, pool: &sqlx::AnyPool, nodes: &[String]) -> Vec<db::JobRow> {
+        self.memo.step_ended.retain(|_, at| at.elapsed() < STEP_END_WATCH);
+        if self.memo.step_ended.is_empty() {
+            return Vec::new();
+        }
+        let open = match reconcile::open_jobs(pool, nodes).await {
+            Ok(open) => open,
+            Err(e) => {
+                tracing::warn!("accounting: cannot read open jobs to see whether a job whose step ended has ended: {e}; retried next pass");
+                return Vec::new();
+            }
+        };
+        let open: Vec<db::JobRow> =
+            open.into_iter().filter(|r| u32::try_from(r.job_id).is_ok_and(|id| self.memo.step_ended.contains_key(&id))).collect();
+        self.memo.step_ended.retain(|id, _| open.iter().any(|r| r.job_id == i64::from(*id)));
+        open
     }
 
     /// Rewrites the dcgm job map from one look at slurmctld (job boundaries from Slurm only).
@@ -491,6 +524,9 @@ impl Ingestor {
                 self.metrics.ingested.get_or_create(&KindLabels { kind: rec.kind().into() }).inc();
                 if folded.unverified {
                     self.memo.touched.insert(rec.job().job_id);
+                }
+                if matches!(rec, Record::StepEnd { .. }) && self.slurm.as_ref().is_some_and(|l| l.boundaries == JobBoundaries::Slurm) {
+                    self.memo.step_ended.insert(rec.job().job_id, tokio::time::Instant::now());
                 }
                 let source = if folded.disagreements.is_empty() { "" } else { "stored allocation" };
                 self.report_disagreements(rec.job().job_id, &rec.job().node, source, &folded.disagreements);

@@ -288,6 +288,11 @@ pub struct Inputs<'a> {
     /// A job must have started this long before the look to be closed or created (its records
     /// may still be on the way).
     pub grace_us: i64,
+    /// Job ends come from Slurm (`accounting.job_boundaries = "slurm"`): a verified job of
+    /// `open` that Slurm says has ended (slurmctld's EndTime or sacct's End of this run) is
+    /// closed at once, within the grace and on an ingest pass too. With the job-hooks build its
+    /// JobEnd record closes it.
+    pub close_ended: bool,
 }
 
 /// Decides, from one look at Slurm, what to change in the store. Pure.
@@ -299,13 +304,10 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
         n
     };
     let mut handled = BTreeSet::new();
-    if inp.reconcile && st.ctld_ok {
+    if (inp.reconcile || inp.close_ended) && st.ctld_ok {
         for row in inp.open {
             let Ok(id) = u32::try_from(row.job_id) else { continue };
             let start = row.start_us.unwrap_or(row.first_seen_us);
-            if start >= st.taken_us - inp.grace_us {
-                continue;
-            }
             let nodes = nodes_of(row);
             let ctld = st.ctld.get(&id);
             // A finished job's EndTime is this run's only if that run is this one (requeued, the
@@ -317,12 +319,22 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             if ctld.is_some_and(|j| is_live(&j.state) && j.on_any(&nodes)) || (st.ctld_unsure.contains(&id) && acct_end.is_none()) {
                 continue;
             }
-            let (end, how, exact) = if let Some(e) = ctld.filter(ended_here).and_then(|j| j.end_us) {
-                (e, "slurmctld's EndTime", true)
+            let said = if let Some(e) = ctld.filter(ended_here).and_then(|j| j.end_us) {
+                Some((e, "slurmctld's EndTime"))
             } else if let Some(e) = acct_end {
-                (e, "sacct's End", true)
-            } else if let Some(e) = ended_run(st, id, row, &nodes).and_then(|r| r.end_us) {
-                (e, "sacct's End of this run (Slurm requeued the job)", true)
+                Some((e, "sacct's End"))
+            } else {
+                ended_run(st, id, row, &nodes).and_then(|r| r.end_us).map(|e| (e, "sacct's End of this run (Slurm requeued the job)"))
+            };
+            // Slurm's word that it ended closes a verified job at once (its run is pinned to
+            // Slurm's start: a requeued job's earlier end is not its end). Else a job is closed
+            // on a reconciliation tick only, once older than the grace (a look may predate it).
+            let at_once = inp.close_ended && said.is_some() && row.slurm_start_us.is_some();
+            if !at_once && (!inp.reconcile || start >= st.taken_us - inp.grace_us) {
+                continue;
+            }
+            let (end, how, exact) = if let Some((e, how)) = said {
+                (e, how, true)
             } else if let Some(t) = inp.last_listed.get(&id) {
                 (*t, "the last Slurm snapshot that listed it", false)
             } else if row.last_seen_us > start {

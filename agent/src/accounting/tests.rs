@@ -757,6 +757,66 @@ mod reconcile_story {
         assert_eq!(fields, vec!["gpus", "shards"], "the claims still disagree with Slurm: {n:#}");
     }
 
+    /// A job's last step ends: the ingest passes after its step end ask Slurm, and the job is
+    /// closed at slurmctld's EndTime on the first pass after Slurm says it ended, without a
+    /// reconciliation tick (the gateway refuses the job's token from then on). A step end of a
+    /// job that goes on leaves it open.
+    async fn step_end_story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let t0 = (crate::util::now_us() / S - 1000) * S;
+        store.set_setting("accounting.slurm_watch_since_us", &(t0 - S).to_string()).await.unwrap();
+        let lab = |job: u32| JobIdentity { account: None, partition: None, ..ident(job, 1001, "gpuhublab") };
+        write(spool.path(), &step(t0 + 10 * S, &lab(61), vec![g(0, None)], None));
+        write(spool.path(), &step(t0 + 10 * S, &lab(62), vec![g(1, None)], None));
+        let running = |id| indexed(sj(id, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[id - 61], &[]);
+        let st = SlurmState {
+            ctld_ok: true,
+            acct_ok: true,
+            ctld: BTreeMap::from([(61, running(61)), (62, running(62))]),
+            ..SlurmState::default()
+        };
+        let (fake, mut ing) = watching(&store, spool.path(), st).await;
+        ing.tick(true).await;
+        let ended = || async { (store.job_ended(61, 1001).await.unwrap(), store.job_ended(62, 1001).await.unwrap()) };
+        assert_eq!(ended().await, (false, false));
+        // Both steps end; slurmctld still lists both running (61's end has not reached it yet).
+        write(spool.path(), &step_end(t0 + 20 * S, &lab(61)));
+        write(spool.path(), &step_end(t0 + 20 * S, &lab(62)));
+        ing.tick(false).await;
+        assert_eq!(ended().await, (false, false), "Slurm lists both running");
+        fake.0.lock().unwrap().ctld.insert(61, SlurmJob { state: "COMPLETED".into(), end_us: Some(t0 + 21 * S), ..running(61) });
+        ing.tick(false).await;
+        assert_eq!(ended().await, (true, false), "the pass after Slurm said job 61 ended closes it, and only it");
+        let admin = caller(0, "root", true);
+        let n = job_json(store.pool(), &admin, 61, 14).await.unwrap().unwrap()["nodes"][0].clone();
+        assert_eq!(
+            (n["state"].as_str(), n["end_us"].as_i64(), n["gpu_seconds"].as_f64()),
+            (Some("ended"), Some(t0 + 21 * S), Some(11.0)),
+            "{n:#}"
+        );
+        assert!(kinds(&n).is_empty(), "an end from Slurm is no anomaly with job boundaries from Slurm: {n:#}");
+        // 62 is still watched: the pass after Slurm says it ended closes it.
+        fake.0.lock().unwrap().ctld.insert(62, SlurmJob { state: "CANCELLED".into(), end_us: Some(t0 + 22 * S), ..running(62) });
+        ing.tick(false).await;
+        assert_eq!(ended().await, (true, true));
+        // A job with no step end is left to the reconciliation ticks.
+        write(spool.path(), &step(t0 + 10 * S, &lab(63), vec![g(0, None)], None));
+        fake.0.lock().unwrap().ctld.insert(63, running(63));
+        ing.tick(false).await;
+        fake.0.lock().unwrap().ctld.insert(63, SlurmJob { state: "COMPLETED".into(), end_us: Some(t0 + 23 * S), ..running(63) });
+        ing.tick(false).await;
+        assert!(!store.job_ended(63, 1001).await.unwrap(), "an ingest pass asked about a job none of whose steps ended");
+        ing.tick(true).await;
+        assert!(store.job_ended(63, 1001).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_job_whose_last_step_ended_is_closed_once_slurm_says_so_on_every_backend() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            step_end_story(store).await;
+        }
+    }
+
     #[tokio::test]
     async fn a_job_slurm_lists_late_is_verified_with_its_claims_on_every_backend() {
         for (store, _dir) in crate::store::testing::stores().await {
@@ -787,7 +847,7 @@ mod reconcile_story {
         let now = 1_000_000 * S;
         let mut open = db::JobRow::new("gpu01", 7, 1001, "u", now - 100 * S);
         open.start_us = Some(now - 100 * S);
-        let fresh = db::JobRow { job_id: 8, start_us: Some(now - S), ..open.clone() };
+        let fresh = db::JobRow { job_id: 8, start_us: Some(now - S), slurm_start_us: Some(now - S), ..open.clone() };
         let listed = BTreeMap::from([(7, now - 10 * S)]);
         let ran = |start_us| reconcile::LatestRun { start_us, ended: false };
         let known = BTreeMap::from([(7, ran(now - 100 * S)), (8, ran(now - S))]);
@@ -801,6 +861,7 @@ mod reconcile_story {
             last_listed: &listed,
             reconcile: true,
             grace_us: 5 * S,
+            close_ended: false,
         };
         // slurmctld did not answer: nothing is closed.
         let down = SlurmState { taken_us: now, ctld_ok: false, ..SlurmState::default() };
@@ -844,6 +905,29 @@ mod reconcile_story {
         live.acct.get_mut(&7).unwrap().state = "COMPLETED".into();
         let actions = reconcile::plan(&verify_only, &live);
         assert!(matches!(&actions[..], [Action::Verify { job_id: 7, .. }]), "{actions:?}");
+
+        // Job ends from Slurm: a job Slurm says has ended is closed at once, within the grace
+        // (job 8 started 1 s ago) and on an ingest pass too; a job without Slurm's word is not.
+        let mut said = up.clone();
+        said.ctld.insert(7, sj(7, Source::Slurmctld, "RUNNING", now - 100 * S, None, 1, 0));
+        said.ctld.insert(8, sj(8, Source::Slurmctld, "COMPLETED", now - S, Some(now - S / 2), 1, 0));
+        assert!(reconcile::plan(&inp, &said).is_empty(), "without close_ended, job 8 waits for the grace");
+        let ends = Inputs { close_ended: true, ..inp };
+        let pass = Inputs { reconcile: false, ..ends };
+        for (what, inp) in [("a reconciliation", &ends), ("an ingest pass", &pass)] {
+            let actions = reconcile::plan(inp, &said);
+            assert!(
+                matches!(&actions[..], [Action::Close { job_id: 8, end_us, exact: true, .. }] if *end_us == now - S / 2),
+                "{what}: {actions:?}"
+            );
+        }
+        // Not verified yet (no Slurm start to tell its run from an earlier one): the grace.
+        let unpinned = [db::JobRow { slurm_start_us: None, ..inp.open[1].clone() }];
+        assert!(reconcile::plan(&Inputs { open: &unpinned, ..ends }, &said).is_empty());
+        // An ingest pass closes nothing Slurm has not said ended (job 7 is gone from slurmctld,
+        // sacct has no row: only a reconciliation closes it, at its last listing).
+        assert!(reconcile::plan(&pass, &up).is_empty());
+        assert!(matches!(&reconcile::plan(&ends, &up)[..], [Action::Close { job_id: 7, exact: false, .. }]));
     }
 
     #[test]
@@ -863,6 +947,7 @@ mod reconcile_story {
             last_listed: &listed,
             reconcile: true,
             grace_us: 5 * S,
+            close_ended: false,
         };
         let mut st = SlurmState { taken_us: now, ctld_ok: true, acct_ok: true, ..SlurmState::default() };
         // ... job 9 started 110 ms later, and Slurm's StartTime is that whole second; job 10
