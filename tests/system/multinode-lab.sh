@@ -79,6 +79,29 @@ case "$w1_url" in "http://$(nodes_ip gpu02):"*) ;; *) fail "gpu01's worker on gp
 proof="$(cat "$NODES_WORKERS/gpu01/dots.ocr.$w1_job.proof")" || fail "worker job $w1_job wrote no proof of its port"
 [ "$proof" = "$w1_job ${w1_url##*:} ok" ] || fail "worker job $w1_job's proof says '$proof'"
 echo "   worker $w1_job (owner gpu01) on gpu02 at $w1_url, port proven by its job"
+# The job's proof counts only the sockets a call to the worker's address reaches: $LAB_USER
+# on gpu02's 127.0.0.1:P beside a worker-account socket on gpu02's address:P neither fails the
+# proof nor is taken for the worker (the same binary, as the worker account, in gpu02's
+# namespace); without the address it is counted, so the check can tell the two apart.
+PD="$(mktemp -d)"; chmod 777 "$PD"
+lab_cleanup_add "kill \$(cat '$PD'/*.pid 2>/dev/null) 2>/dev/null || true; rm -rf '$PD'"
+listen_as() { # listen_as USER ADDR PORT NAME: a socket of USER listening on ADDR:PORT in gpu02 for 60 s
+    nodes_exec gpu02 runuser -u "$1" -- python3 -c 'import os,socket,sys,time
+s=socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()
+open(sys.argv[3] + ".pid", "w").write(str(os.getpid())); time.sleep(60)' "$2" "$3" "$PD/$4" 2>"$PD/$4.err" &
+    for _ in $(seq 50); do [ -s "$PD/$4.pid" ] && return 0; sleep 0.1; done
+    fail "no socket of $1 on $2:$3 in gpu02: $(cat "$PD/$4.err")"
+}
+port="$(nodes_exec gpu02 python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+listen_as "$LAB_USER" 127.0.0.1 "$port" beside
+listen_as gpuhub-worker "$(nodes_ip gpu02)" "$port" worker
+prove() { nodes_exec gpu02 runuser -u gpuhub-worker -- "$REPO/target/release/gpuhub-agent" worker-proof "$port" 7 "$PD/$1.proof" 5 "${@:2}" && cat "$PD/$1.proof"; }
+got="$(prove to-node "$(nodes_ip gpu02)")" || fail "worker-proof on gpu02 failed: $got"
+[ "$got" = "7 $port ok" ] || fail "$LAB_USER's socket on gpu02's 127.0.0.1:$port beside the worker on $(nodes_ip gpu02):$port: the proof says '$got', not ok"
+got="$(prove anywhere)" || fail "worker-proof on gpu02 (no address) failed: $got"
+[ "$got" = "7 $port uid $(id -u "$LAB_USER")" ] || fail "without the worker's address the proof does not see $LAB_USER's socket: '$got'"
+kill "$(cat "$PD/beside.pid")" "$(cat "$PD/worker.pid")" 2>/dev/null || true
+echo "   a socket of $LAB_USER on gpu02's 127.0.0.1:$port beside a worker on gpu02's address: not counted by the job's proof"
 
 echo "== 3. gpu02's gateway routes to gpu01's worker and starts its own of another model; restarts leave the other agent's worker alone"
 read -r job2 code2 _ < <(call gpu01 "http://$(nodes_ip gpu02):8400") || fail "the job on gpu01 did not run"

@@ -40,10 +40,11 @@ enum Command {
         host: String,
     },
     /// Prove who listens on PORT, from the worker's node: writes `JOBID PORT ok` (or `JOBID
-    /// PORT uid N`) to FILE once something listens, waiting at most SECS. Slurm worker jobs
-    /// run it as the worker account; it reads no configuration.
+    /// PORT uid N`) to FILE once something listens, waiting at most SECS. Only the sockets a
+    /// call to HOST (the worker's address) could reach count; without HOST, every socket on
+    /// the port. Slurm worker jobs run it as the worker account; it reads no configuration.
     #[command(hide = true)]
-    WorkerProof { port: u16, job: String, file: PathBuf, secs: u64 },
+    WorkerProof { port: u16, job: String, file: PathBuf, secs: u64, host: Option<String> },
 }
 
 fn main() -> ExitCode {
@@ -61,8 +62,8 @@ fn main() -> ExitCode {
             }
         };
     }
-    if let Some(Command::WorkerProof { port, job, file, secs }) = &args.command {
-        return match gpuhub_agent::models::launcher::proof::prove_port(*port, job, file, *secs) {
+    if let Some(Command::WorkerProof { port, job, file, secs, host }) = &args.command {
+        return match gpuhub_agent::models::launcher::proof::prove_port(*port, job, file, *secs, host.as_deref()) {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => {
                 eprintln!("gpuhub-agent: error: nothing listened on port {port} within {secs} s; no proof written to {}", file.display());

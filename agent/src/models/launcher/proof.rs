@@ -70,6 +70,19 @@ pub fn targets_of(host: &str) -> Option<Vec<IpAddr>> {
     (!ip.is_unspecified()).then(|| vec![ip])
 }
 
+/// The addresses a call to `host` goes to: [`targets_of`], else the name looked up (the
+/// agents look it up the same way to call it). `None` (every address) when the name does not
+/// resolve, or resolves to an unspecified address.
+fn addresses_of(host: &str, port: u16) -> Option<Vec<IpAddr>> {
+    use std::net::ToSocketAddrs;
+    if let Some(t) = targets_of(host) {
+        return Some(t);
+    }
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let ips: Vec<IpAddr> = (bare, port).to_socket_addrs().ok()?.map(|a| a.ip()).collect();
+    (!ips.is_empty() && ips.iter().all(|ip| !ip.is_unspecified())).then_some(ips)
+}
+
 /// The sockets in LISTEN state on `port` (any local address, IPv4 and IPv6).
 pub fn listeners_on(port: u16) -> std::io::Result<Vec<Listener>> {
     match netlink_listeners() {
@@ -289,18 +302,23 @@ fn classify(uids: &[u32], uid: u32) -> PortOwner {
     }
 }
 
-/// `gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm worker job on its own node
-/// as the worker account: waits (at most `secs`) until something listens on `port`, then
-/// writes `JOBID PORT ok` to `file` when every listener there is this process's uid, `JOBID
+/// `gpuhub-agent worker-proof PORT JOBID FILE SECS [HOST]`, run by a Slurm worker job on its
+/// own node as the worker account: waits (at most `secs`) until something listens on `port`,
+/// then writes `JOBID PORT ok` to `file` when every listener there is this process's uid, `JOBID
 /// PORT uid N` when another uid listens (written to `FILE.tmp` and renamed). Nothing written
-/// when nothing listened in time (the agent's load timeout then fails the load).
-pub fn prove_port(port: u16, job: &str, file: &std::path::Path, secs: u64) -> std::io::Result<bool> {
+/// when nothing listened in time (the agent's load timeout then fails the load). `host` is
+/// what the agents call (the job's `.addr`): only the sockets a call there could reach count,
+/// as on the agent's own node, so another user's socket on the node's `127.0.0.1:PORT` beside
+/// a worker on the node's address neither fails the load nor sees a call. Without `host`, or
+/// when it names no address here, every socket on the port counts.
+pub fn prove_port(port: u16, job: &str, file: &std::path::Path, secs: u64, host: Option<&str>) -> std::io::Result<bool> {
     // SAFETY: plain syscall.
     let me = unsafe { libc::geteuid() };
+    let targets = host.and_then(|h| addresses_of(h, port));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     let mut delay = std::time::Duration::from_millis(5);
     loop {
-        let line = match owner(port, me, None)? {
+        let line = match owner(port, me, targets.as_deref())? {
             PortOwner::Nobody => None,
             PortOwner::Worker => Some(format!("{job} {port} ok\n")),
             PortOwner::Other { uid } => Some(format!("{job} {port} uid {uid}\n")),
@@ -395,13 +413,38 @@ mod tests {
         let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = l.local_addr().unwrap().port();
         let file = dir.path().join("m.42.proof");
-        assert!(prove_port(port, "42", &file, 5).unwrap());
+        assert!(prove_port(port, "42", &file, 5, None).unwrap());
         assert_eq!(std::fs::read_to_string(&file).unwrap(), format!("42 {port} ok\n"));
         drop(l);
         let free = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
         let none = dir.path().join("m.43.proof");
-        assert!(!prove_port(free, "43", &none, 0).unwrap(), "nothing listens: no proof");
+        assert!(!prove_port(free, "43", &none, 0, None).unwrap(), "nothing listens: no proof");
         assert!(!none.exists());
+    }
+
+    #[test]
+    fn a_job_proves_only_what_a_call_to_its_address_reaches() {
+        // A socket on 127.0.0.1:P (another user's, beside a worker on the node's address) is
+        // not on the way of a call to 127.0.0.2:P: it is neither the worker nor a squatter.
+        let dir = tempfile::tempdir().unwrap();
+        let beside = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = beside.local_addr().unwrap().port();
+        let file = dir.path().join("m.44.proof");
+        assert!(!prove_port(port, "44", &file, 0, Some("127.0.0.2")).unwrap(), "nothing listens where the calls go");
+        assert!(!file.exists());
+        // SAFETY: plain syscall.
+        let me = unsafe { libc::geteuid() };
+        let to = [IpAddr::from([127, 0, 0, 2])];
+        assert_eq!(owner(port, me.wrapping_add(1), Some(&to)).unwrap(), PortOwner::Nobody, "another uid's socket elsewhere");
+        assert_eq!(owner(port, me.wrapping_add(1), None).unwrap(), PortOwner::Other { uid: me }, "counted without the address");
+        let Ok(worker) = std::net::TcpListener::bind(("127.0.0.2", port)) else { return };
+        assert!(prove_port(port, "44", &file, 5, Some("127.0.0.2")).unwrap());
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), format!("44 {port} ok\n"));
+        // A name is looked up as the agents look it up; one that does not resolve: every socket.
+        assert_eq!(addresses_of("localhost", port).map(|a| a.len()), Some(2));
+        assert_eq!(addresses_of("no-such-host.invalid", port), None);
+        assert_eq!(addresses_of("0.0.0.0", port), None);
+        drop((beside, worker));
     }
 
     const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode

@@ -247,7 +247,7 @@ impl Slurm {
         // background, it ends once something listens (or after the load timeout).
         let proof = self.proof_path(&spec.model, "$SLURM_JOB_ID");
         s.push_str(&format!(
-            "{agent} worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"{proof}\" {secs} &\n",
+            "{agent} worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"{proof}\" {secs} \"{host}\" &\n",
             proof = proof.display(),
             secs = spec.proof_timeout_s
         ));
@@ -689,7 +689,7 @@ mod tests {
             "srv --port ${GPUHUB_WORKER_PORT} &\n",
             "#SBATCH --chdir=/w\n",
             "#SBATCH --comment=gpuhub-worker:gpu01:/w\n",
-            "/usr/bin/gpuhub-agent worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"/w/m_x.$SLURM_JOB_ID.proof\" 90 &\n",
+            "/usr/bin/gpuhub-agent worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"/w/m_x.$SLURM_JOB_ID.proof\" 90 \"127.0.0.1\" &\n",
         ] {
             assert!(s.contains(want), "missing `{want}` in:\n{s}");
         }
@@ -727,6 +727,8 @@ mod tests {
             "GPUHUB_WORKER_PORT=$(/usr/bin/gpuhub-agent worker-port \"$GPUHUB_WORKER_HOST\")",
             "printf '%s %s %s\\n' \"$GPUHUB_WORKER_HOST\" \"$GPUHUB_WORKER_PORT\"",
             "#SBATCH --comment=gpuhub-worker:gpu02:/w\n",
+            // The job proves only the sockets a call to its address could reach.
+            "90 \"$GPUHUB_WORKER_HOST\" &\n",
         ] {
             assert!(s.contains(want), "missing `{want}` in:\n{s}");
         }
