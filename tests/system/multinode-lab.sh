@@ -95,7 +95,7 @@ open(sys.argv[3] + ".pid", "w").write(str(os.getpid())); time.sleep(60)' "$2" "$
 port="$(nodes_exec gpu02 python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 listen_as "$LAB_USER" 127.0.0.1 "$port" beside
 listen_as gpuhub-worker "$(nodes_ip gpu02)" "$port" worker
-prove() { nodes_exec gpu02 runuser -u gpuhub-worker -- "$REPO/target/release/gpuhub-agent" worker-proof "$port" 7 "$PD/$1.proof" 5 "${@:2}" && cat "$PD/$1.proof"; }
+prove() { nodes_exec gpu02 runuser -u gpuhub-worker -- env ${2:+GPUHUB_PROOF_HOST="$2"} "$REPO/target/release/gpuhub-agent" worker-proof "$port" 7 "$PD/$1.proof" 5 && cat "$PD/$1.proof"; }
 got="$(prove to-node "$(nodes_ip gpu02)")" || fail "worker-proof on gpu02 failed: $got"
 [ "$got" = "7 $port ok" ] || fail "$LAB_USER's socket on gpu02's 127.0.0.1:$port beside the worker on $(nodes_ip gpu02):$port: the proof says '$got', not ok"
 got="$(prove anywhere)" || fail "worker-proof on gpu02 (no address) failed: $got"

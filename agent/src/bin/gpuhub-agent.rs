@@ -40,11 +40,21 @@ enum Command {
         host: String,
     },
     /// Prove who listens on PORT, from the worker's node: writes `JOBID PORT ok` (or `JOBID
-    /// PORT uid N`) to FILE once something listens, waiting at most SECS. Only the sockets a
-    /// call to HOST (the worker's address) could reach count; without HOST, every socket on
-    /// the port. Slurm worker jobs run it as the worker account; it reads no configuration.
+    /// PORT uid N`) to FILE once something listens, waiting at most SECS. Slurm worker jobs
+    /// run it as the worker account; it reads no configuration.
     #[command(hide = true)]
-    WorkerProof { port: u16, job: String, file: PathBuf, secs: u64, host: Option<String> },
+    WorkerProof {
+        port: u16,
+        job: String,
+        file: PathBuf,
+        secs: u64,
+        /// The worker's address: only the sockets a call there could reach count (without it,
+        /// every socket on the port). An environment variable, not an argument, so that a job
+        /// script of a newer agent still runs an older `gpuhub-agent` on a node not yet
+        /// upgraded (which ignores it).
+        #[arg(long, env = "GPUHUB_PROOF_HOST")]
+        host: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {

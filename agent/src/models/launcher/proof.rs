@@ -302,7 +302,7 @@ fn classify(uids: &[u32], uid: u32) -> PortOwner {
     }
 }
 
-/// `gpuhub-agent worker-proof PORT JOBID FILE SECS [HOST]`, run by a Slurm worker job on its
+/// `GPUHUB_PROOF_HOST=HOST gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm worker job on its
 /// own node as the worker account: waits (at most `secs`) until something listens on `port`,
 /// then writes `JOBID PORT ok` to `file` when every listener there is this process's uid, `JOBID
 /// PORT uid N` when another uid listens (written to `FILE.tmp` and renamed). Nothing written

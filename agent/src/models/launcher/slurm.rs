@@ -247,7 +247,7 @@ impl Slurm {
         // background, it ends once something listens (or after the load timeout).
         let proof = self.proof_path(&spec.model, "$SLURM_JOB_ID");
         s.push_str(&format!(
-            "{agent} worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"{proof}\" {secs} \"{host}\" &\n",
+            "GPUHUB_PROOF_HOST=\"{host}\" {agent} worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"{proof}\" {secs} &\n",
             proof = proof.display(),
             secs = spec.proof_timeout_s
         ));
@@ -689,7 +689,7 @@ mod tests {
             "srv --port ${GPUHUB_WORKER_PORT} &\n",
             "#SBATCH --chdir=/w\n",
             "#SBATCH --comment=gpuhub-worker:gpu01:/w\n",
-            "/usr/bin/gpuhub-agent worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"/w/m_x.$SLURM_JOB_ID.proof\" 90 \"127.0.0.1\" &\n",
+            "GPUHUB_PROOF_HOST=\"127.0.0.1\" /usr/bin/gpuhub-agent worker-proof \"$GPUHUB_WORKER_PORT\" \"$SLURM_JOB_ID\" \"/w/m_x.$SLURM_JOB_ID.proof\" 90 &\n",
         ] {
             assert!(s.contains(want), "missing `{want}` in:\n{s}");
         }
@@ -728,7 +728,7 @@ mod tests {
             "printf '%s %s %s\\n' \"$GPUHUB_WORKER_HOST\" \"$GPUHUB_WORKER_PORT\"",
             "#SBATCH --comment=gpuhub-worker:gpu02:/w\n",
             // The job proves only the sockets a call to its address could reach.
-            "90 \"$GPUHUB_WORKER_HOST\" &\n",
+            "GPUHUB_PROOF_HOST=\"$GPUHUB_WORKER_HOST\" /usr/bin/gpuhub-agent worker-proof ",
         ] {
             assert!(s.contains(want), "missing `{want}` in:\n{s}");
         }
