@@ -32,6 +32,10 @@ const VERIFY_WINDOW_US: i64 = 7 * 86_400 * 1_000_000;
 /// refuses an ended job's token, learn of its end about a second after Slurm; later, the
 /// reconciliation ticks.
 const STEP_END_WATCH: Duration = Duration::from_secs(10);
+/// A job slurmctld still lists running this long after one of its steps ended goes on (more
+/// steps, or the rest of its batch script): it is no longer watched, and its end comes from a
+/// reconciliation tick. Slurm marks a job COMPLETING within a moment of its last step's end.
+const STEP_END_SETTLED: Duration = Duration::from_secs(3);
 
 /// How the ingest talks to Slurm ([`super::reconcile`]).
 pub struct SlurmLink {
@@ -87,6 +91,8 @@ pub struct Ingestor {
     stuck: HashSet<String>,
     slurm: Option<SlurmLink>,
     memo: SlurmMemo,
+    /// [`STEP_END_SETTLED`] (shorter in tests).
+    step_end_settled: Duration,
 }
 
 impl std::fmt::Debug for Ingestor {
@@ -106,7 +112,14 @@ impl Ingestor {
             stuck: HashSet::new(),
             slurm: None,
             memo: SlurmMemo::default(),
+            step_end_settled: STEP_END_SETTLED,
         }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn with_step_end_settled(mut self, d: Duration) -> Self {
+        self.step_end_settled = d;
+        self
     }
 
     /// Verifies jobs against Slurm and reconciles with it ([`super::reconcile`]).
@@ -298,7 +311,10 @@ impl Ingestor {
                 }
                 let want = touched.iter().copied().chain(open.iter().filter_map(|r| u32::try_from(r.job_id).ok())).collect();
                 match self.look(want, None, false).await {
-                    Some(st) => (st, open),
+                    Some(st) => {
+                        self.settle_step_ends(&st);
+                        (st, open)
+                    }
                     None => return report,
                 }
             }
@@ -387,6 +403,16 @@ impl Ingestor {
             open.into_iter().filter(|r| u32::try_from(r.job_id).is_ok_and(|id| self.memo.step_ended.contains_key(&id))).collect();
         self.memo.step_ended.retain(|id, _| open.iter().any(|r| r.job_id == i64::from(*id)));
         open
+    }
+
+    /// Stops watching the jobs this look lists running [`STEP_END_SETTLED`] after their step
+    /// ended.
+    fn settle_step_ends(&mut self, st: &SlurmState) {
+        if !st.ctld_ok {
+            return;
+        }
+        let settled = self.step_end_settled;
+        self.memo.step_ended.retain(|id, at| at.elapsed() < settled || st.ctld.get(id).is_none_or(|j| j.state != "RUNNING"));
     }
 
     /// Rewrites the dcgm job map from one look at slurmctld (job boundaries from Slurm only).
@@ -525,8 +551,17 @@ impl Ingestor {
                 if folded.unverified {
                     self.memo.touched.insert(rec.job().job_id);
                 }
-                if matches!(rec, Record::StepEnd { .. }) && self.slurm.as_ref().is_some_and(|l| l.boundaries == JobBoundaries::Slurm) {
-                    self.memo.step_ended.insert(rec.job().job_id, tokio::time::Instant::now());
+                if self.slurm.as_ref().is_some_and(|l| l.boundaries == JobBoundaries::Slurm) {
+                    match &rec {
+                        Record::StepEnd { .. } => {
+                            self.memo.step_ended.insert(rec.job().job_id, tokio::time::Instant::now());
+                        }
+                        // A step started after it: the job goes on.
+                        Record::StepStart { .. } => {
+                            self.memo.step_ended.remove(&rec.job().job_id);
+                        }
+                        _ => {}
+                    }
                 }
                 let source = if folded.disagreements.is_empty() { "" } else { "stored allocation" };
                 self.report_disagreements(rec.job().job_id, &rec.job().node, source, &folded.disagreements);

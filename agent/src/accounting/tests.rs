@@ -279,10 +279,19 @@ mod reconcile_story {
     use crate::accounting::slurm::{NodeAlloc, SlurmJob, SlurmSource, SlurmState, Source};
     use crate::config::JobBoundaries;
 
-    struct FakeSlurm(Mutex<SlurmState>);
+    /// What Slurm says, and the ids each look asked about.
+    struct FakeSlurm(Mutex<SlurmState>, Mutex<Vec<Vec<u32>>>);
+
+    impl FakeSlurm {
+        /// Whether the looks since the last call asked about `id`.
+        fn asked_about(&self, id: u32) -> bool {
+            std::mem::take(&mut *self.1.lock().unwrap()).iter().any(|w| w.contains(&id))
+        }
+    }
 
     impl SlurmSource for FakeSlurm {
-        fn query(&self, _want: &[u32], _since: Option<i64>) -> SlurmState {
+        fn query(&self, want: &[u32], _since: Option<i64>) -> SlurmState {
+            self.1.lock().unwrap().push(want.to_vec());
             let mut st = self.0.lock().unwrap().clone();
             if st.taken_us == 0 {
                 st.taken_us = crate::util::now_us();
@@ -361,7 +370,7 @@ mod reconcile_story {
             acct: BTreeMap::from([(23, sj(23, Source::Sacct, "CANCELLED", t0 + 20 * S, Some(t0 + 50 * S), 1, 0))]),
             ..SlurmState::default()
         };
-        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let fake = Arc::new(FakeSlurm(Mutex::new(st), Mutex::default()));
         let mut registry = Registry::default();
         let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
         // The job-hooks build's records: a job Slurm fills in or closes is an anomaly.
@@ -470,7 +479,7 @@ mod reconcile_story {
             (34, indexed(sj(34, Source::Slurmctld, "RUNNING", t0 + 70 * S, Some(t0 + 190 * S), 0, 2), &[], &[(1, 2)])),
         ]);
         let st = SlurmState { taken_us: 0, ctld_ok: true, acct_ok: true, ctld: running, ..SlurmState::default() };
-        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let fake = Arc::new(FakeSlurm(Mutex::new(st), Mutex::default()));
         let mut registry = Registry::default();
         let metrics = AccountingMetrics::register(registry.sub_registry_with_prefix("gpuhub"));
         let link = || SlurmLink {
@@ -568,7 +577,7 @@ mod reconcile_story {
     /// An ingestor of `spool` that reconciles with a fake Slurm in state `st` (returned, to
     /// change), watching from now on.
     async fn watching(store: &Store, spool: &Path, st: SlurmState) -> (Arc<FakeSlurm>, Ingestor) {
-        let fake = Arc::new(FakeSlurm(Mutex::new(st)));
+        let fake = Arc::new(FakeSlurm(Mutex::new(st), Mutex::default()));
         let metrics = AccountingMetrics::register(Registry::default().sub_registry_with_prefix("gpuhub"));
         let link = SlurmLink {
             source: fake.clone(),
@@ -810,10 +819,62 @@ mod reconcile_story {
         assert!(store.job_ended(63, 1001).await.unwrap());
     }
 
+    /// A job whose step ended but that goes on is watched only until its next step starts, or
+    /// until a look a while after the end still lists it running; its end then comes from a
+    /// reconciliation tick.
+    async fn step_end_watch_story(store: Store) {
+        let spool = tempfile::tempdir().unwrap();
+        let t0 = (crate::util::now_us() / S - 1000) * S;
+        store.set_setting("accounting.slurm_watch_since_us", &(t0 - S).to_string()).await.unwrap();
+        let job = JobIdentity { account: None, partition: None, ..ident(71, 1001, "gpuhublab") };
+        let step_at = |t: i64, step_id: u32, end: bool| {
+            if end {
+                Record::StepEnd { v: 1, time_us: t, job: job.clone(), step_id, exit_status: Some(0) }
+            } else {
+                Record::StepStart { v: 1, time_us: t, job: job.clone(), step_id, gpus: vec![g(0, None)], shards: None }
+            }
+        };
+        write(spool.path(), &step_at(t0 + 10 * S, 0, false));
+        let running = indexed(sj(71, Source::Slurmctld, "RUNNING", t0 + 10 * S, None, 1, 0), &[0], &[]);
+        let st = SlurmState { ctld_ok: true, acct_ok: true, ctld: BTreeMap::from([(71, running.clone())]), ..SlurmState::default() };
+        let (fake, ing) = watching(&store, spool.path(), st).await;
+        let settled = std::time::Duration::from_millis(300);
+        let mut ing = ing.with_step_end_settled(settled);
+        ing.tick(true).await;
+        fake.asked_about(71);
+        write(spool.path(), &step_at(t0 + 20 * S, 0, true));
+        ing.tick(false).await;
+        assert!(fake.asked_about(71), "the pass that ingested step 0's end asks Slurm about job 71");
+        write(spool.path(), &step_at(t0 + 21 * S, 1, false));
+        ing.tick(false).await;
+        ing.tick(false).await;
+        assert!(!fake.asked_about(71), "step 1 started: the job goes on, and is not watched");
+        write(spool.path(), &step_at(t0 + 30 * S, 1, true));
+        ing.tick(false).await;
+        assert!(fake.asked_about(71), "step 1's end: watched again");
+        tokio::time::sleep(settled).await;
+        ing.tick(false).await;
+        assert!(fake.asked_about(71), "still watched until a look after the settling time");
+        ing.tick(false).await;
+        assert!(!fake.asked_about(71), "Slurm listed it running {settled:?} after its step's end: no longer watched");
+        fake.0.lock().unwrap().ctld.insert(71, SlurmJob { state: "COMPLETED".into(), end_us: Some(t0 + 40 * S), ..running });
+        ing.tick(false).await;
+        assert!(!store.job_ended(71, 1001).await.unwrap(), "an unwatched job's end waits for a reconciliation");
+        ing.tick(true).await;
+        assert!(store.job_ended(71, 1001).await.unwrap(), "the reconciliation closes it");
+    }
+
     #[tokio::test]
     async fn a_job_whose_last_step_ended_is_closed_once_slurm_says_so_on_every_backend() {
         for (store, _dir) in crate::store::testing::stores().await {
             step_end_story(store).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_job_that_goes_on_after_a_step_is_watched_only_briefly_on_every_backend() {
+        for (store, _dir) in crate::store::testing::stores().await {
+            step_end_watch_story(store).await;
         }
     }
 
