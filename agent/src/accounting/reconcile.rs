@@ -326,10 +326,14 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
             } else {
                 ended_run(st, id, row, &nodes).and_then(|r| r.end_us).map(|e| (e, "sacct's End of this run (Slurm requeued the job)"))
             };
-            // Slurm's word that it ended closes a verified job at once (its run is pinned to
-            // Slurm's start: a requeued job's earlier end is not its end). Else a job is closed
-            // on a reconciliation tick only, once older than the grace (a look may predate it).
-            let at_once = inp.close_ended && said.is_some() && row.slurm_start_us.is_some();
+            // Slurm's word that it ended closes a job at once when it is this run's: the job is
+            // verified (its run pinned to Slurm's start: a requeued job's earlier end is not its
+            // end), or slurmctld's record, from a look taken after this run began, started no
+            // later than it (then it is this run: slurmctld describes a job's latest run). Else
+            // a job is closed on a reconciliation tick only, once older than the grace (a look
+            // may predate it).
+            let pinned = row.slurm_start_us.is_some() || (st.taken_us > run_start(row) && ctld.is_some_and(|j| describes_run(j, row)));
+            let at_once = inp.close_ended && said.is_some() && pinned;
             if !at_once && (!inp.reconcile || start >= st.taken_us - inp.grace_us) {
                 continue;
             }
@@ -380,8 +384,10 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
                 let alloc = j.alloc_on(&nodes).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
                 out.push(Action::Verify { node: row.node.clone(), job_id: id, run: row.run, job: j.clone(), alloc });
             }
-            // A job scontrol listed on a line not used is known to slurmctld: not unverified.
-            None if st.ctld_ok && st.acct_ok && !st.ctld_unsure.contains(&id) => {
+            // A job scontrol listed on a line not used is known to slurmctld: not unverified;
+            // nor is a job a look older than its first record could not know (a reconciliation's
+            // look is taken before the pass, or is the telemetry sampler's): the next look tells.
+            None if st.ctld_ok && st.acct_ok && !st.ctld_unsure.contains(&id) && st.taken_us > run_start(row) => {
                 out.push(Action::Unverified { node: row.node.clone(), job_id: id, run: row.run })
             }
             None => {}
@@ -432,6 +438,12 @@ fn run_start(row: &JobRow) -> i64 {
 /// after it (a requeued job's later run has its own, later StartTime).
 fn is_this_run(j: &SlurmJob, row: &JobRow, nodes: &BTreeSet<String>) -> bool {
     j.on_any(nodes) && row.slurm_start_us.zip(j.start_us).is_none_or(|(run, s)| s <= run + TIME_TOLERANCE_US)
+}
+
+/// Slurm's record `j` did not start after the run `row` (by its own start, or its first
+/// record's time): a requeued job's later run starts after it.
+fn describes_run(j: &SlurmJob, row: &JobRow) -> bool {
+    j.start_us.is_some_and(|s| s <= run_start(row) + TIME_TOLERANCE_US)
 }
 
 /// The run `row` of a job Slurm requeued, as sacct --duplicates lists it ended: the latest

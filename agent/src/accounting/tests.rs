@@ -982,9 +982,26 @@ mod reconcile_story {
                 "{what}: {actions:?}"
             );
         }
-        // Not verified yet (no Slurm start to tell its run from an earlier one): the grace.
+        // Not verified yet: closed at once when slurmctld's record, from a look taken after the
+        // run's first record, started no later than it (slurmctld lists a job's latest run);
+        // else the grace: a look older than the run (slurmctld still describing an earlier
+        // run of a requeued job), or a record that started later (a later run).
         let unpinned = [db::JobRow { slurm_start_us: None, ..inp.open[1].clone() }];
-        assert!(reconcile::plan(&Inputs { open: &unpinned, ..ends }, &said).is_empty());
+        let actions = reconcile::plan(&Inputs { open: &unpinned, ..pass }, &said);
+        assert!(matches!(&actions[..], [Action::Close { job_id: 8, exact: true, job: Some(_), .. }]), "{actions:?}");
+        let stale = SlurmState { taken_us: now - 2 * S, ..said.clone() };
+        assert!(reconcile::plan(&Inputs { open: &unpinned, ..ends }, &stale).is_empty(), "a look older than the run");
+        let mut later = said.clone();
+        later.ctld.insert(8, sj(8, Source::Slurmctld, "COMPLETED", now - S / 2, Some(now - S / 4), 1, 0));
+        let late_start = [db::JobRow { start_us: Some(now - 3 * S), ..unpinned[0].clone() }];
+        assert!(reconcile::plan(&Inputs { open: &late_start, ..ends }, &later).is_empty(), "Slurm's record of a later run");
+        // A job a look older than its first record does not list is not unverified: the look
+        // could not know it.
+        let new_job = [db::JobRow { slurm_start_us: None, ..inp.open[1].clone() }];
+        let before_it = SlurmState { taken_us: now - 2 * S, ..up.clone() };
+        let verify_new = Inputs { unverified: &new_job, open: &[], reconcile: false, ..inp };
+        assert!(reconcile::plan(&verify_new, &before_it).is_empty(), "a look taken before the job");
+        assert!(matches!(&reconcile::plan(&verify_new, &up)[..], [Action::Unverified { job_id: 8, .. }]));
         // An ingest pass closes nothing Slurm has not said ended (job 7 is gone from slurmctld,
         // sacct has no row: only a reconciliation closes it, at its last listing).
         assert!(reconcile::plan(&pass, &up).is_empty());
