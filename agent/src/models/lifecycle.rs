@@ -1340,10 +1340,7 @@ impl Shared {
                 ));
             }
             tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
-            // From 2 ms up to 10 ms during the first 30 s (small models, warm caches: every ms
-            // shows in the cold start), then up to 100 ms (a long load does not need ms).
-            let cap = if started.elapsed() < Duration::from_secs(30) { Duration::from_millis(10) } else { Duration::from_millis(100) };
-            delay = (delay * 3 / 2).min(cap);
+            delay = next_readiness_delay(delay, started.elapsed());
         }
     }
 
@@ -2349,4 +2346,33 @@ async fn still_holds_port(inst: &Instance) -> Result<(), PortLost> {
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     look().await
+}
+
+/// The wait before the next readiness probe, after waiting `delay`, `loading` into a load: from
+/// 2 ms up to 10 ms during the first 30 s (small models, warm caches: every ms shows in the
+/// cold start), then up to 100 ms (a long load does not need ms).
+fn next_readiness_delay(delay: Duration, loading: Duration) -> Duration {
+    let cap = if loading < Duration::from_secs(30) { Duration::from_millis(10) } else { Duration::from_millis(100) };
+    (delay * 3 / 2).min(cap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_is_probed_at_least_every_10_ms_in_a_loads_first_30_s() {
+        let us = Duration::from_micros;
+        // (time into the load, the wait chosen then)
+        let (mut delay, mut loading, mut waits) = (us(2_000), us(2_000), Vec::new());
+        while loading < Duration::from_secs(40) {
+            delay = next_readiness_delay(delay, loading);
+            waits.push((loading, delay));
+            loading += delay;
+        }
+        let first: Vec<Duration> = waits.iter().take(4).map(|w| w.1).collect();
+        assert_eq!(first, [us(3_000), us(4_500), us(6_750), us(10_000)], "backs off from 2 ms");
+        assert!(waits.iter().filter(|w| w.0 < Duration::from_secs(30)).all(|w| w.1 <= us(10_000)), "{waits:?}");
+        assert_eq!(waits.last().map(|w| w.1), Some(us(100_000)), "a long load is probed every 100 ms");
+    }
 }
