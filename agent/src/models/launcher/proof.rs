@@ -302,15 +302,15 @@ fn classify(uids: &[u32], uid: u32) -> PortOwner {
     }
 }
 
-/// `GPUHUB_PROOF_HOST=HOST gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm worker job on its
-/// own node as the worker account: waits (at most `secs`) until something listens on `port`,
-/// then writes `JOBID PORT ok` to `file` when every listener there is this process's uid, `JOBID
-/// PORT uid N` when another uid listens (written to `FILE.tmp` and renamed). Nothing written
-/// when nothing listened in time (the agent's load timeout then fails the load). `host` is
-/// what the agents call (the job's `.addr`): only the sockets a call there could reach count,
-/// as on the agent's own node, so another user's socket on the node's `127.0.0.1:PORT` beside
-/// a worker on the node's address neither fails the load nor sees a call. Without `host`, or
-/// when it names no address here, every socket on the port counts.
+/// `GPUHUB_PROOF_HOST=HOST gpuhub-agent worker-proof PORT JOBID FILE SECS`, run by a Slurm
+/// worker job on its own node as the worker account: waits (at most `secs`) until something
+/// listens on `port`, then writes `JOBID PORT ok` to `file` when every listener there is this
+/// process's uid, `JOBID PORT uid N` when another uid listens (written to `FILE.tmp` and
+/// renamed). Nothing written when nothing listened in time (the agent's load timeout then fails
+/// the load). `host` is what the agents call (the job's `.addr`): only the sockets a call there
+/// could reach count, as on the agent's own node, so another user's socket on the node's
+/// `127.0.0.1:PORT` beside a worker on the node's address neither fails the load nor sees a
+/// call. Without `host`, or when it names no address here, every socket on the port counts.
 pub fn prove_port(port: u16, job: &str, file: &std::path::Path, secs: u64, host: Option<&str>) -> std::io::Result<bool> {
     // SAFETY: plain syscall.
     let me = unsafe { libc::geteuid() };
