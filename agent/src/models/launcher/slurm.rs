@@ -15,7 +15,8 @@
 //! listeners is per network namespace). There the job proves its own port: once something
 //! listens on it, `gpuhub-agent worker-proof` (run by the job as the worker account, on the
 //! worker's node) writes `<model>.<jobid>.proof`, `JOBID PORT ok` when every listener on the
-//! port is the worker account, `JOBID PORT uid N` otherwise. The agent sends the worker's key
+//! port that a call to the job's address reaches (`GPUHUB_PROOF_HOST`) is the worker account,
+//! `JOBID PORT uid N` otherwise. The agent sends the worker's key
 //! (health probe, calls) only after an `ok` proof of this job and port (`read_proof`).
 
 use std::path::PathBuf;
