@@ -997,9 +997,8 @@ mod reconcile_story {
         assert!(reconcile::plan(&Inputs { open: &late_start, ..ends }, &later).is_empty(), "Slurm's record of a later run");
         // A job a look older than its first record does not list is not unverified: the look
         // could not know it.
-        let new_job = [db::JobRow { slurm_start_us: None, ..inp.open[1].clone() }];
         let before_it = SlurmState { taken_us: now - 2 * S, ..up.clone() };
-        let verify_new = Inputs { unverified: &new_job, open: &[], reconcile: false, ..inp };
+        let verify_new = Inputs { unverified: &unpinned, open: &[], reconcile: false, ..inp };
         assert!(reconcile::plan(&verify_new, &before_it).is_empty(), "a look taken before the job");
         assert!(matches!(&reconcile::plan(&verify_new, &up)[..], [Action::Unverified { job_id: 8, .. }]));
         // An ingest pass closes nothing Slurm has not said ended (job 7 is gone from slurmctld,
