@@ -122,18 +122,10 @@ url = "http://{up}"
         snap["roles"].clone()
     }
 
-    /// Polls `callers` until `name` has at least `calls` calls (usage rows are written in
-    /// batches off the request path).
-    async fn callers_at_least(&self, name: &str, calls: i64) -> Value {
-        let t = Instant::now();
-        loop {
-            let v = self.api("POST", "/v1/names/callers", Some(json!({"name": name, "since_s": 86_400}))).await.unwrap();
-            if v["report"]["calls"].as_i64().unwrap_or(0) >= calls {
-                return v;
-            }
-            assert!(t.elapsed() < Duration::from_secs(15), "callers of {name} never reached {calls}: {v}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    /// `callers` of `name`, read once: a report counts every call the gateway has answered
+    /// (it waits for the usage writer), so none of these polls.
+    async fn callers(&self, name: &str) -> Value {
+        self.api("POST", "/v1/names/callers", Some(json!({"name": name, "since_s": 86_400}))).await.unwrap()
     }
 }
 
@@ -174,8 +166,8 @@ async fn the_incident_replayed_through_the_gateway() {
     assert!(headers.get("deprecation").is_none());
     assert_eq!(agent.snapshot_roles()["ocr"], "svc-ocr");
 
-    // 2. Preflight: a dry run names the app and its user and changes nothing.
-    agent.callers_at_least("svc-ocr", 1).await;
+    // 2. Preflight, right after that call: a dry run names the app and its user and changes
+    // nothing.
     let sunset = date_in(30);
     let dry = agent
         .api("POST", "/v1/names/rename", Some(json!({"name": "svc-ocr", "to": "dots.ocr", "sunset": sunset, "dry_run": true})))
@@ -202,7 +194,8 @@ async fn the_incident_replayed_through_the_gateway() {
     assert_eq!(env["OCR_MODEL"], "dots.ocr", "{env}");
 
     // 4. Who still calls the old name: the app and its user, with the user agent.
-    let callers = agent.callers_at_least("svc-ocr", 3).await;
+    let callers = agent.callers("svc-ocr").await;
+    assert_eq!(callers["report"]["calls"], 3, "every call so far, the last one a moment ago: {callers}");
     let first = &callers["report"]["callers"][0];
     assert_eq!(
         (first["user_name"].as_str(), first["app"].as_str(), first["user_agent"].as_str()),
@@ -355,7 +348,6 @@ async fn a_role_without_a_model_answers_503_and_role_changes_rewrite_the_snapsho
     // calls: the silent 404 made visible.
     let (status, _, body) = call(agent.gateway, &key, "svc-tts").await;
     assert_eq!(status, 404, "{body}");
-    agent.callers_at_least("svc-tts", 1).await;
     let list = agent.api("GET", "/v1/names", None).await.unwrap();
     let e = list["names"].as_array().unwrap().iter().find(|n| n["name"] == "svc-tts").cloned().unwrap_or_default();
     assert_eq!((e["state"].as_str(), e["calls"].as_i64(), e["refused"].as_i64()), (Some("unknown"), Some(1), Some(1)), "{list}");

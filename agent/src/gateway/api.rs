@@ -246,6 +246,7 @@ async fn calls(State(state): State<AppState>, caller: Caller, Query(q): Query<Ca
         (_, false) => Some(caller.user.clone()),
     };
     let since_us = crate::util::now_us() - since_s.saturating_mul(1_000_000);
+    state.gateway.settle_usage().await;
     let rows = state.store.call_summary(since_us, user.as_deref()).await.map_err(store_err)?;
     Ok(Json(json!({"since_us": since_us, "user": user, "calls": rows})))
 }

@@ -174,7 +174,27 @@ impl Gateway {
             self.usage.record(row);
         }
     }
+
+    /// Waits, at most [`REPORT_SETTLE`], until every call this gateway has answered is in the
+    /// store, so that a report read right after a call counts it (`gpuhub names callers`, the
+    /// callers check of a rename or retirement, `gpuhub usage --calls`): the usage writer
+    /// otherwise lets rows gather for up to 100 ms (SQLite) before it stores them. Another
+    /// gateway's calls on the same store count once its own writer has stored them (10 ms
+    /// batches on PostgreSQL). When the store does not take the rows in time, the report counts
+    /// what is stored, and the log says so.
+    pub async fn settle_usage(&self) {
+        if tokio::time::timeout(REPORT_SETTLE, self.usage.flush()).await.is_err() {
+            tracing::warn!(
+                waiting = self.usage.health().waiting,
+                "a report was read before this gateway's latest calls reached the store (it is slow or down): they are not counted in it"
+            );
+        }
+    }
 }
+
+/// How long a report waits for this gateway's latest calls to reach the store
+/// ([`Gateway::settle_usage`]).
+pub const REPORT_SETTLE: Duration = Duration::from_secs(2);
 
 /// Longest route kept in a usage row (a path is whatever the client sent).
 pub const MAX_ROUTE: usize = 128;

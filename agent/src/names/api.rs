@@ -67,6 +67,7 @@ fn window_start(since_s: Option<i64>, default_days: u32) -> Result<i64, String> 
 }
 
 async fn list(State(state): State<AppState>) -> Response {
+    state.gateway.settle_usage().await;
     let totals = match state.store.name_totals().await {
         Ok(t) => t,
         Err(e) => return store_err(e),
@@ -109,6 +110,7 @@ async fn callers(State(state): State<AppState>, caller: Caller, Json(req): Json<
         Ok(s) => s,
         Err(m) => return err(StatusCode::UNPROCESSABLE_ENTITY, m),
     };
+    state.gateway.settle_usage().await;
     let mut rows = match state.store.name_callers(&req.name, since_us).await {
         Ok(r) => r,
         Err(e) => return store_err(e),
@@ -186,10 +188,13 @@ async fn change(state: AppState, caller: Caller, req: ChangeReq, kind: Change) -
     };
     let report = match kind {
         Change::RoleSet | Change::RoleUnset => CallersReport::build(&req.name, since_us, Vec::new(), 0),
-        _ => match state.store.name_callers(&req.name, since_us).await {
-            Ok(rows) => CallersReport::build(&req.name, since_us, rows, 50),
-            Err(e) => return store_err(e),
-        },
+        _ => {
+            state.gateway.settle_usage().await;
+            match state.store.name_callers(&req.name, since_us).await {
+                Ok(rows) => CallersReport::build(&req.name, since_us, rows, 50),
+                Err(e) => return store_err(e),
+            }
+        }
     };
     let today = super::today();
     let catalog = names.catalog();
