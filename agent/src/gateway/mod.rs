@@ -178,12 +178,13 @@ impl Gateway {
     /// Waits, at most [`REPORT_SETTLE`], until every call this gateway has answered is in the
     /// store, so that a report read right after a call counts it (`gpuhub names callers`, the
     /// callers check of a rename or retirement, `gpuhub usage --calls`): the usage writer
-    /// otherwise lets rows gather for up to 100 ms (SQLite) before it stores them. Another
+    /// otherwise lets rows gather for up to 100 ms (SQLite) before it stores them. Cheap enough
+    /// for every report, whoever asks ([`UsageLog::settle`]: no journal rotation). Another
     /// gateway's calls on the same store count once its own writer has stored them (10 ms
     /// batches on PostgreSQL). When the store does not take the rows in time, the report counts
     /// what is stored, and the log says so.
     pub async fn settle_usage(&self) {
-        if tokio::time::timeout(REPORT_SETTLE, self.usage.flush()).await.is_err() {
+        if tokio::time::timeout(REPORT_SETTLE, self.usage.settle()).await.is_err() {
             tracing::warn!(
                 waiting = self.usage.health().waiting,
                 "a report was read before this gateway's latest calls reached the store (it is slow or down): they are not counted in it"

@@ -164,8 +164,21 @@ impl UsageSource {
 
 enum Msg {
     Row(Box<UsageRow>),
+    /// Answered once every row recorded before it is stored, those only the journal holds too
+    /// (it rotates the segment): [`UsageLog::flush`].
     Flush(oneshot::Sender<()>),
+    /// Answered once the rows queued before it are stored, without a rotation:
+    /// [`UsageLog::settle`].
+    Settle(oneshot::Sender<()>),
     Close,
+}
+
+/// Someone waiting for the writer's next pass to store what it holds.
+struct Waiter {
+    tx: oneshot::Sender<()>,
+    /// A [`Msg::Flush`]: the pass rotates the segment, so the rows that only the journal holds
+    /// are stored too.
+    journal: bool,
 }
 
 struct Segment {
@@ -454,6 +467,17 @@ impl UsageLog {
         }
     }
 
+    /// Waits until the rows queued so far are in the store, so that a report read right after
+    /// a call counts it: what the writer holds is written at once, without the segment
+    /// rotation of [`Self::flush`], so any report may ask on every read. Rows that only the
+    /// journal holds (the queue was full: the store is slow or down) are not waited for.
+    pub async fn settle(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Msg::Settle(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
     /// Writes what is queued and stops the writer. Rows the store could not take within the
     /// deadline stay in the journal for the next start.
     pub async fn close(&self) {
@@ -646,7 +670,7 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
     }
     let linger = linger(w.store.backend());
     let mut batch: Vec<UsageRow> = Vec::with_capacity(BATCH);
-    let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
+    let mut waiters: Vec<Waiter> = Vec::new();
     let mut closing = false;
     loop {
         match tokio::time::timeout(TICK, rx.recv()).await {
@@ -679,14 +703,14 @@ async fn writer(inner: Arc<Inner>, mut rx: mpsc::Receiver<Msg>, store: Store, ol
         w.conn.release_if_idle().await;
         let rotate = {
             let seg = lock(&inner.segment);
-            closing || (seg.rows > 0 && (!waiters.is_empty() || seg.opened.elapsed() >= ROTATE_AFTER))
+            closing || (seg.rows > 0 && (waiters.iter().any(|w| w.journal) || seg.opened.elapsed() >= ROTATE_AFTER))
         };
         if rotate {
             let last = closing;
             rotate_segment(&mut w, &mut rx, &mut waiters, &mut closing, last).await;
         }
-        for tx in waiters.drain(..) {
-            let _ = tx.send(());
+        for w in waiters.drain(..) {
+            let _ = w.tx.send(());
         }
         if closing {
             break;
@@ -735,22 +759,17 @@ fn count_lines(path: &Path) -> u64 {
     }
 }
 
-fn take(m: Msg, batch: &mut Vec<UsageRow>, waiters: &mut Vec<oneshot::Sender<()>>, closing: &mut bool) {
+fn take(m: Msg, batch: &mut Vec<UsageRow>, waiters: &mut Vec<Waiter>, closing: &mut bool) {
     match m {
         Msg::Row(r) => batch.push(*r),
-        Msg::Flush(tx) => waiters.push(tx),
+        Msg::Flush(tx) => waiters.push(Waiter { tx, journal: true }),
+        Msg::Settle(tx) => waiters.push(Waiter { tx, journal: false }),
         Msg::Close => *closing = true,
     }
 }
 
 /// Starts a new segment, makes sure every row of the old one is stored, then deletes it.
-async fn rotate_segment(
-    w: &mut Writer,
-    rx: &mut mpsc::Receiver<Msg>,
-    waiters: &mut Vec<oneshot::Sender<()>>,
-    closing: &mut bool,
-    last: bool,
-) {
+async fn rotate_segment(w: &mut Writer, rx: &mut mpsc::Receiver<Msg>, waiters: &mut Vec<Waiter>, closing: &mut bool, last: bool) {
     let inner = w.inner.clone();
     // Only this task rotates, so the number is stable; the file is created and the old one
     // unmapped and truncated outside the lock (calls keep appending meanwhile), on a thread at
@@ -837,6 +856,33 @@ mod tests {
             assert_eq!(log.health().waiting, 0, "every row, spilled ones included, is stored");
             log.close().await;
             assert_eq!(journal::list(&dir.path().join("usage-journal")).unwrap().len(), 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn settle_stores_what_is_queued_at_once_without_rotating_the_journal() {
+        for (store, _d) in testing::stores().await {
+            let dir = tempfile::tempdir().unwrap();
+            let jdir = dir.path().join("usage-journal");
+            let log = UsageLog::start(dir.path(), store.clone(), 100, &mut Registry::default()).unwrap();
+            let seq = || journal::list(&jdir).unwrap().iter().map(|(s, _)| *s).max().unwrap_or(0);
+            let (t, first) = (Instant::now(), seq());
+            for i in 0..20 {
+                log.record(row(i));
+                log.settle().await;
+                assert_eq!(store.usage_row_count().await.unwrap(), i as i64 + 1, "{:?}: a settled row is stored", store.backend());
+            }
+            // Only the rotations due by time (one per ROTATE_AFTER with rows), not one per settle.
+            let by_time = t.elapsed().as_secs_f64() / ROTATE_AFTER.as_secs_f64();
+            let rotated = (seq() - first) as f64;
+            assert!(rotated <= by_time.ceil() + 1.0, "{:?}: {rotated} rotations for 20 settles in {:?}", store.backend(), t.elapsed());
+            let (t, first) = (Instant::now(), seq());
+            for i in 20..25 {
+                log.record(row(i));
+                log.flush().await;
+            }
+            assert_eq!(seq() - first, 5, "{:?}: every flush rotates ({:?})", store.backend(), t.elapsed());
+            log.close().await;
         }
     }
 
