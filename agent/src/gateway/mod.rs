@@ -175,8 +175,9 @@ impl Gateway {
         }
     }
 
-    /// Waits, at most [`REPORT_SETTLE`], until every call this gateway has answered is in the
-    /// store, so that a report read right after a call counts it (`gpuhub names callers`, the
+    /// Waits, at most [`REPORT_SETTLE`], until the calls this gateway has answered are in the
+    /// store (those its writer holds: all of them unless the store is slow or down), so that a
+    /// report read right after a call counts it (`gpuhub names callers`, the
     /// callers check of a rename or retirement, `gpuhub usage --calls`): the usage writer
     /// otherwise lets rows gather for up to 100 ms (SQLite) before it stores them. Cheap enough
     /// for every report, whoever asks ([`UsageLog::settle`]: no journal rotation). Another
