@@ -461,10 +461,7 @@ impl UsageLog {
 
     /// Waits until every row recorded so far is in the store (tests, shutdown).
     pub async fn flush(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(Msg::Flush(tx)).await.is_ok() {
-            let _ = rx.await;
-        }
+        self.wait_for(Msg::Flush).await;
     }
 
     /// Waits until the rows queued so far are in the store, so that a report read right after
@@ -472,8 +469,13 @@ impl UsageLog {
     /// rotation of [`Self::flush`], so any report may ask on every read. Rows that only the
     /// journal holds (the queue was full: the store is slow or down) are not waited for.
     pub async fn settle(&self) {
+        self.wait_for(Msg::Settle).await;
+    }
+
+    /// Sends the writer `msg` and waits for its answer (none once the writer has stopped).
+    async fn wait_for(&self, msg: fn(oneshot::Sender<()>) -> Msg) {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send(Msg::Settle(tx)).await.is_ok() {
+        if self.tx.send(msg(tx)).await.is_ok() {
             let _ = rx.await;
         }
     }
