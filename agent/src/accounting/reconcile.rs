@@ -380,7 +380,19 @@ pub fn plan(inp: &Inputs<'_>, st: &SlurmState) -> Vec<Action> {
                 // Slurm describes another run (requeued: running or ended on another node):
                 // this run is verified by its own line of sacct --duplicates when it has one.
                 let nodes = nodes_of(row);
-                let j = if is_this_run(j, row, &nodes) { j } else { ended_run(st, id, row, &nodes).unwrap_or(j) };
+                let j = if is_this_run(j, row, &nodes) {
+                    j
+                } else if let Some(run) = ended_run(st, id, row, &nodes) {
+                    run
+                } else if st.acct_ok && !j.on_any(&nodes) {
+                    // A run on other nodes, and sacct answers: this run's own line is awaited
+                    // (slurmdbd may list it a look after the requeue). Taking the later run's
+                    // record for it would close this run at the later run's end when the two
+                    // started within TIME_TOLERANCE_US of each other.
+                    continue;
+                } else {
+                    j
+                };
                 let alloc = j.alloc_on(&nodes).unwrap_or(Alloc { gpus: 0, shards: 0, indices: None });
                 out.push(Action::Verify { node: row.node.clone(), job_id: id, run: row.run, job: j.clone(), alloc });
             }

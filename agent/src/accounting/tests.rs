@@ -903,6 +903,40 @@ mod reconcile_story {
     }
 
     #[test]
+    fn a_run_requeued_to_another_node_at_once_is_verified_by_its_own_line_only() {
+        let nodes: BTreeSet<String> = ["gpu01".to_string()].into();
+        let now = 1_000_000 * S;
+        let mut row = db::JobRow::new("gpu01", 9, 1001, "u", now - 14 * S);
+        row.start_us = Some(now - 14 * S);
+        let unverified = [row];
+        let none = BTreeMap::new();
+        let inp = Inputs {
+            nodes: &nodes,
+            default_node: "gpu01",
+            unverified: &unverified,
+            open: &[],
+            known: &BTreeMap::new(),
+            watch_since_us: 0,
+            last_listed: &none,
+            reconcile: false,
+            grace_us: 5 * S,
+            close_ended: false,
+        };
+        // Requeued: slurmctld lists it running on gpu02 since 2 s after this run began (within
+        // TIME_TOLERANCE_US), and sacct --duplicates does not list this run yet.
+        let mut st = SlurmState { taken_us: now, ctld_ok: true, acct_ok: true, ..SlurmState::default() };
+        st.ctld.insert(9, SlurmJob { node_list: "gpu02".into(), ..sj(9, Source::Slurmctld, "RUNNING", now - 12 * S, None, 1, 0) });
+        assert!(reconcile::plan(&inp, &st).is_empty(), "not verified from the later run on gpu02");
+        // Its own line, once sacct lists it.
+        st.ended_runs.insert(9, vec![sj(9, Source::Sacct, "REQUEUED", now - 14 * S, Some(now - 12 * S), 1, 0)]);
+        let actions = reconcile::plan(&inp, &st);
+        assert!(matches!(&actions[..], [Action::Verify { job_id: 9, job, .. }] if job.end_us == Some(now - 12 * S)), "{actions:?}");
+        // Without slurmdbd (sacct does not answer) slurmctld's line is all there is.
+        let no_acct = SlurmState { acct_ok: false, ended_runs: BTreeMap::new(), ..st };
+        assert!(matches!(&reconcile::plan(&inp, &no_acct)[..], [Action::Verify { job_id: 9, .. }]));
+    }
+
+    #[test]
     fn plan_closes_nothing_it_cannot_know() {
         let nodes: BTreeSet<String> = ["gpu01".to_string()].into();
         let now = 1_000_000 * S;
